@@ -1,0 +1,1 @@
+"""cli: the ``vfab`` command (click). One module per group of subcommands."""

@@ -1,0 +1,3 @@
+from vfab.cli.main import main
+
+main()

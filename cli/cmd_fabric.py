@@ -1,0 +1,152 @@
+"""Fabric life cycle and health: ``up``, ``down``, ``status``, ``exec``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import click
+
+from vfab.cli.common import STATE_DIR, STATE_FILE, errors, pass_ctx, read_state, table
+from vfab.testbed.net import TopoSpec
+from vfab.vid import schema
+from vfab.vid.errors import RegistryError, VidError
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+def _topo(ctx, param, value):
+    try:
+        TopoSpec.parse(value)
+    except Exception as exc:
+        raise click.BadParameter(str(exc)) from None
+    return value
+
+
+@click.command("up")
+@click.option("--topo", default="line,2,3", show_default=True, callback=_topo,
+              help="Mininet fabric: single,N | line,S,H | tree,S,H (S switches, H hosts each).")
+@click.option("--timeout", type=float, default=90, show_default=True, help="Seconds to wait for it.")
+def up(topo: str, timeout: float) -> None:
+    """Start a local fabric: etcd, Open vSwitch, the controller and a Mininet net.
+
+    Everything runs in the background until 'vfab down'. Hosts are named vfh1,
+    vfh2, ...; run programs in them with 'vfab exec HOST -- CMD'.
+    """
+    state = read_state()
+    if state and _alive(state["pid"]):
+        raise click.ClickException(f"a fabric is already up (pid {state['pid']}, etcd {state['etcd']}): "
+                                   "'vfab down' first")
+    if os.geteuid() != 0:
+        raise click.ClickException("vfab up needs root (network namespaces, Open vSwitch): run it with sudo")
+    os.makedirs(STATE_DIR, exist_ok=True)
+    log = open(os.path.join(STATE_DIR, "fabric.log"), "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "vfab.testbed.daemon", "--topo", topo,
+                             "--state-file", STATE_FILE], stdout=log, stderr=log, start_new_session=True)
+    t0 = time.monotonic()
+    with click.progressbar(length=int(timeout), label=f"starting fabric {topo}", show_eta=False) as bar:
+        while read_state() is None:
+            if proc.poll() is not None:
+                raise click.ClickException(f"the fabric did not start (exit {proc.returncode}); "
+                                           f"see {STATE_DIR}/fabric.log")
+            if time.monotonic() - t0 > timeout:
+                os.kill(proc.pid, signal.SIGTERM)
+                raise click.ClickException(f"the fabric did not come up in {timeout:.0f} s; "
+                                           f"see {STATE_DIR}/fabric.log")
+            time.sleep(0.2)
+            bar.update(int(time.monotonic() - t0) - bar.pos)
+    state = read_state()
+    click.echo(f"fabric up in {time.monotonic() - t0:.1f} s: etcd {state['etcd']}, "
+               f"{len(state['switches'])} switches, hosts {', '.join(state['hosts'])}")
+
+
+@click.command("down")
+@click.option("--timeout", type=float, default=60, show_default=True, help="Seconds to wait for it.")
+def down(timeout: float) -> None:
+    """Stop the fabric 'vfab up' started (by its PID) and remove what it created."""
+    state = read_state()
+    if not state or not _alive(state["pid"]):
+        click.echo("no fabric is up")
+        return
+    os.kill(state["pid"], signal.SIGTERM)
+    t0 = time.monotonic()
+    while _alive(state["pid"]) and time.monotonic() - t0 < timeout:
+        time.sleep(0.2)
+    if _alive(state["pid"]):
+        raise click.ClickException(f"fabric pid {state['pid']} still running after {timeout:.0f} s")
+    click.echo(f"fabric down ({time.monotonic() - t0:.1f} s)")
+
+
+@click.command("exec", context_settings={"ignore_unknown_options": True})
+@click.argument("host")
+@click.argument("cmd", nargs=-1, type=click.UNPROCESSED, required=True)
+def exec_(host: str, cmd: tuple[str, ...]) -> None:
+    """Run CMD inside Mininet host HOST of the fabric 'vfab up' started."""
+    state = read_state()
+    if not state:
+        raise click.ClickException("no fabric is up: 'vfab up' first")
+    if host not in state["hosts"]:
+        raise click.BadParameter(f"no host {host!r} (hosts: {', '.join(state['hosts'])})", param_hint="HOST")
+    pid = state["hosts"][host]["pid"]
+    os.execvp("mnexec", ["mnexec", "-a", str(pid), *cmd])
+
+
+@click.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_ctx
+@errors
+def status(c, as_json: bool) -> None:
+    """Health of the fabric: etcd, controller, switches (applied revision), services and ranges."""
+    state = read_state()
+    reg = c.registry
+    try:
+        rev, _ = reg.get_prefix(schema.ROOT + "switches/")
+    except RegistryError as exc:
+        raise click.ClickException(str(exc)) from None
+    applied = reg.applied()
+    switches = reg.switches()
+    services = []
+    for s in reg.services():
+        rs = [r for r, _ in reg.ranges(s.name)]
+        eps = reg.endpoints(s.name)
+        services.append({"name": s.name, "id": s.id, "ranges": len(rs),
+                         "unassigned": sum(1 for r in rs if not r.owner),
+                         "endpoints": [e.name for e in eps],
+                         "orphaned": sorted({r.owner for r in rs if r.owner and r.owner not in {e.name for e in eps}})})
+    out = {
+        "etcd": {"endpoint": reg.endpoint, "revision": rev},
+        "controller": None,
+        "switches": [{"name": s.name, "dpid": f"{s.dpid:016x}",
+                      "applied": applied[s.dpid].revision if s.dpid in applied else None,
+                      "flows": applied[s.dpid].flows if s.dpid in applied else None,
+                      "age_s": round(time.time() - applied[s.dpid].at, 1) if s.dpid in applied else None}
+                     for s in switches],
+        "services": services,
+    }
+    if state:
+        out["controller"] = {"pid": state["controller"]["pid"], "alive": _alive(state["controller"]["pid"]),
+                             "port": state["controller"]["port"]}
+    if as_json:
+        click.echo(json.dumps(out, indent=1))
+        return
+    ctl = out["controller"]
+    click.echo(f"etcd {reg.endpoint} at revision {rev}; controller: "
+               + (f"pid {ctl['pid']} {'running' if ctl['alive'] else 'DOWN'}" if ctl else "not started by 'vfab up'"))
+    c.console.print(table("switches", ["name", "dpid", "applied revision", "flows"],
+                          [[s["name"], s["dpid"], s["applied"] or "-", s["flows"] or "-"] for s in out["switches"]]))
+    c.console.print(table("services", ["name", "id", "ranges", "unassigned", "endpoints", "owners down"],
+                          [[s["name"], s["id"], s["ranges"], s["unassigned"], ", ".join(s["endpoints"]) or "-",
+                            ", ".join(s["orphaned"]) or "-"] for s in services]))
+
+
+COMMANDS = [up, down, exec_, status]

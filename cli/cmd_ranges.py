@@ -1,0 +1,141 @@
+"""Services and ranges: ``services``, ``service add|del``, ``ranges``, ``resolve``, ``route``."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from vfab.cli.common import KEY, RANGE, NameType, errors, pass_ctx, table
+from vfab.vid import codec, schema
+
+
+def _counters(reg) -> dict[str, list[int]]:
+    """Packets/bytes per 'serviceid/lo' summed over switches (published by the controller)."""
+    _, items = reg.get_prefix(schema.ROOT + "counters/")
+    out: dict[str, list[int]] = {}
+    for _, (raw, _) in items.items():
+        try:
+            for name, (pk, by) in json.loads(raw)["counters"].items():
+                acc = out.setdefault(name, [0, 0])
+                acc[0] += pk
+                acc[1] += by
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+@click.command("services")
+@pass_ctx
+@errors
+def services(c) -> None:
+    """List services with their id, VID layout, ranges and live endpoints."""
+    reg = c.registry
+    rows = []
+    for s in reg.services():
+        rows.append([s.name, s.id, s.layout, len(reg.ranges(s.name)),
+                     ", ".join(e.name for e in reg.endpoints(s.name)) or "-"])
+    c.console.print(table("services", ["name", "id", "layout", "ranges", "endpoints"], rows))
+
+
+@click.group("service")
+def service() -> None:
+    """Create or delete a service."""
+
+
+@service.command("add")
+@click.argument("name", type=NameType("service"))
+@click.option("--layout", type=click.Choice(["prefix", "suffix"]), default="prefix", show_default=True,
+              help="Where the service id sits in the VID (DESIGN.md §2).")
+@click.option("--id", "sid", type=click.IntRange(1, codec.SERVICE_MAX), help="Ask for this service id.")
+@pass_ctx
+@errors
+def service_add(c, name: str, layout: str, sid: int | None) -> None:
+    """Register service NAME; all its keys start in one unassigned range."""
+    s = c.registry.create_service(name, layout, sid)
+    click.echo(f"service {s.name}: id {s.id}, {s.layout} layout, VIDs {codec.encode(s.id, 0, layout=codec.Layout(s.layout))}..")
+
+
+@service.command("del")
+@click.argument("name", type=NameType("service"))
+@pass_ctx
+@errors
+def service_del(c, name: str) -> None:
+    """Delete service NAME with its ranges and endpoint records."""
+    c.registry.delete_service(name)
+    click.echo(f"service {name}: deleted")
+
+
+@click.command("ranges")
+@click.argument("service", type=NameType("service"))
+@pass_ctx
+@errors
+def ranges(c, service: str) -> None:
+    """Show SERVICE's range map: owner, mirrors, helpers, epoch and traffic per range."""
+    reg = c.registry
+    svc = reg.service(service)
+    live = {e.name for e in reg.endpoints(service)}
+    counts = _counters(reg)
+    rows = []
+    for r, _ in reg.ranges(service):
+        owner = r.owner or "-"
+        if r.owner and r.owner not in live:
+            owner += " (down)"
+        pk = counts.get(f"{svc.id}/{r.lo:06x}", [0, 0])[0]
+        rows.append([f"{r.lo:#08x}", f"{r.hi:#08x}", owner, ",".join(r.mirrors) or "-",
+                     ",".join(r.helpers) or "-", r.epoch, r.state, pk])
+    c.console.print(table(f"ranges of {service} (id {svc.id})",
+                          ["lo", "hi", "owner", "mirrors", "helpers", "epoch", "state", "packets"], rows))
+
+
+@click.command("resolve")
+@click.argument("service", type=NameType("service"))
+@click.argument("key", type=KEY)
+@pass_ctx
+@errors
+def resolve(c, service: str, key: int) -> None:
+    """Print the VID of KEY in SERVICE and who owns it now."""
+    reg = c.registry
+    svc = reg.service(service)
+    vid = codec.encode(svc.id, key, layout=codec.Layout(svc.layout))
+    rec = reg.owner_of(service, key)
+    where = "unassigned"
+    if rec.owner:
+        eps = {e.name: e for e in reg.endpoints(service)}
+        ep = eps.get(rec.owner)
+        where = f"{rec.owner} ({ep.mac})" if ep else f"{rec.owner} (down: no live endpoint)"
+    click.echo(f"{service} key {key:#08x} -> VID {vid} -> {where} [range {rec.lo:#08x}-{rec.hi:#08x}, epoch {rec.epoch}]")
+
+
+@click.command("route")
+@click.argument("service", type=NameType("service"))
+@click.argument("keys", metavar="LO-HI", type=RANGE)
+@click.option("--to", "owner", required=True, type=NameType("endpoint"),
+              help="Endpoint that owns the range afterwards (no state moves with it).")
+@click.option("--epoch", type=int, default=None,
+              help="Only if the range is still at this epoch (as 'vfab ranges' showed); else fail.")
+@click.option("--wait/--no-wait", default=True, show_default=True,
+              help="Wait until every switch has applied the change.")
+@click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds to wait.")
+@pass_ctx
+@errors
+def route(c, service: str, keys, owner: str, epoch: int | None, wait: bool, timeout: float) -> None:
+    """Reassign keys LO-HI of SERVICE to endpoint --to, in one epoch-checked transaction.
+
+    Example: vfab route echo 0-0x7fffff --to s2
+    """
+    reg = c.registry
+    live = {e.name for e in reg.endpoints(service)}
+    if owner not in live:
+        known = ", ".join(sorted(live)) or "none"
+        raise click.BadParameter(f"endpoint {owner!r} of {service!r} is not live (live: {known})",
+                                 param_hint="--to")
+    rev = reg.assign(service, keys, owner, expect_epoch=epoch)
+    msg = f"{service} {keys} -> {owner} (etcd revision {rev})"
+    if wait:
+        took = reg.wait_applied(rev, timeout=timeout)
+        msg += f"; applied on all switches in {took * 1e3:.1f} ms"
+    click.echo(msg)
+
+
+COMMANDS = [services, service, ranges, resolve, route]

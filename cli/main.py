@@ -1,0 +1,40 @@
+"""vfab — a layer-2 virtual-endpoint elastic services fabric.
+
+Services are reached through VIDs (MAC addresses that name a service and a
+24-bit key); the controller routes each key range to whichever endpoint owns
+it now.  Start a local fabric with 'vfab up', inspect it with 'vfab status',
+'vfab ranges SERVICE' and 'vfab flows', move a range with 'vfab route'.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from vfab.cli import cmd_fabric, cmd_flows, cmd_ranges
+from vfab.cli.common import Ctx
+
+
+@click.group(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--etcd", envvar="VFAB_ETCD", metavar="HOST:PORT",
+              help="etcd member holding the fabric (default: the one 'vfab up' started, else 127.0.0.1:2379).")
+@click.option("-v", "--verbose", is_flag=True, help="Log what vfab does (to stderr).")
+@click.pass_context
+def cli(ctx: click.Context, etcd: str | None, verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    ctx.obj = Ctx(etcd)
+
+
+for module in (cmd_fabric, cmd_ranges, cmd_flows):
+    for command in module.COMMANDS:
+        cli.add_command(command)
+
+
+def main() -> None:
+    cli(prog_name="vfab")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""controller: the os-ken route controller (etcd → compiled flows → atomic bundles)."""

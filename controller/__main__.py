@@ -1,0 +1,3 @@
+from vfab.controller.main import main
+
+main()

@@ -1,0 +1,1 @@
+"""fabric: Open vSwitch side — OVSDB bridges/ports, the flow compiler, flow specs."""

@@ -1,0 +1,136 @@
+"""Flow compiler: range map + endpoints + topology → per-switch flows and groups.
+
+Pure function of a ``FabricState`` (DESIGN.md §3): no I/O, no clock.
+
+table 0 (admit): a registered host port may source its own MAC and the VIDs its
+endpoints own (priority 300); anything else from it is dropped and counted
+(200).  Trunk ports are trusted (300).  Front doors sit at 400.  Unregistered
+ports go on to table 1 (priority 0).
+
+table 1 (route): one masked ``eth_dst`` match per range block (1000) → the
+owner's port with ``eth_dst`` rewritten to its MAC on the last hop (for
+``rx=ovs`` endpoints), or the next hop towards it; mirrors → group ``all``;
+helpers → group ``select``.  Known host MACs (500) → their port.  VIDs of no
+live range (10) → the miss policy.  Everything else (0) → NORMAL.
+"""
+
+from __future__ import annotations
+
+from vfab.fabric import frontdoor
+from vfab.fabric.flows import (TABLE_ADMIT, TABLE_ROUTE, Bucket, FlowSpec, GroupSpec, Kind,
+                               SwitchConfig, make_cookie, match)
+from vfab.fabric.state import FabricState
+from vfab.fabric.topology import next_hops
+from vfab.vid import codec
+from vfab.vid.ranges import Range, to_masks
+
+PRIO_FRONTDOOR = 400
+PRIO_ADMIT = 300
+PRIO_DENY = 200
+PRIO_VID = 1000
+PRIO_HOST = 500
+PRIO_MISS = 10
+PRIO_BASE = 0
+GROUP_BASE = 1
+
+
+def _deliver(sw: int, ep_hosts: list, hops: dict) -> list[tuple]:
+    """Distinct action lists reaching each (endpoint, host) from switch sw."""
+    outs: dict[tuple, None] = {}
+    for ep, host in ep_hosts:
+        if host.dpid == sw:
+            acts = (("output", host.port),) if ep.rx != "ovs" else (
+                ("set_eth_dst", codec.mac_to_int(ep.mac)), ("output", host.port))
+        elif (sw, host.dpid) in hops:
+            acts = (("output", hops[(sw, host.dpid)]),)
+        else:
+            continue
+        outs[acts] = None
+    return list(outs)
+
+
+def compile_fabric(st: FabricState) -> dict[int, SwitchConfig]:
+    dpids = sorted(st.switches)
+    hops = next_hops(dpids, [(lk.dpid, lk.port, lk.peer_dpid, lk.peer_port) for lk in st.links])
+    trunks = {(lk.dpid, lk.port) for lk in st.links}
+    out = {d: SwitchConfig(d) for d in dpids}
+
+    def live(service: str, name: str):
+        ep = st.endpoints.get((service, name))
+        host = st.hosts.get(ep.mac) if ep else None
+        return (ep, host) if host else None
+
+    for cfg in out.values():
+        cfg.add(FlowSpec(TABLE_ADMIT, PRIO_BASE, match(), (("goto", TABLE_ROUTE),), make_cookie(Kind.BASE)))
+        cfg.add(FlowSpec(TABLE_ROUTE, PRIO_BASE, match(), (("normal",),), make_cookie(Kind.BASE)))
+        miss = {"drop": (), "controller": (("controller",),), "flood": (("flood",),)}[st.miss]
+        cfg.add(FlowSpec(TABLE_ROUTE, PRIO_MISS, match(eth_dst=codec.ANY_VID), miss,
+                         make_cookie(Kind.VID_MISS)))
+    for dpid, port in trunks:
+        if dpid in out:
+            out[dpid].add(FlowSpec(TABLE_ADMIT, PRIO_ADMIT, match(in_port=port),
+                                   (("goto", TABLE_ROUTE),), make_cookie(Kind.ADMIT, lo=port)))
+
+    # Host ports: own MAC in, everything else not owned dropped; host MAC routes everywhere.
+    for mac, host in st.hosts.items():
+        mac_i = codec.mac_to_int(mac)
+        if host.dpid in out:
+            cfg = out[host.dpid]
+            cfg.add(FlowSpec(TABLE_ADMIT, PRIO_ADMIT, match(in_port=host.port, eth_src=mac_i),
+                             (("goto", TABLE_ROUTE),), make_cookie(Kind.ADMIT, lo=host.port)))
+            cfg.add(FlowSpec(TABLE_ADMIT, PRIO_DENY, match(in_port=host.port), (),
+                             make_cookie(Kind.DENY, lo=host.port)))
+        for sw, cfg in out.items():
+            if sw == host.dpid:
+                acts = (("output", host.port),)
+            elif (sw, host.dpid) in hops:
+                acts = (("output", hops[(sw, host.dpid)]),)
+            else:
+                continue
+            cfg.add(FlowSpec(TABLE_ROUTE, PRIO_HOST, match(eth_dst=mac_i), acts,
+                             make_cookie(Kind.HOST_ROUTE)))
+
+    next_group = {d: GROUP_BASE for d in dpids}
+    for sname, svc in sorted(st.services.items()):
+        layout = codec.Layout.parse(svc.layout)
+        for rec in st.ranges.get(sname, []):
+            if not rec.owner or rec.state == "unassigned":
+                continue
+            cookie = make_cookie(Kind.VID_ROUTE, svc.id, rec.lo, rec.epoch)
+            blocks = [codec.block_match(svc.id, v, m, layout=layout) for v, m in to_masks(Range(rec.lo, rec.hi))]
+            owner = live(sname, rec.owner)
+            helpers = [h for h in (live(sname, n) for n in rec.helpers) if h]
+            mirrors = [m for m in (live(sname, n) for n in rec.mirrors) if m]
+            # Sources: the owner's (and mirrors', helpers') host port may send from these VIDs.
+            for ep_host in [owner, *mirrors, *helpers]:
+                if ep_host and ep_host[1].dpid in out:
+                    for v, m in blocks:
+                        out[ep_host[1].dpid].add(FlowSpec(
+                            TABLE_ADMIT, PRIO_ADMIT, match(in_port=ep_host[1].port, eth_src=(v, m)),
+                            (("goto", TABLE_ROUTE),), cookie))
+            for sw, cfg in out.items():
+                if helpers:
+                    targets, gtype = helpers, "select"
+                elif owner:
+                    targets, gtype = [owner, *mirrors], "all"
+                else:
+                    continue
+                outs = _deliver(sw, targets, hops)
+                if not outs:
+                    continue
+                if len(outs) == 1:
+                    acts = outs[0]
+                else:
+                    gid = next_group[sw]
+                    next_group[sw] += 1
+                    cfg.groups[gid] = GroupSpec(gid, gtype, tuple(Bucket(1, a) for a in outs))
+                    acts = (("group", gid),)
+                for v, m in blocks:
+                    cfg.add(FlowSpec(TABLE_ROUTE, PRIO_VID, match(eth_dst=(v, m)), acts, cookie))
+        for name in getattr(svc, "frontdoors", []) or []:
+            door = frontdoor.REGISTRY.get(name)
+            if door:
+                for sw, cfg in out.items():
+                    for flow in door(state=st, service=svc, dpid=sw, hops=hops):
+                        cfg.add(flow)
+    return out

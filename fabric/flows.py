@@ -1,0 +1,101 @@
+"""Switch-neutral flow and group specs: what the compiler emits and the controller installs.
+
+A ``FlowSpec`` is identified on a switch by ``(table, priority, match)``; its
+``cookie`` names what it is for::
+
+    bits 63..56  kind      (Kind below)
+    bits 55..40  service id (0 for fabric-wide flows)
+    bits 39..16  range lo   (or port number for port-security drops)
+    bits 15..0   epoch      (low 16 bits of the range's epoch)
+
+Matches are tuples of ``(field, value, mask|None)`` sorted by field, values as
+ints (MACs as 48-bit ints); a mask equal to all ones is dropped and the value
+is pre-masked, so two equal matches compare equal however they were written.
+Actions are tuples: ``("output", port)``, ``("set_eth_dst", mac_int)``,
+``("group", gid)``, ``("goto", table)``, ``("normal",)``, ``("controller",)``,
+``("flood",)``; an empty action tuple drops.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+FIELD_BITS = {"in_port": 32, "eth_dst": 48, "eth_src": 48, "eth_type": 16, "ip_proto": 8,
+              "udp_dst": 16, "udp_src": 16}
+TABLE_ADMIT = 0
+TABLE_ROUTE = 1
+
+
+class Kind(enum.IntEnum):
+    BASE = 1        # table-miss / NORMAL
+    ADMIT = 2       # port security: allowed sources
+    DENY = 3        # port security: drop (counted)
+    FRONTDOOR = 4   # protocol → VID classifiers
+    VID_ROUTE = 5   # masked VID → owner
+    HOST_ROUTE = 6  # plain MAC → host
+    VID_MISS = 7    # VID of no live range
+
+
+def make_cookie(kind: Kind, service: int = 0, lo: int = 0, epoch: int = 0) -> int:
+    return (int(kind) << 56) | ((service & 0xFFFF) << 40) | ((lo & 0xFFFFFF) << 16) | (epoch & 0xFFFF)
+
+
+def split_cookie(cookie: int) -> tuple[int, int, int, int]:
+    """(kind, service, lo, epoch)"""
+    return cookie >> 56, (cookie >> 40) & 0xFFFF, (cookie >> 16) & 0xFFFFFF, cookie & 0xFFFF
+
+
+Match = tuple[tuple[str, int, "int | None"], ...]
+
+
+def match(**fields: int | tuple[int, int]) -> Match:
+    """Canonical match from keyword fields; a tuple value is (value, mask)."""
+    out = []
+    for name, spec in fields.items():
+        if name not in FIELD_BITS:
+            raise ValueError(f"unsupported match field {name!r}")
+        full = (1 << FIELD_BITS[name]) - 1
+        value, mask = spec if isinstance(spec, tuple) else (spec, full)
+        if mask == 0:
+            continue
+        out.append((name, value & mask, None if mask == full else mask))
+    return tuple(sorted(out))
+
+
+@dataclass(frozen=True)
+class FlowSpec:
+    table: int
+    priority: int
+    match: Match
+    actions: tuple = ()
+    cookie: int = 0
+
+    @property
+    def key(self) -> tuple[int, int, Match]:
+        return (self.table, self.priority, self.match)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    weight: int
+    actions: tuple
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    group_id: int
+    type: str  # "all" | "select"
+    buckets: tuple[Bucket, ...]
+
+
+@dataclass
+class SwitchConfig:
+    """Everything one switch should hold."""
+
+    dpid: int
+    flows: dict = field(default_factory=dict)   # key -> FlowSpec
+    groups: dict = field(default_factory=dict)  # group_id -> GroupSpec
+
+    def add(self, flow: FlowSpec) -> None:
+        self.flows[flow.key] = flow

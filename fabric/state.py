@@ -1,0 +1,65 @@
+"""The fabric's desired state as read from etcd, parsed and checked once.
+
+Malformed records are skipped with a warning (an operator's typo in etcd must
+not take the controller down); ``problems`` lists them for ``vfab status``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from vfab.vid import schema
+from vfab.vid.errors import RegistryError
+
+log = logging.getLogger("vfab.state")
+
+
+@dataclass
+class FabricState:
+    services: dict = field(default_factory=dict)    # name -> Service
+    endpoints: dict = field(default_factory=dict)   # (service, name) -> Endpoint
+    ranges: dict = field(default_factory=dict)      # service -> [RangeRec] sorted by lo
+    hosts: dict = field(default_factory=dict)       # mac -> Host
+    switches: dict = field(default_factory=dict)    # dpid -> Switch
+    links: list = field(default_factory=list)       # [Link]
+    miss: str = "drop"
+    problems: list = field(default_factory=list)
+
+    @classmethod
+    def from_items(cls, items: dict[str, bytes]) -> "FabricState":
+        st = cls()
+        for key, value in sorted(items.items()):
+            parsed = schema.parse_key(key)
+            if parsed is None:
+                continue
+            top, rest = parsed
+            try:
+                if top == "config" and rest == ["miss"]:
+                    policy = value.decode()
+                    if policy not in schema.MISS_POLICIES:
+                        raise RegistryError(f"miss policy {policy!r} unknown")
+                    st.miss = policy
+                    continue
+                rec_type = schema.RECORDS.get(top)
+                if rec_type is None or top == "applied":
+                    continue
+                rec = rec_type.from_json(value, key)
+                if top == "services":
+                    st.services[rec.name] = rec
+                elif top == "endpoints":
+                    st.endpoints[(rec.service, rec.name)] = rec
+                elif top == "ranges":
+                    st.ranges.setdefault(rest[0], []).append(rec)
+                elif top == "hosts":
+                    st.hosts[rec.mac] = rec
+                elif top == "switches":
+                    st.switches[rec.dpid] = rec
+                elif top == "links":
+                    st.links.append(rec)
+            except RegistryError as exc:
+                st.problems.append(str(exc))
+                log.warning("skipping %s: %s", key, exc)
+        for recs in st.ranges.values():
+            recs.sort(key=lambda r: r.lo)
+        return st

@@ -1,0 +1,36 @@
+"""vfab: a layer-2 virtual-endpoint elastic services fabric.
+
+The one installer (DESIGN.md §1). Each top-level folder is a subpackage of
+``vfab``; ``package_dir`` maps the import names onto the fixed layout.
+"""
+
+from setuptools import setup
+
+PACKAGE_DIR = {
+    "vfab": "vfab",
+    "vfab.vid": "vid-lib",
+    "vfab.fabric": "fabric",
+    "vfab.controller": "controller",
+    "vfab.services": "services",
+    "vfab.services.echo": "services/echo",
+    "vfab.testbed": "testbed",
+    "vfab.cli": "cli",
+}
+
+setup(
+    name="vfab",
+    version="0.1.0",
+    description="Layer-2 virtual-endpoint elastic services fabric (VIDs on Open vSwitch)",
+    python_requires=">=3.11",
+    packages=list(PACKAGE_DIR),
+    package_dir=PACKAGE_DIR,
+    install_requires=[
+        "os-ken>=4.0",
+        "etcd3gw>=2.4",
+        "pyzmq>=25",
+        "click>=8.1",
+        "rich>=13",
+    ],
+    extras_require={"test": ["pytest>=8", "hypothesis>=6", "ruff>=0.5"]},
+    entry_points={"console_scripts": ["vfab=vfab.cli.main:main"]},
+)

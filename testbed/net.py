@@ -1,0 +1,108 @@
+"""Mininet fabrics on OVS userspace switches; every name carries the project's prefix.
+
+Topologies: ``single,N`` (one switch, N hosts) and ``tree,S,H`` (a core switch
+linked to S edge switches with H hosts each) and ``line,S,H`` (S switches in
+a chain, H hosts each).  Switch names ``vfbsN``, hosts ``vfhN``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from functools import partial
+
+from vfab.vid.errors import VfabError
+
+log = logging.getLogger("vfab.net")
+SWITCH_PREFIX = "vfbs"
+HOST_PREFIX = "vfh"
+
+
+class TopoError(VfabError):
+    pass
+
+
+@dataclass
+class TopoSpec:
+    switches: list[str] = field(default_factory=list)
+    hosts: list[tuple[str, str]] = field(default_factory=list)          # (host, switch)
+    links: list[tuple[str, str]] = field(default_factory=list)          # (switch, switch)
+
+    @classmethod
+    def parse(cls, text: str) -> "TopoSpec":
+        parts = text.split(",")
+        kind = parts[0]
+        try:
+            nums = [int(p) for p in parts[1:]]
+        except ValueError:
+            raise TopoError(f"topology {text!r} is malformed: use single,N | line,S,H | tree,S,H") from None
+        spec = cls()
+        if kind == "single" and len(nums) == 1 and 1 <= nums[0] <= 500:
+            spec.switches = [f"{SWITCH_PREFIX}1"]
+            spec.hosts = [(f"{HOST_PREFIX}{i + 1}", spec.switches[0]) for i in range(nums[0])]
+        elif kind in ("line", "tree") and len(nums) == 2 and 1 <= nums[0] <= 16 and 1 <= nums[1] <= 200:
+            s, h = nums
+            edges = [f"{SWITCH_PREFIX}{i + 1}" for i in range(s)]
+            if kind == "line":
+                spec.switches = edges
+                spec.links = [(edges[i], edges[i + 1]) for i in range(s - 1)]
+            else:
+                core = f"{SWITCH_PREFIX}{s + 1}"
+                spec.switches = edges + [core]
+                spec.links = [(e, core) for e in edges]
+            n = 0
+            for e in edges:
+                for _ in range(h):
+                    n += 1
+                    spec.hosts.append((f"{HOST_PREFIX}{n}", e))
+        else:
+            raise TopoError(
+                f"topology {text!r} is not supported: use single,N (N<=500), line,S,H or tree,S,H "
+                "(S<=16 switches, H<=200 hosts each)")
+        return spec
+
+
+def build(spec: TopoSpec, controller_port: int):
+    """Build and start a Mininet net for ``spec``; returns the Mininet object."""
+    try:
+        from mininet.net import Mininet
+        from mininet.node import OVSSwitch, RemoteController
+    except ImportError:
+        raise TopoError("Mininet is not importable: run 'make bootstrap' (Debian package mininet, "
+                        "and a venv made from /usr/bin/python3 with system site packages)") from None
+    switch = partial(OVSSwitch, datapath="user", batch=True, failMode="secure",
+                     protocols="OpenFlow13,OpenFlow14")
+    net = Mininet(switch=switch, controller=None, autoSetMacs=True, build=False, waitConnected=False)
+    net.addController("vfbc0", controller=RemoteController, ip="127.0.0.1", port=controller_port)
+    for i, name in enumerate(spec.switches):
+        net.addSwitch(name, dpid=f"{0xFA00 + i + 1:016x}")
+    for host, sw in spec.hosts:
+        net.addHost(host)
+        net.addLink(host, sw)
+    for a, b in spec.links:
+        net.addLink(a, b)
+    net.build()
+    net.start()
+    for h in net.hosts:
+        for intf in h.intfList():
+            # The userspace datapath never completes partial checksums (TESTBED-NOTES.md).
+            h.cmd(f"ethtool -K {intf.name} tx off >/dev/null 2>&1")
+    return net
+
+
+def describe(net) -> tuple[list, list, list]:
+    """(switches [(dpid, name)], hosts [(mac, dpid, port, name, iface)], links [(dpid, port, peer_dpid, peer_port)])."""
+    switches = [(int(s.dpid, 16), s.name) for s in net.switches]
+    hosts, links = [], []
+    for h in net.hosts:
+        intf = h.defaultIntf()
+        peer = intf.link.intf2 if intf.link.intf1 is intf else intf.link.intf1
+        sw = peer.node
+        hosts.append((intf.MAC(), int(sw.dpid, 16), sw.ports[peer], h.name, intf.name))
+    for link in net.links:
+        a, b = link.intf1, link.intf2
+        if a.node in net.switches and b.node in net.switches:
+            pa, pb = a.node.ports[a], b.node.ports[b]
+            da, db = int(a.node.dpid, 16), int(b.node.dpid, 16)
+            links += [(da, pa, db, pb), (db, pb, da, pa)]
+    return switches, hosts, links

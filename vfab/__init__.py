@@ -1,0 +1,9 @@
+"""vfab: a layer-2 virtual-endpoint elastic services fabric (see DESIGN.md)."""
+
+__version__ = "0.1.0"
+
+import warnings
+
+# etcd3gw pulls in futurist, which imports eventlet and warns at import time;
+# vfab only uses eventlet inside the os-ken controller.
+warnings.filterwarnings("ignore", message=r"\s*Eventlet is deprecated")

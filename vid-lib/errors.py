@@ -1,0 +1,29 @@
+"""Exception types, one per domain. Messages say what is wrong, the limit and the fix."""
+
+
+class VfabError(Exception):
+    """Base of every error vfab raises on purpose."""
+
+
+class VidError(VfabError, ValueError):
+    """A VID, key, service id or range is malformed or out of bounds."""
+
+
+class FrameError(VfabError, ValueError):
+    """A vfab frame could not be parsed (truncated, wrong version, bad length)."""
+
+
+class RegistryError(VfabError):
+    """etcd is unreachable or holds something vfab cannot use."""
+
+
+class NotFound(RegistryError):
+    """A service, endpoint or range named by the caller does not exist."""
+
+
+class Conflict(RegistryError):
+    """A transaction lost: somebody changed the same ranges first (epoch moved)."""
+
+
+class TransportError(VfabError):
+    """A raw socket could not be opened, bound or filtered."""

@@ -1,0 +1,259 @@
+"""etcd key layout (DESIGN.md §4): the only module that knows key names.
+
+::
+
+    /vfab/v1/services/<name>               Service   {id, layout}
+    /vfab/v1/service-ids/<id>              <name>    (makes ids unique)
+    /vfab/v1/endpoints/<service>/<name>    Endpoint  {mac, rx, host}   leased: lease = liveness
+    /vfab/v1/ranges/<service>/<lo:06x>     RangeRec  {lo, hi, owner, mirrors, helpers, epoch, state}
+    /vfab/v1/hosts/<mac>                   Host      {dpid, port, name}  where a MAC attaches
+    /vfab/v1/switches/<dpid:016x>          Switch    {dpid, name}
+    /vfab/v1/links/<dpid:016x>/<port>      Link      {dpid, port, peer_dpid, peer_port}
+    /vfab/v1/config/miss                   "drop" | "controller" | "flood"
+    /vfab/v1/applied/<dpid:016x>           Applied   {revision, flows, groups, at}  written by the controller
+    /vfab/v1/counters/<dpid:016x>          {cookie-range: [packets, bytes]}      leased, by the controller
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+from vfab.vid.codec import KEY_MAX, SERVICE_MAX, Layout, int_to_mac, mac_to_int
+from vfab.vid.errors import RegistryError, VidError
+from vfab.vid.ranges import Range
+
+ROOT = "/vfab/v1/"
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+MISS_POLICIES = ("drop", "controller", "flood")
+RX_MODES = ("ovs", "bpf", "promisc")
+RANGE_STATES = ("active", "unassigned", "moving")
+
+
+def check_name(kind: str, name: str) -> str:
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise VidError(
+            f"{kind} name {name!r} is invalid: use 1-63 chars of a-z, 0-9, '_', '.', '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def service_key(name: str) -> str:
+    return f"{ROOT}services/{name}"
+
+
+def service_id_key(sid: int) -> str:
+    return f"{ROOT}service-ids/{sid}"
+
+
+def endpoint_prefix(service: str) -> str:
+    return f"{ROOT}endpoints/{service}/"
+
+
+def endpoint_key(service: str, name: str) -> str:
+    return endpoint_prefix(service) + name
+
+
+def range_prefix(service: str) -> str:
+    return f"{ROOT}ranges/{service}/"
+
+
+def range_key(service: str, lo: int) -> str:
+    return f"{range_prefix(service)}{lo:06x}"
+
+
+def host_key(mac: str) -> str:
+    return f"{ROOT}hosts/{int_to_mac(mac_to_int(mac))}"
+
+
+def switch_key(dpid: int) -> str:
+    return f"{ROOT}switches/{dpid:016x}"
+
+
+def link_key(dpid: int, port: int) -> str:
+    return f"{ROOT}links/{dpid:016x}/{port}"
+
+
+MISS_KEY = f"{ROOT}config/miss"
+
+
+def applied_key(dpid: int) -> str:
+    return f"{ROOT}applied/{dpid:016x}"
+
+
+def counters_key(dpid: int) -> str:
+    return f"{ROOT}counters/{dpid:016x}"
+
+
+class Record:
+    """JSON record with a typed schema: unknown keys and wrong types are rejected."""
+
+    KIND: ClassVar[str] = "record"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str, where: str = "") -> Any:
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RegistryError(f"{cls.KIND} at {where or '?'} is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise RegistryError(f"{cls.KIND} at {where or '?'} is not a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise RegistryError(
+                f"{cls.KIND} at {where or '?'} has unknown fields {sorted(unknown)}: "
+                f"known fields are {sorted(known)}"
+            )
+        try:
+            return cls(**data)
+        except (TypeError, VidError) as exc:
+            raise RegistryError(f"{cls.KIND} at {where or '?'} is invalid: {exc}") from None
+
+
+def _need(kind: str, name: str, value: Any, typ: type | tuple) -> None:
+    if not isinstance(value, typ) or isinstance(value, bool) and typ is not bool:
+        raise VidError(f"{kind} field {name!r} has the wrong type: {value!r}")
+
+
+@dataclass
+class Service(Record):
+    KIND: ClassVar[str] = "service"
+    name: str
+    id: int
+    layout: str = Layout.PREFIX.value
+
+    def __post_init__(self) -> None:
+        check_name("service", self.name)
+        _need("service", "id", self.id, int)
+        if not 1 <= self.id <= SERVICE_MAX:
+            raise VidError(f"service id {self.id} is out of range: 1..{SERVICE_MAX}")
+        Layout.parse(self.layout)
+
+
+@dataclass
+class Endpoint(Record):
+    KIND: ClassVar[str] = "endpoint"
+    service: str
+    name: str
+    mac: str
+    rx: str = "ovs"
+    host: str = ""
+
+    def __post_init__(self) -> None:
+        check_name("service", self.service)
+        check_name("endpoint", self.name)
+        _need("endpoint", "host", self.host, str)
+        self.mac = int_to_mac(mac_to_int(self.mac))
+        if self.rx not in RX_MODES:
+            raise VidError(f"receive mode {self.rx!r} is unknown: use one of {', '.join(RX_MODES)}")
+
+
+@dataclass
+class RangeRec(Record):
+    KIND: ClassVar[str] = "range"
+    lo: int
+    hi: int
+    owner: str = ""
+    mirrors: list = field(default_factory=list)
+    helpers: list = field(default_factory=list)
+    epoch: int = 0
+    state: str = "active"
+
+    def __post_init__(self) -> None:
+        for n in ("lo", "hi", "epoch"):
+            _need("range", n, getattr(self, n), int)
+        Range(self.lo, self.hi)
+        if self.hi > KEY_MAX:
+            raise VidError(f"range hi {self.hi} is past the key space (max {KEY_MAX})")
+        _need("range", "owner", self.owner, str)
+        _need("range", "mirrors", self.mirrors, list)
+        _need("range", "helpers", self.helpers, list)
+        for n in (*self.mirrors, *self.helpers):
+            check_name("mirror/helper endpoint", n)
+        if self.state not in RANGE_STATES:
+            raise VidError(f"range state {self.state!r} is unknown: {', '.join(RANGE_STATES)}")
+
+    @property
+    def range(self) -> Range:
+        return Range(self.lo, self.hi)
+
+
+@dataclass
+class Host(Record):
+    KIND: ClassVar[str] = "host"
+    mac: str
+    dpid: int
+    port: int
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        self.mac = int_to_mac(mac_to_int(self.mac))
+        _need("host", "dpid", self.dpid, int)
+        _need("host", "port", self.port, int)
+        _need("host", "name", self.name, str)
+
+
+@dataclass
+class Switch(Record):
+    KIND: ClassVar[str] = "switch"
+    dpid: int
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        _need("switch", "dpid", self.dpid, int)
+        _need("switch", "name", self.name, str)
+
+
+@dataclass
+class Link(Record):
+    KIND: ClassVar[str] = "link"
+    dpid: int
+    port: int
+    peer_dpid: int
+    peer_port: int
+
+    def __post_init__(self) -> None:
+        for n in ("dpid", "port", "peer_dpid", "peer_port"):
+            _need("link", n, getattr(self, n), int)
+
+
+@dataclass
+class Applied(Record):
+    KIND: ClassVar[str] = "applied"
+    dpid: int
+    revision: int
+    flows: int
+    groups: int = 0
+    at: float = 0.0
+
+    def __post_init__(self) -> None:
+        for n in ("dpid", "revision", "flows", "groups"):
+            _need("applied", n, getattr(self, n), int)
+        _need("applied", "at", self.at, (int, float))
+
+
+def parse_key(key: str) -> tuple[str, list[str]] | None:
+    """('ranges', [service, lo]) etc. for a key under ROOT; None if foreign."""
+    if not key.startswith(ROOT):
+        return None
+    parts = key[len(ROOT):].split("/")
+    return parts[0], parts[1:]
+
+
+# Which record type lives under which top-level folder.
+RECORDS: dict[str, type[Record]] = {
+    "services": Service,
+    "endpoints": Endpoint,
+    "ranges": RangeRec,
+    "hosts": Host,
+    "switches": Switch,
+    "links": Link,
+    "applied": Applied,
+}

@@ -1,0 +1,313 @@
+"""The registry: vfab's view of etcd (v3 API through its JSON gateway, etcd3gw).
+
+Every write that changes a range is one etcd transaction comparing the
+mod-revisions (hence epochs) of all ranges it touches, so two operators can
+never both win.  Key names come from ``schema`` only.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import etcd3gw
+import requests
+
+from vfab.vid import schema
+from vfab.vid.codec import KEY_MAX, SERVICE_MAX, Layout
+from vfab.vid.errors import Conflict, NotFound, RegistryError, VidError
+from vfab.vid.ranges import Range
+
+log = logging.getLogger("vfab.registry")
+DEFAULT_ENDPOINT = "127.0.0.1:2379"
+
+
+def _b64(text: str | bytes) -> str:
+    raw = text.encode() if isinstance(text, str) else text
+    return base64.b64encode(raw).decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def _prefix_end(prefix: str) -> str:
+    raw = bytearray(prefix.encode())
+    raw[-1] += 1
+    return _b64(bytes(raw))
+
+
+@dataclass
+class Event:
+    key: str
+    value: bytes | None  # None = deleted
+    revision: int
+
+
+class Registry:
+    """A connection to the etcd that holds a fabric's truth."""
+
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 5.0):
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise RegistryError(f"etcd endpoint {endpoint!r} is malformed: write HOST:PORT, e.g. {DEFAULT_ENDPOINT}")
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._client = etcd3gw.client(host=host, port=int(port), timeout=timeout, api_path="/v3/")
+        self._keepalives: list[threading.Event] = []
+
+    # -- raw access -------------------------------------------------------
+    def _post(self, path: str, body: dict) -> dict:
+        try:
+            resp = self._client.session.post(self._client.get_url(path), json=body, timeout=self.timeout)
+        except requests.RequestException as exc:
+            raise RegistryError(
+                f"etcd at {self.endpoint} is unreachable ({exc.__class__.__name__}): start it with "
+                "'vfab up' or point --etcd at a running member"
+            ) from None
+        if resp.status_code != 200:
+            raise RegistryError(f"etcd at {self.endpoint} answered {resp.status_code}: {resp.text[:200]}")
+        return resp.json()
+
+    def get_prefix(self, prefix: str = schema.ROOT) -> tuple[int, dict[str, tuple[bytes, int]]]:
+        """(revision, {key: (value, mod_revision)}) under a prefix, consistently."""
+        out = self._post("/kv/range", {"key": _b64(prefix), "range_end": _prefix_end(prefix)})
+        items = {}
+        for kv in out.get("kvs", []):
+            items[_unb64(kv["key"]).decode()] = (_unb64(kv.get("value", "")), int(kv["mod_revision"]))
+        return int(out["header"]["revision"]), items
+
+    def get(self, key: str) -> tuple[bytes, int] | None:
+        out = self._post("/kv/range", {"key": _b64(key)})
+        kvs = out.get("kvs", [])
+        if not kvs:
+            return None
+        return _unb64(kvs[0].get("value", "")), int(kvs[0]["mod_revision"])
+
+    def put(self, key: str, value: str | bytes, lease: int | None = None) -> int:
+        body = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            body["lease"] = str(lease)
+        return int(self._post("/kv/put", body)["header"]["revision"])
+
+    def delete(self, key: str) -> int:
+        return int(self._post("/kv/deleterange", {"key": _b64(key)})["header"]["revision"])
+
+    def delete_prefix(self, prefix: str) -> int:
+        body = {"key": _b64(prefix), "range_end": _prefix_end(prefix)}
+        return int(self._post("/kv/deleterange", body)["header"]["revision"])
+
+    def txn(self, compares: list[dict], puts: dict[str, str], deletes: list[str] = ()) -> tuple[bool, int]:
+        success = [{"request_put": {"key": _b64(k), "value": _b64(v)}} for k, v in puts.items()]
+        success += [{"request_delete_range": {"key": _b64(k)}} for k in deletes]
+        out = self._post("/kv/txn", {"compare": compares, "success": success, "failure": []})
+        return bool(out.get("succeeded")), int(out["header"]["revision"])
+
+    @staticmethod
+    def cmp_mod(key: str, mod_revision: int) -> dict:
+        """Compare: key's mod_revision equals (0 = key must not exist)."""
+        if mod_revision == 0:
+            return {"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
+        return {"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": str(mod_revision)}
+
+    def watch(self, prefix: str, start_revision: int) -> tuple[Iterator[Event], Callable[[], None]]:
+        """Events under prefix from start_revision on; call the second item to stop."""
+        events, cancel = self._client.watch_prefix(prefix, start_revision=start_revision)
+
+        def gen() -> Iterator[Event]:
+            for ev in events:
+                kv = ev["kv"]
+                value = None if ev.get("type") == "DELETE" else kv.get("value", b"")
+                yield Event(kv["key"].decode(), value, int(kv["mod_revision"]))
+
+        return gen(), cancel
+
+    def lease(self, ttl: int) -> int:
+        out = self._post("/lease/grant", {"TTL": ttl})
+        return int(out["ID"])
+
+    def keepalive(self, lease_id: int, ttl: int) -> threading.Event:
+        """Refresh a lease every ttl/3 s in a thread until the returned event is set."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(max(ttl / 3.0, 0.2)):
+                try:
+                    self._post("/lease/keepalive", {"ID": str(lease_id)})
+                except RegistryError as exc:
+                    log.warning("lease %x: keepalive failed: %s", lease_id, exc)
+
+        threading.Thread(target=loop, name=f"lease-{lease_id:x}", daemon=True).start()
+        self._keepalives.append(stop)
+        return stop
+
+    def revoke(self, lease_id: int) -> None:
+        self._post("/lease/revoke", {"ID": str(lease_id)})
+
+    def close(self) -> None:
+        for stop in self._keepalives:
+            stop.set()
+
+    # -- services ---------------------------------------------------------
+    def services(self) -> list[schema.Service]:
+        _, items = self.get_prefix(schema.ROOT + "services/")
+        return sorted((schema.Service.from_json(v, k) for k, (v, _) in items.items()), key=lambda s: s.id)
+
+    def service(self, name: str) -> schema.Service:
+        schema.check_name("service", name)
+        got = self.get(schema.service_key(name))
+        if got is None:
+            known = ", ".join(s.name for s in self.services()) or "none yet"
+            raise NotFound(f"service {name!r} does not exist (known: {known}); create it with 'vfab service add {name}'")
+        return schema.Service.from_json(got[0], schema.service_key(name))
+
+    def create_service(self, name: str, layout: str = "prefix", sid: int | None = None) -> schema.Service:
+        """Register a service with a fresh id and one unassigned range over all keys."""
+        schema.check_name("service", name)
+        Layout.parse(layout)
+        for _ in range(20):
+            got = self.get(schema.service_key(name))
+            if got is not None:
+                return schema.Service.from_json(got[0], schema.service_key(name))
+            _, ids = self.get_prefix(schema.ROOT + "service-ids/")
+            used = {int(k.rsplit("/", 1)[1]) for k in ids}
+            if sid is None:
+                free = next((i for i in range(1, SERVICE_MAX + 1) if i not in used), None)
+                if free is None:
+                    raise RegistryError(f"no free service id: all {SERVICE_MAX} are in use")
+            else:
+                free = sid
+            svc = schema.Service(name=name, id=free, layout=layout)
+            full = schema.RangeRec(lo=0, hi=KEY_MAX, state="unassigned")
+            ok, _ = self.txn(
+                [self.cmp_mod(schema.service_key(name), 0), self.cmp_mod(schema.service_id_key(free), 0)],
+                {schema.service_key(name): svc.to_json(), schema.service_id_key(free): name,
+                 schema.range_key(name, 0): full.to_json()},
+            )
+            if ok:
+                log.info("service %s: created with id %d (%s layout)", name, free, layout)
+                return svc
+            if sid is not None:
+                raise Conflict(f"service id {sid} is taken: omit the id to get a free one")
+        raise Conflict(f"could not create service {name!r}: too many concurrent creations, retry")
+
+    def delete_service(self, name: str) -> None:
+        svc = self.service(name)
+        self.delete_prefix(schema.range_prefix(name))
+        self.delete_prefix(schema.endpoint_prefix(name))
+        self.delete(schema.service_id_key(svc.id))
+        self.delete(schema.service_key(name))
+
+    # -- endpoints --------------------------------------------------------
+    def announce(self, ep: schema.Endpoint, ttl: int = 3) -> int:
+        """Register a live endpoint under a lease kept alive by a thread; returns the lease id."""
+        self.service(ep.service)
+        lease = self.lease(ttl)
+        self.put(schema.endpoint_key(ep.service, ep.name), ep.to_json(), lease=lease)
+        self.keepalive(lease, ttl)
+        log.info("endpoint %s/%s: announced at %s (rx=%s, lease %x)", ep.service, ep.name, ep.mac, ep.rx, lease)
+        return lease
+
+    def endpoints(self, service: str) -> list[schema.Endpoint]:
+        _, items = self.get_prefix(schema.endpoint_prefix(service))
+        return sorted((schema.Endpoint.from_json(v, k) for k, (v, _) in items.items()), key=lambda e: e.name)
+
+    # -- ranges -----------------------------------------------------------
+    def ranges(self, service: str) -> list[tuple[schema.RangeRec, int]]:
+        """(record, mod_revision) for each range of a service, by lo."""
+        self.service(service)
+        _, items = self.get_prefix(schema.range_prefix(service))
+        recs = [(schema.RangeRec.from_json(v, k), mod) for k, (v, mod) in items.items()]
+        return sorted(recs, key=lambda rm: rm[0].lo)
+
+    def owner_of(self, service: str, key: int) -> schema.RangeRec:
+        for rec, _ in self.ranges(service):
+            if rec.lo <= key <= rec.hi:
+                return rec
+        raise NotFound(f"key {key:#x} of service {service!r} is in no range: the range map has a gap")
+
+    def assign(self, service: str, rng: Range, owner: str, *, expect_epoch: int | None = None,
+               mirrors: list | None = None, helpers: list | None = None, state: str = "active") -> int:
+        """Give ``rng`` of ``service`` to ``owner`` in one transaction; returns the etcd revision.
+
+        Ranges that overlap ``rng`` are cut; the parts outside keep their owner.
+        ``expect_epoch`` (optimistic concurrency between operators): the highest epoch
+        among the overlapped ranges must equal it, else Conflict.
+        """
+        if owner:
+            schema.check_name("endpoint", owner)
+        current = self.ranges(service)
+        hit = [(r, m) for r, m in current if r.range.overlaps(rng)]
+        if not hit:
+            raise NotFound(f"range {rng} of service {service!r} overlaps no range: the range map is empty")
+        top = max(r.epoch for r, _ in hit)
+        if expect_epoch is not None and top != expect_epoch:
+            raise Conflict(
+                f"range {rng} of {service!r} is at epoch {top}, not {expect_epoch}: somebody changed it; "
+                "re-read it with 'vfab ranges' and retry"
+            )
+        puts: dict[str, str] = {}
+        deletes: list[str] = []
+        for r, _ in hit:
+            for piece in r.range.subtract(rng):
+                rec = schema.RangeRec(lo=piece.lo, hi=piece.hi, owner=r.owner, mirrors=r.mirrors,
+                                      helpers=r.helpers, epoch=top + 1, state=r.state)
+                puts[schema.range_key(service, piece.lo)] = rec.to_json()
+            deletes.append(schema.range_key(service, r.lo))
+        new = schema.RangeRec(lo=rng.lo, hi=rng.hi, owner=owner, mirrors=list(mirrors or []),
+                              helpers=list(helpers or []), epoch=top + 1,
+                              state=state if owner else "unassigned")
+        puts[schema.range_key(service, rng.lo)] = new.to_json()
+        deletes = [k for k in deletes if k not in puts]
+        ok, rev = self.txn([self.cmp_mod(schema.range_key(service, r.lo), m) for r, m in hit], puts, deletes)
+        if not ok:
+            raise Conflict(
+                f"range {rng} of {service!r} changed while this reassignment was prepared "
+                "(another operator won); re-read it with 'vfab ranges' and retry"
+            )
+        log.info("service %s: range %s -> %s (epoch %d, revision %d)", service, rng, owner or "-", top + 1, rev)
+        return rev
+
+    # -- topology ---------------------------------------------------------
+    def put_switch(self, sw: schema.Switch) -> int:
+        return self.put(schema.switch_key(sw.dpid), sw.to_json())
+
+    def put_link(self, link: schema.Link) -> int:
+        return self.put(schema.link_key(link.dpid, link.port), link.to_json())
+
+    def put_host(self, host: schema.Host) -> int:
+        return self.put(schema.host_key(host.mac), host.to_json())
+
+    def set_miss_policy(self, policy: str) -> int:
+        if policy not in schema.MISS_POLICIES:
+            raise VidError(f"miss policy {policy!r} is unknown: use one of {', '.join(schema.MISS_POLICIES)}")
+        return self.put(schema.MISS_KEY, policy)
+
+    def applied(self) -> dict[int, schema.Applied]:
+        _, items = self.get_prefix(schema.ROOT + "applied/")
+        recs = (schema.Applied.from_json(v, k) for k, (v, _) in items.items())
+        return {a.dpid: a for a in recs}
+
+    def switches(self) -> list[schema.Switch]:
+        _, items = self.get_prefix(schema.ROOT + "switches/")
+        return sorted((schema.Switch.from_json(v, k) for k, (v, _) in items.items()), key=lambda s: s.dpid)
+
+    def wait_applied(self, revision: int, timeout: float = 10.0, dpids: list[int] | None = None) -> float:
+        """Block until every switch's controller reports having applied ``revision``."""
+        t0 = time.monotonic()
+        want = set(dpids) if dpids is not None else {s.dpid for s in self.switches()}
+        while True:
+            applied = self.applied()
+            behind = sorted(d for d in want if d not in applied or applied[d].revision < revision)
+            if not behind:
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout:
+                raise RegistryError(
+                    f"switches {', '.join(f'{d:#x}' for d in behind)} have not applied revision {revision} "
+                    f"after {timeout:.0f} s: is the controller running ('vfab status')?"
+                )
+            time.sleep(0.002)
