@@ -9,8 +9,10 @@ ports go on to table 1 (priority 0).
 
 table 1 (route): one masked ``eth_dst`` match per range block (1000) → the
 owner's port with ``eth_dst`` rewritten to its MAC on the last hop (for
-``rx=ovs`` endpoints), or the next hop towards it; mirrors → group ``all``;
-helpers → group ``select``.  Known host MACs (500) → their port.  VIDs of no
+``rx=ovs`` endpoints), or the next hop towards it; mirrors → group ``all``
+(one bucket per distinct out port: OVS drops output to the in-port, so a tree
+never duplicates); helpers → group ``select`` at the first switch, one bucket
+per helper, rewritten to the helper's MAC.  Known host MACs (500) → their port.  VIDs of no
 live range (10) → the miss policy.  Everything else (0) → NORMAL.
 """
 
@@ -47,6 +49,21 @@ def _deliver(sw: int, ep_hosts: list, hops: dict) -> list[tuple]:
             continue
         outs[acts] = None
     return list(outs)
+
+
+def _select(sw: int, ep_hosts: list, hops: dict) -> list[tuple]:
+    """One bucket per reachable helper, chosen once at the first switch.
+
+    Each bucket rewrites ``eth_dst`` to the helper's MAC, so transit switches
+    forward it by host route and never select again (a second selection could
+    pick the trunk the frame came in on, and OVS drops output to the in-port).
+    """
+    outs = []
+    for ep, host in ep_hosts:
+        port = host.port if host.dpid == sw else hops.get((sw, host.dpid))
+        if port is not None:
+            outs.append((("set_eth_dst", codec.mac_to_int(ep.mac)), ("output", port)))
+    return outs
 
 
 def compile_fabric(st: FabricState) -> dict[int, SwitchConfig]:
@@ -115,7 +132,7 @@ def compile_fabric(st: FabricState) -> dict[int, SwitchConfig]:
                     targets, gtype = [owner, *mirrors], "all"
                 else:
                     continue
-                outs = _deliver(sw, targets, hops)
+                outs = _select(sw, targets, hops) if gtype == "select" else _deliver(sw, targets, hops)
                 if not outs:
                     continue
                 if len(outs) == 1:

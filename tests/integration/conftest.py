@@ -1,0 +1,68 @@
+"""Integration fixtures: a real fabric (etcd + OVS userspace + os-ken controller + Mininet)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from vfab.testbed.fabric import Testbed
+from vfab.testbed.procs import wait_for
+
+ECHO = ["-m", "vfab.services.echo"]
+
+
+@pytest.fixture(scope="module")
+def testbed(tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.fail("integration tests need root (network namespaces, Open vSwitch)")
+    tb = Testbed("line,2,3", workdir=str(tmp_path_factory.mktemp("fabric")), poll=1.0)
+    tb.start()
+    yield tb
+    for sw in tb.switches:
+        try:
+            flows = "\n".join(tb.dump_flows(sw))
+            with open(os.path.join(tb.workdir, f"flows-{sw}.txt"), "w") as fh:
+                fh.write(flows)
+        except subprocess.CalledProcessError:
+            pass
+    ctl_log = tb.controller.logpath if tb.controller else None
+    tb.stop()
+    if ctl_log:
+        with open(ctl_log) as fh:
+            text = fh.read()
+        assert "Traceback" not in text, f"controller raised:\n{text[-3000:]}"
+
+
+def start_server(tb: Testbed, host: str, name: str, service: str = "echo", rx: str = "ovs",
+                 listen: list[str] = ()):
+    out = os.path.join(tb.workdir, f"{name}.out")
+    fh = open(out, "wb")
+    args = [*ECHO, "server", "--etcd", tb.etcd_endpoint, "--service", service, "--name", name,
+            "--iface", tb.hosts[host]["iface"], "--rx", rx]
+    for rng in listen:
+        args += ["--listen", rng]
+    proc = tb.run_on(host, name, args, stdout=fh)
+    wait_for(lambda: b"ready" in open(out, "rb").read() or not proc.alive(), 20, f"server {name} ready")
+    assert proc.alive(), f"server {name} died:\n{proc.tail()}"
+    return proc
+
+
+def client_args(tb: Testbed, host: str, out: str, service: str = "echo", **opts) -> list[str]:
+    args = [*ECHO, "client", "--etcd", tb.etcd_endpoint, "--service", service,
+            "--iface", tb.hosts[host]["iface"], "--out", out]
+    for k, v in opts.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return args
+
+
+def run_client(tb: Testbed, host: str, name: str, timeout: float = 120, **opts) -> list[dict]:
+    out = os.path.join(tb.workdir, f"{name}.json")
+    proc = tb.run_on(host, name, client_args(tb, host, out, **opts))
+    proc.popen.wait(timeout)
+    assert proc.popen.returncode == 0, f"client {name} failed:\n{proc.tail()}"
+    tb.sup.stop(proc)
+    with open(out) as fh:
+        return json.load(fh)
