@@ -16,24 +16,17 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+from vfab.testbed.procs import free_port  # noqa: F401  (re-exported for tests)
 from vfab.vid.errors import RegistryError
 
 log = logging.getLogger("vfab.testbed.etcd")
 HOST = "127.0.0.1"
-
-
-def free_port(host: str = HOST) -> int:
-    """A TCP port the kernel just reported free (may race; start() reports a clash)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class LocalEtcd:

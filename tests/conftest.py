@@ -2,52 +2,10 @@
 
 from __future__ import annotations
 
-import ast
-import importlib.abc
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _map_packages() -> None:
-    """Make ``vfab.*`` importable from the source tree even after a legacy ``setup.py develop``.
-
-    ``pip install -e`` without PEP 660 only puts the repo on sys.path, which finds
-    ``vfab`` but not the ``package_dir`` mapping (vfab.vid -> vid-lib/ ...).
-    """
-    try:
-        import vfab.vid  # noqa: F401
-        return
-    except ModuleNotFoundError:
-        pass
-    tree = ast.parse((ROOT / "setup.py").read_text())
-    mapping = next(
-        ast.literal_eval(node.value) for node in tree.body
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "PACKAGE_DIR"
-    )
-
-    class Finder(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname, path, target=None):
-            folder = mapping.get(fullname)
-            if folder is None or not (ROOT / folder / "__init__.py").exists():
-                return None
-            return importlib.util.spec_from_file_location(
-                fullname, ROOT / folder / "__init__.py",
-                submodule_search_locations=[str(ROOT / folder)])
-
-    sys.meta_path.insert(0, Finder())
-    for name in [m for m in sys.modules if m == "vfab" or m.startswith("vfab.")]:
-        del sys.modules[name]
-
-
-_map_packages()
-
-from vfab.testbed.etcd import LocalEtcd, free_port  # noqa: E402
-from vfab.vid.store import Registry  # noqa: E402
+from vfab.testbed.etcd import LocalEtcd, free_port
+from vfab.vid.store import Registry
 
 
 @pytest.fixture(scope="session")
