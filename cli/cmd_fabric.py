@@ -14,7 +14,7 @@ import click
 from vfab.cli.common import STATE_DIR, STATE_FILE, errors, pass_ctx, read_state, table
 from vfab.testbed.net import TopoSpec
 from vfab.vid import schema
-from vfab.vid.errors import RegistryError, VidError
+from vfab.vid.errors import RegistryError
 
 
 def _alive(pid: int) -> bool:

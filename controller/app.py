@@ -24,16 +24,15 @@ from os_ken.lib import hub
 from os_ken.ofproto import ofproto_v1_4
 
 from vfab.controller import ofmsg
-from vfab.controller.reconcile import diff
-from vfab.fabric.compiler import compile_fabric
+from vfab.controller.reconcile import diff, update_order
+from vfab.fabric.compiler import compile_fabric, route_destinations
 from vfab.fabric.flows import Kind, split_cookie
 from vfab.fabric.state import FabricState
+from vfab.fabric.topology import distances, next_hops
 from vfab.vid import schema
 from vfab.vid.store import DEFAULT_ENDPOINT, Registry
 
 log = logging.getLogger("vfab.controller")
-# Keys the controller writes itself; they never change what it compiles.
-PASSIVE = ("applied", "counters")
 
 
 class OpError(Exception):
@@ -84,7 +83,7 @@ class VfabController(app_manager.OSKenApp):
                         self.items[ev.key] = ev.value
                     self.revision = max(self.revision, ev.revision)
                     parsed = schema.parse_key(ev.key)
-                    if parsed and parsed[0] in PASSIVE:
+                    if parsed and parsed[0] in schema.PASSIVE:
                         continue
                     self.dirty.set()
                 log.warning("etcd watch ended; reloading")
@@ -104,27 +103,45 @@ class VfabController(app_manager.OSKenApp):
             except Exception:
                 log.exception("compile failed at revision %d; keeping the switches as they are", rev)
                 continue
-            for dpid, dp in list(self.dps.items()):
-                want = configs.get(dpid)
-                if want is None or dpid not in self.installed:
-                    continue
-                with self.locks[dpid]:
+            plans = {}
+            for dpid in list(self.dps):
+                if dpid in configs and dpid in self.installed:
                     flows, groups = self.installed[dpid]
-                    plan = diff(want, flows, groups)
-                    try:
-                        if plan:
-                            t0 = time.monotonic()
-                            self._commit(dp, plan)
-                            log.info("switch %016x: revision %d: %s in %.1f ms", dpid, rev,
-                                     plan.summary(), (time.monotonic() - t0) * 1e3)
-                        self.installed[dpid] = (dict(want.flows), dict(want.groups))
-                    except OpError as exc:
-                        log.error("switch %016x: bundle failed (%s); re-reading its tables", dpid, exc)
-                        self.installed.pop(dpid, None)
-                        hub.spawn(self._sync, dp)
-                        continue
-                if self.reported.get(dpid, -1) < rev:
-                    self._report(dpid, rev, len(want.flows), len(want.groups))
+                    plans[dpid] = diff(configs[dpid], flows, groups)
+            dests = route_destinations(state)
+            links = [(lk.dpid, lk.port, lk.peer_dpid, lk.peer_port) for lk in state.links]
+            dist = distances(sorted(state.switches), next_hops(sorted(state.switches), links), links)
+
+            def dest_of(cookie: int):
+                kind, sid, lo, _ = split_cookie(cookie)
+                return dests.get((sid, lo)) if kind == Kind.VID_ROUTE else None
+
+            for dpid in update_order(plans, dest_of, dist):
+                self._apply(dpid, configs[dpid], rev)
+
+    def _apply(self, dpid: int, want, rev: int) -> None:
+        dp = self.dps.get(dpid)
+        if dp is None:
+            return
+        with self.locks[dpid]:
+            if dpid not in self.installed:
+                return
+            flows, groups = self.installed[dpid]
+            plan = diff(want, flows, groups)  # again: a poll may have re-read the switch meanwhile
+            try:
+                if plan:
+                    t0 = time.monotonic()
+                    self._commit(dp, plan)
+                    log.info("switch %016x: revision %d: %s in %.1f ms", dpid, rev,
+                             plan.summary(), (time.monotonic() - t0) * 1e3)
+                self.installed[dpid] = (dict(want.flows), dict(want.groups))
+            except OpError as exc:
+                log.error("switch %016x: bundle failed (%s); re-reading its tables", dpid, exc)
+                self.installed.pop(dpid, None)
+                hub.spawn(self._sync, dp)
+                return
+        if self.reported.get(dpid, -1) < rev:
+            self._report(dpid, rev, len(want.flows), len(want.groups))
 
     def _report(self, dpid: int, rev: int, nflows: int, ngroups: int) -> None:
         try:

@@ -41,3 +41,20 @@ def diff(want: SwitchConfig, flows: dict, groups: dict) -> Plan:
     plan.add_flows.sort(key=lambda f: f.key)
     plan.del_flows.sort(key=lambda f: f.key)
     return plan
+
+
+def update_order(plans: dict[int, Plan], dest_of, dist: dict[tuple[int, int], int]) -> list[int]:
+    """Order in which to commit per-switch plans so a moved range loses no packet in transit.
+
+    Each switch's bundle is atomic, but the fabric as a whole is not: if the
+    ingress switch turned towards the new owner before the switches on the new
+    path did, frames would bounce into stale routes.  So switches are committed
+    nearest-to-the-new-destination first (``dest_of(cookie)`` gives the dpid a
+    changed VID route now leads to); switches with no route change go first.
+    """
+    def rank(dpid: int) -> tuple[int, int]:
+        near = [dist.get((dpid, d), 1 << 16) for d in
+                (dest_of(f.cookie) for f in plans[dpid].add_flows) if d is not None]
+        return (min(near) if near else -1, dpid)
+
+    return sorted(plans, key=rank)

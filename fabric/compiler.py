@@ -151,3 +151,15 @@ def compile_fabric(st: FabricState) -> dict[int, SwitchConfig]:
                     for flow in door(state=st, service=svc, dpid=sw, hops=hops):
                         cfg.add(flow)
     return out
+
+
+def route_destinations(st: FabricState) -> dict[tuple[int, int], int]:
+    """(service id, range lo) → dpid of the switch where the range's traffic now ends."""
+    out = {}
+    for sname, svc in st.services.items():
+        for rec in st.ranges.get(sname, []):
+            ep = st.endpoints.get((sname, rec.owner)) if rec.owner else None
+            host = st.hosts.get(ep.mac) if ep else None
+            if host:
+                out[(svc.id, rec.lo)] = host.dpid
+    return out

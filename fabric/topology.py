@@ -32,3 +32,19 @@ def next_hops(switches: list[int], links: list[tuple[int, int, int, int]]) -> di
                     seen.add(a)
                     queue.append(a)
     return hops
+
+
+def distances(switches: list[int], hops: dict[tuple[int, int], int],
+              links: list[tuple[int, int, int, int]]) -> dict[tuple[int, int], int]:
+    """Hop count between switches along the ``next_hops`` paths (0 to itself)."""
+    peer = {(a, port): b for a, port, b, _ in links}
+    dist: dict[tuple[int, int], int] = {}
+    for src in switches:
+        for dst in switches:
+            cur, n = src, 0
+            while cur != dst and (cur, dst) in hops and n <= len(switches):
+                cur = peer.get((cur, hops[(cur, dst)]), dst)
+                n += 1
+            if cur == dst:
+                dist[(src, dst)] = n
+    return dist

@@ -71,8 +71,7 @@ class Testbed:
             self.hosts[name] = {"mac": mac, "dpid": dpid, "port": port, "iface": iface}
 
     def wait_synced(self, timeout: float = 30.0) -> None:
-        rev, _ = self.registry.get_prefix(schema.ROOT + "hosts/")
-        self.registry.wait_applied(rev, timeout=timeout)
+        self.registry.wait_applied(self.registry.state_revision(), timeout=timeout)
 
     def stop(self) -> None:
         for proc in [p for p in self.sup.procs if p is not self.controller]:
@@ -126,9 +125,17 @@ class Testbed:
     def host(self, name: str):
         return self.net.get(name)
 
+    def netns(self, host: str) -> str:
+        """Path of a Mininet host's network namespace."""
+        return f"/proc/{self.host(host).pid}/ns/net"
+
     def run_on(self, host: str, name: str, args: list[str], stdout=None):
-        """Start a vfab Python module inside a Mininet host, supervised."""
-        return self.sup.start(name, [sys.executable, *args], host=self.host(host), stdout=stdout)
+        """Start a vfab service for Mininet host ``host``, supervised.
+
+        The process stays in the root namespace (etcd on loopback is the control
+        network) and opens its data port inside the host: ``--netns`` is appended.
+        """
+        return self.sup.start(name, [sys.executable, *args, "--netns", self.netns(host)], stdout=stdout)
 
     def dump_flows(self, switch: str) -> list[str]:
         out = subprocess.run(["ovs-ofctl", "-O", "OpenFlow14", "dump-flows", switch],

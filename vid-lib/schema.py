@@ -239,6 +239,10 @@ class Applied(Record):
         _need("applied", "at", self.at, (int, float))
 
 
+# Folders the controller writes itself; they never change what it compiles.
+PASSIVE = ("applied", "counters")
+
+
 def parse_key(key: str) -> tuple[str, list[str]] | None:
     """('ranges', [service, lo]) etc. for a key under ROOT; None if foreign."""
     if not key.startswith(ROOT):

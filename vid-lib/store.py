@@ -296,6 +296,12 @@ class Registry:
         _, items = self.get_prefix(schema.ROOT + "switches/")
         return sorted((schema.Switch.from_json(v, k) for k, (v, _) in items.items()), key=lambda s: s.dpid)
 
+    def state_revision(self) -> int:
+        """Newest mod-revision among the keys the controller compiles from (not its own reports)."""
+        _, items = self.get_prefix(schema.ROOT)
+        return max((mod for k, (_, mod) in items.items() if schema.parse_key(k)[0] not in schema.PASSIVE),
+                   default=0)
+
     def wait_applied(self, revision: int, timeout: float = 10.0, dpids: list[int] | None = None) -> float:
         """Block until every switch's controller reports having applied ``revision``."""
         t0 = time.monotonic()

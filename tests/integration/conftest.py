@@ -58,10 +58,10 @@ def client_args(tb: Testbed, host: str, out: str, service: str = "echo", **opts)
     return args
 
 
-def run_client(tb: Testbed, host: str, name: str, timeout: float = 120, **opts) -> list[dict]:
+def run_client(tb: Testbed, host: str, name: str, wait: float = 120, **opts) -> list[dict]:
     out = os.path.join(tb.workdir, f"{name}.json")
     proc = tb.run_on(host, name, client_args(tb, host, out, **opts))
-    proc.popen.wait(timeout)
+    proc.popen.wait(wait)
     assert proc.popen.returncode == 0, f"client {name} failed:\n{proc.tail()}"
     tb.sup.stop(proc)
     with open(out) as fh:

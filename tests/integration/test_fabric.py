@@ -32,8 +32,7 @@ def echo(testbed):
         "s2": start_server(testbed, "vfh4", "s2", listen=[f"{R2.lo}-{R2.hi}"]),
         "s3": start_server(testbed, "vfh5", "s3", rx="bpf", listen=[f"{R3.lo}-{R3.hi}"]),
     }
-    rev, _ = testbed.registry.get_prefix(schema.ROOT)
-    testbed.wait_revision(rev)
+    testbed.wait_revision(testbed.registry.state_revision())
     yield servers
 
 

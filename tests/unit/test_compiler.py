@@ -325,3 +325,18 @@ def test_unreachable_owner_gets_no_route_on_the_cut_off_switch():
     assert send(fab, "h1", codec.encode(SID, 5).value) == [(S1, 2, mac_i("h2"))]
     assert send(fab, "h1", codec.encode(SID, 0x500000).value) == []  # e2 is on s2
     assert fab.drop_count(Kind.VID_MISS) == 1
+
+
+def test_update_order_commits_nearest_to_the_new_owner_first():
+    from vfab.controller.reconcile import Plan, update_order
+    from vfab.fabric.flows import FlowSpec, make_cookie, match
+    from vfab.fabric.topology import distances, next_hops
+
+    # line a - b - c; a range moves to an owner on c: c, then b, then a.
+    links = [(1, 9, 2, 8), (2, 8, 1, 9), (2, 7, 3, 6), (3, 6, 2, 7)]
+    dist = distances([1, 2, 3], next_hops([1, 2, 3], links), links)
+    assert dist[(1, 3)] == 2 and dist[(3, 3)] == 0 and dist[(2, 1)] == 1
+    route = FlowSpec(1, 1000, match(eth_dst=(0x0E0001000000, 0xFFFFFF800000)), (("output", 1),),
+                     make_cookie(Kind.VID_ROUTE, 1, 0, 2))
+    plans = {1: Plan(add_flows=[route]), 2: Plan(add_flows=[route]), 3: Plan(add_flows=[route]), 4: Plan()}
+    assert update_order(plans, lambda cookie: 3, dist) == [4, 3, 2, 1]
