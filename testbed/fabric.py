@@ -7,6 +7,7 @@ project's prefix and goes away with ``stop()``.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import subprocess
@@ -22,6 +23,8 @@ from vfab.vid import schema
 from vfab.vid.store import Registry
 
 log = logging.getLogger("vfab.testbed")
+LOCK_FILE = "/run/vfab-testbed.lock"
+LOCK_WAIT = 900
 
 
 class Testbed:
@@ -43,6 +46,18 @@ class Testbed:
 
     # -- life cycle ---------------------------------------------------------
     def start(self) -> "Testbed":
+        # Switch and host names are fixed (vfbsN, vfhN): one testbed per machine at a time.
+        self._lock = open(LOCK_FILE, "w")
+        t0 = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() - t0 > LOCK_WAIT:
+                    raise RuntimeError(f"another vfab testbed holds {LOCK_FILE} for over {LOCK_WAIT} s: "
+                                       "stop it ('vfab down') or wait") from None
+                time.sleep(0.5)
         try:
             self.started_ovs = ovs.ensure_running()
             if self.etcd_endpoint is None:
@@ -93,6 +108,9 @@ class Testbed:
             self.etcd = None
         if self.started_ovs and not ovs.bridges():
             ovs.stop()
+        if getattr(self, "_lock", None) is not None:
+            self._lock.close()  # releases the flock
+            self._lock = None
 
     def __enter__(self) -> "Testbed":
         return self.start()

@@ -1,0 +1,47 @@
+"""Shared bits of the benchmarks: argument parsing, statistics, and writing results.
+
+Each benchmark prints its numbers and writes them to bench/results/NAME.json
+(with the machine, the time and the parameters), so the README's tables can be
+reproduced with the command shown there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--smoke", action="store_true", help="tiny run that only proves the benchmark works (CI)")
+    ap.add_argument("--out", default=None, help="results file (default bench/results/NAME.json)")
+    return ap
+
+
+def summary(samples: list[float]) -> dict:
+    """median, p99, mean, min, max, n of samples (seconds in, milliseconds out)."""
+    if not samples:
+        return {"n": 0}
+    ms = sorted(x * 1e3 for x in samples)
+    p99 = ms[min(len(ms) - 1, int(round(0.99 * (len(ms) - 1))))]
+    return {"n": len(ms), "median_ms": round(statistics.median(ms), 3), "p99_ms": round(p99, 3),
+            "mean_ms": round(statistics.fmean(ms), 3), "min_ms": round(ms[0], 3), "max_ms": round(ms[-1], 3)}
+
+
+def write(name: str, params: dict, results: dict, out: str | None = None) -> str:
+    path = out or os.path.join(RESULTS, f"{name}{'-smoke' if params.get('smoke') else ''}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    doc = {"benchmark": name, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "machine": {"node": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release()},
+           "params": params, "results": results}
+    with open(path, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    print(json.dumps(results, indent=1))
+    print(f"results written to {path}")
+    return path
