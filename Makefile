@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 .PHONY: bootstrap demo test unit integration bench bench-smoke lint
 
 bootstrap:
-	@bash scripts/bootstrap.sh
+	@VFAB_VENV=$(VENV) bash scripts/bootstrap.sh
 
 demo: bootstrap
 	$(PY) -m vfab.testbed.demo
