@@ -75,17 +75,25 @@ class VfabController(app_manager.OSKenApp):
                 self.revision = rev
                 log.info("etcd %s: loaded %d keys at revision %d", self.registry.endpoint, len(items), rev)
                 self.dirty.set()
-                events, cancel = self.registry.watch(schema.ROOT, rev + 1)
-                for ev in events:
-                    if ev.value is None:
-                        self.items.pop(ev.key, None)
-                    else:
-                        self.items[ev.key] = ev.value
-                    self.revision = max(self.revision, ev.revision)
-                    parsed = schema.parse_key(ev.key)
-                    if parsed and parsed[0] in schema.PASSIVE:
-                        continue
-                    self.dirty.set()
+                # Whole watch responses: a revision (one etcd txn) is applied to the mirror at
+                # once, so the reconcile loop never compiles or reports half of a transaction.
+                batches, cancel = self.registry.watch_batches(schema.ROOT, rev + 1)
+                try:
+                    for batch in batches:
+                        changed = False
+                        for ev in batch:
+                            if ev.value is None:
+                                self.items.pop(ev.key, None)
+                            else:
+                                self.items[ev.key] = ev.value
+                            self.revision = max(self.revision, ev.revision)
+                            parsed = schema.parse_key(ev.key)
+                            if not (parsed and parsed[0] in schema.PASSIVE):
+                                changed = True
+                        if changed:
+                            self.dirty.set()
+                finally:
+                    cancel()
                 log.warning("etcd watch ended; reloading")
             except Exception as exc:  # etcd down or compacted: reload after a pause
                 log.warning("etcd %s: %s; retrying in 1 s", self.registry.endpoint, exc)

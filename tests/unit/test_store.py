@@ -289,3 +289,21 @@ def test_unreachable_etcd_names_the_endpoint():
 def test_malformed_endpoint(endpoint):
     with pytest.raises(RegistryError, match="is malformed: write HOST:PORT"):
         Registry(endpoint)
+
+
+def test_watch_batches_deliver_a_transaction_whole(registry):
+    """One delete-range of 500 keys arrives as one list: a consumer never sees half of it."""
+    prefix = schema.ROOT + "ranges/wb/"
+    for i in range(0, 500, 100):
+        registry.txn([], {f"{prefix}{j:06x}": "{}" for j in range(i, i + 100)})
+    start = registry.get_prefix(prefix)[0] + 1
+    batches, cancel = registry.watch_batches(prefix, start)
+    try:
+        rev = registry.delete_prefix(prefix)
+        registry.put(prefix + "after", "1")
+        first, second = next(batches), next(batches)
+    finally:
+        cancel()
+    assert len(first) == 500 and {e.revision for e in first} == {rev}
+    assert all(e.value is None for e in first)
+    assert [(e.key, e.value, e.revision) for e in second] == [(prefix + "after", b"1", rev + 1)]
