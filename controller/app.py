@@ -35,6 +35,9 @@ from vfab.vid.store import DEFAULT_ENDPOINT, Registry
 log = logging.getLogger("vfab.controller")
 
 
+AUDIT_EVERY = 10  # counter polls between full-table audits
+
+
 class OpError(Exception):
     pass
 
@@ -124,16 +127,20 @@ class VfabController(app_manager.OSKenApp):
                 kind, sid, lo, _ = split_cookie(cookie)
                 return dests.get((sid, lo)) if kind == Kind.VID_ROUTE else None
 
-            for dpid in update_order(plans, dest_of, dist):
-                self._apply(dpid, configs[dpid], rev)
+            done = [dpid for dpid in update_order(plans, dest_of, dist) if self._apply(dpid, configs[dpid], rev)]
+            # Reported only once every switch has its bundle: the reports must not delay a cut-over.
+            for dpid in done:
+                if self.reported.get(dpid, -1) < rev:
+                    self._report(dpid, rev, len(configs[dpid].flows), len(configs[dpid].groups))
 
-    def _apply(self, dpid: int, want, rev: int) -> None:
+    def _apply(self, dpid: int, want, rev: int) -> bool:
+        """Bring one switch to ``want`` in one bundle; True if it now holds it."""
         dp = self.dps.get(dpid)
         if dp is None:
-            return
+            return False
         with self.locks[dpid]:
             if dpid not in self.installed:
-                return
+                return False
             flows, groups = self.installed[dpid]
             plan = diff(want, flows, groups)  # again: a poll may have re-read the switch meanwhile
             try:
@@ -147,9 +154,8 @@ class VfabController(app_manager.OSKenApp):
                 log.error("switch %016x: bundle failed (%s); re-reading its tables", dpid, exc)
                 self.installed.pop(dpid, None)
                 hub.spawn(self._sync, dp)
-                return
-        if self.reported.get(dpid, -1) < rev:
-            self._report(dpid, rev, len(want.flows), len(want.groups))
+                return False
+        return True
 
     def _report(self, dpid: int, rev: int, nflows: int, ngroups: int) -> None:
         try:
@@ -229,23 +235,42 @@ class VfabController(app_manager.OSKenApp):
 
     # -- counters ---------------------------------------------------------
     def _poll_loop(self) -> None:
+        """Publish counters every ``poll`` s; every AUDIT_EVERY polls also audit the whole tables.
+
+        Counter polls ask the switch only for the flows whose counters are published
+        (by cookie kind), without the switch's lock, so they never hold up a cut-over.
+        """
+        n = 0
         while True:
             hub.sleep(self.poll)
+            n += 1
             for dpid, dp in list(self.dps.items()):
                 if dpid not in self.installed:
                     continue
                 try:
-                    with self.locks[dpid]:
-                        flows, groups, stats = self._dump(dp)
-                        known_f, known_g = self.installed.get(dpid, ({}, {}))
-                        if flows != known_f or groups != known_g:
-                            log.warning("switch %016x: tables differ from what was committed; reconciling",
-                                        dpid)
-                            self.installed[dpid] = (flows, groups)
-                            self.dirty.set()
-                    self._publish(dpid, stats)
+                    if n % AUDIT_EVERY == 0:
+                        self._audit(dpid, dp)
+                    self._publish(dpid, self._counter_stats(dp))
                 except Exception as exc:
                     log.warning("switch %016x: counter poll failed: %s", dpid, exc)
+
+    def _counter_stats(self, dp) -> list:
+        ofp, parser = dp.ofproto, dp.ofproto_parser
+        stats = []
+        for kind, table in ((Kind.VID_ROUTE, 1), (Kind.VID_MISS, 1), (Kind.DENY, 0)):
+            stats += self._request(dp, parser.OFPFlowStatsRequest(
+                dp, 0, table, ofp.OFPP_ANY, ofp.OFPG_ANY, int(kind) << 56, 0xFF << 56, parser.OFPMatch()))
+        return stats
+
+    def _audit(self, dpid: int, dp) -> None:
+        """Re-read the switch; if its tables drifted from what was committed, reconcile."""
+        with self.locks[dpid]:
+            flows, groups, _ = self._dump(dp)
+            known_f, known_g = self.installed.get(dpid, ({}, {}))
+            if flows != known_f or groups != known_g:
+                log.warning("switch %016x: tables differ from what was committed; reconciling", dpid)
+                self.installed[dpid] = (flows, groups)
+                self.dirty.set()
 
     def _publish(self, dpid: int, stats: list) -> None:
         per: dict[str, list[int]] = {}

@@ -115,25 +115,15 @@ class Registry:
             return {"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
         return {"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": str(mod_revision)}
 
-    def watch(self, prefix: str, start_revision: int) -> tuple[Iterator[Event], Callable[[], None]]:
-        """Events under prefix from start_revision on; call the second item to stop."""
-        events, cancel = self._client.watch_prefix(prefix, start_revision=start_revision)
-
-        def gen() -> Iterator[Event]:
-            for ev in events:
-                kv = ev["kv"]
-                value = None if ev.get("type") == "DELETE" else kv.get("value", b"")
-                yield Event(kv["key"].decode(), value, int(kv["mod_revision"]))
-
-        return gen(), cancel
-
     def watch_batches(self, prefix: str, start_revision: int) -> tuple[Iterator[list[Event]], Callable[[], None]]:
-        """Like ``watch``, but one list per etcd watch response; call the second item to stop.
+        """Events under prefix from start_revision on, one list per etcd watch response.
+
+        Call the second item to stop.
 
         etcd never splits the events of one revision across watch responses, so
-        every revision in a list is complete once the list is taken.  ``watch``
-        flattens responses: a consumer acting between its events can see half a
-        transaction (e.g. the first hundreds of the keys one delete-range removed).
+        every revision in a list is complete once the list is taken; a consumer
+        acting on single events could see half a transaction (e.g. the first
+        hundreds of the keys one delete-range removed).
         """
         body = {"create_request": {"key": _b64(prefix), "range_end": _prefix_end(prefix),
                                    "start_revision": start_revision}}
@@ -256,8 +246,23 @@ class Registry:
 
     # -- endpoints --------------------------------------------------------
     def announce(self, ep: schema.Endpoint, ttl: int = 3) -> int:
-        """Register a live endpoint under a lease kept alive by a thread; returns the lease id."""
+        """Register a live endpoint under a lease kept alive by a thread; returns the lease id.
+
+        An ``rx=ovs`` endpoint receives every frame the switch rewrites to its
+        interface's MAC, whatever service it was for; so an interface carrying
+        one may carry no other endpoint (Conflict).  ``bpf``/``promisc``
+        endpoints filter on the VID and can share an interface.
+        """
         self.service(ep.service)
+        _, items = self.get_prefix(schema.ROOT + "endpoints/")
+        for key, (raw, _) in items.items():
+            other = schema.Endpoint.from_json(raw, key)
+            if other.mac == ep.mac and (other.service, other.name) != (ep.service, ep.name) \
+                    and "ovs" in (other.rx, ep.rx):
+                raise Conflict(
+                    f"interface {ep.mac} already carries endpoint {other.service}/{other.name} (rx={other.rx}): "
+                    "an rx=ovs endpoint needs its interface to itself, because the switch rewrites its VIDs to "
+                    "the interface MAC; use rx=bpf for both, or another interface")
         lease = self.lease(ttl)
         self.put(schema.endpoint_key(ep.service, ep.name), ep.to_json(), lease=lease)
         self.keepalive(lease, ttl)
@@ -271,8 +276,9 @@ class Registry:
     # -- ranges -----------------------------------------------------------
     def ranges(self, service: str) -> list[tuple[schema.RangeRec, int]]:
         """(record, mod_revision) for each range of a service, by lo."""
-        self.service(service)
         _, items = self.get_prefix(schema.range_prefix(service))
+        if not items:
+            self.service(service)  # NotFound naming the known services; else the map is empty
         recs = [(schema.RangeRec.from_json(v, k), mod) for k, (v, mod) in items.items()]
         return sorted(recs, key=lambda rm: rm[0].lo)
 

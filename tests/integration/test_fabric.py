@@ -162,3 +162,16 @@ def test_garbage_frames_do_not_crash_servers(testbed, echo):
         assert proc.alive(), f"server {name} died on garbage:\n{proc.tail()}"
     results = run_client(testbed, "vfh2", "c-garbage", count=100, timeout=1.0)
     assert all(r["reply_from"] is not None for r in results)
+
+
+def test_audit_repairs_tampered_tables(testbed, echo):
+    """With the controller running, a flow deleted behind its back comes back at the next audit."""
+    sw = "vfbs1"
+    before = len(testbed.dump_flows(sw))
+    subprocess.run(["ovs-ofctl", "-O", "OpenFlow14", "del-flows", sw, "table=1,dl_dst=00:00:00:00:00:01"],
+                   check=True)
+    assert len(testbed.dump_flows(sw)) == before - 1
+    deadline = time.time() + 30  # audits run every 10 counter polls (poll = 1 s here)
+    while len(testbed.dump_flows(sw)) != before and time.time() < deadline:
+        time.sleep(0.5)
+    assert len(testbed.dump_flows(sw)) == before

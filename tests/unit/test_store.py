@@ -307,3 +307,19 @@ def test_watch_batches_deliver_a_transaction_whole(registry):
     assert len(first) == 500 and {e.revision for e in first} == {rev}
     assert all(e.value is None for e in first)
     assert [(e.key, e.value, e.revision) for e in second] == [(prefix + "after", b"1", rev + 1)]
+
+
+def test_an_ovs_endpoint_needs_its_interface_to_itself(registry):
+    from vfab.vid.errors import Conflict
+
+    for svc in ("sa", "sb"):
+        registry.create_service(svc)
+    mac = "00:00:00:00:00:0a"
+    registry.announce(schema.Endpoint(service="sa", name="a", mac=mac, rx="ovs"), ttl=5)
+    with pytest.raises(Conflict, match="rx=ovs endpoint needs its interface to itself"):
+        registry.announce(schema.Endpoint(service="sb", name="b", mac=mac, rx="bpf"), ttl=5)
+    # Re-announcing the same endpoint is fine; bpf endpoints may share an interface.
+    registry.announce(schema.Endpoint(service="sa", name="a", mac=mac, rx="ovs"), ttl=5)
+    other = "00:00:00:00:00:0b"
+    registry.announce(schema.Endpoint(service="sa", name="c", mac=other, rx="bpf"), ttl=5)
+    registry.announce(schema.Endpoint(service="sb", name="d", mac=other, rx="bpf"), ttl=5)
