@@ -101,6 +101,18 @@ def exec_(host: str, cmd: tuple[str, ...]) -> None:
     os.execvp("mnexec", ["mnexec", "-a", str(pid), *cmd])
 
 
+@click.command("netns")
+@click.argument("host")
+def netns(host: str) -> None:
+    """Print the network-namespace path of fabric host HOST (for a service's --netns)."""
+    state = read_state()
+    if not state:
+        raise click.ClickException("no fabric is up: 'vfab up' first")
+    if host not in state["hosts"]:
+        raise click.BadParameter(f"no host {host!r} (hosts: {', '.join(state['hosts'])})", param_hint="HOST")
+    click.echo(f"/proc/{state['hosts'][host]['pid']}/ns/net")
+
+
 @click.command("status")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_ctx
@@ -149,4 +161,4 @@ def status(c, as_json: bool) -> None:
                             ", ".join(s["orphaned"]) or "-"] for s in services]))
 
 
-COMMANDS = [up, down, exec_, status]
+COMMANDS = [up, down, exec_, netns, status]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import logging
 import signal
@@ -18,7 +19,8 @@ log = logging.getLogger("vfab.echo.server")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--etcd", required=True, help="etcd HOST:PORT")
+    p.add_argument("--etcd", default=os.environ.get("VFAB_ETCD", "127.0.0.1:2379"),
+                   help="etcd HOST:PORT (default: $VFAB_ETCD, else 127.0.0.1:2379)")
     p.add_argument("--service", required=True, help="service name")
     p.add_argument("--name", required=True, help="this endpoint's name")
     p.add_argument("--netns", default=None, metavar="PATH",
