@@ -62,13 +62,10 @@ def service_blocks(svc: schema.Service, rng: Range) -> list[tuple[int, int]]:
 # ---------------------------------------------------------------------------- server
 
 
-@dataclass
-class Request:
-    """A REQUEST frame as the server sees it."""
+class _FrameView:
+    """Read-only shortcuts to the fields of the frame a message came in."""
 
     frame: Frame
-    key: int | None  # from the destination VID; None when OVS rewrote it to our MAC
-    server: "Server" = field(repr=False)
 
     @property
     def src(self) -> bytes:
@@ -89,6 +86,15 @@ class Request:
     @property
     def seq(self) -> int:
         return self.frame.seq
+
+
+@dataclass
+class Request(_FrameView):
+    """A REQUEST frame as the server sees it."""
+
+    frame: Frame
+    key: int | None  # from the destination VID; None when OVS rewrote it to our MAC
+    server: "Server" = field(repr=False)
 
     def reply(self, data: bytes, priority: int | None = None) -> bool:
         """Send a REPLY to the requester with the same channel and seq; False if the queue was full."""
@@ -202,25 +208,9 @@ def announce(registry: Registry, service: str, name: str, iface: str, rx: str = 
 
 
 @dataclass
-class Reply:
+class Reply(_FrameView):
     frame: Frame
     received: float  # time.time() when read off the socket
-
-    @property
-    def src(self) -> bytes:
-        return self.frame.src
-
-    @property
-    def channel(self) -> int:
-        return self.frame.channel
-
-    @property
-    def seq(self) -> int:
-        return self.frame.seq
-
-    @property
-    def payload(self) -> bytes:
-        return self.frame.payload
 
 
 def resolve(registry: Registry, service: str) -> schema.Service:
