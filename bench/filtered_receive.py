@@ -295,9 +295,11 @@ def main() -> int:
         reg.assign(SERVICE, OWNED, OWNER)
         blocks = api.service_blocks(svc, OWNED)
         ep = schema.Endpoint(service=SERVICE, name=OWNER, mac=h[SERVER]["mac"], rx="ovs", host=SERVER)
-        lease = reg.announce(ep, ttl=10)
+        # The ghost shares the server's port on purpose (so the switch delivers frames the
+        # server does not own, VID intact): the vfab rule against sharing is what is measured away.
+        lease = reg.announce(ep, ttl=10, allow_shared=True)
         reg.announce(schema.Endpoint(service=SERVICE, name=GHOST, mac=h[SERVER]["mac"], rx="bpf", host=SERVER),
-                     ttl=10)
+                     ttl=10, allow_shared=True)
         clients = [{"iface": h[f"vfh{i + 2}"]["iface"], "netns": tb.netns(f"vfh{i + 2}")} for i in range(max(ns))]
         runs: dict[tuple, list] = {}
         rewrites: dict[str, bool] = {}

@@ -213,7 +213,7 @@ def main() -> int:
         svcs = {name: reg.create_service(name, layout=layout) for name, layout in SERVICES.items()}
         for name in svcs:
             reg.announce(schema.Endpoint(service=name, name=OWNER, mac=h[SERVER]["mac"], rx="ovs", host=SERVER),
-                         ttl=10)
+                         ttl=10, allow_shared=True)  # one echo thread answers both services
         # The NORMAL pair: no host records, so no host routes and no port security for them.
         for name in (N_CLIENT, N_SERVER):
             info = h[name]

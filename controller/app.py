@@ -56,6 +56,7 @@ class VfabController(app_manager.OSKenApp):
         super().__init__(*args, **kwargs)
         self.registry = Registry(os.environ.get("VFAB_ETCD", DEFAULT_ENDPOINT))
         self.poll = float(os.environ.get("VFAB_POLL", "2"))
+        self.settle = float(os.environ.get("VFAB_SETTLE_MS", "5")) / 1e3
         self.items: dict[str, bytes] = {}
         self.revision = 0
         self.dps: dict = {}
@@ -127,7 +128,16 @@ class VfabController(app_manager.OSKenApp):
                 kind, sid, lo, _ = split_cookie(cookie)
                 return dests.get((sid, lo)) if kind == Kind.VID_ROUTE else None
 
-            done = [dpid for dpid in update_order(plans, dest_of, dist) if self._apply(dpid, configs[dpid], rev)]
+            done = []
+            order = update_order(plans, dest_of, dist)
+            for i, dpid in enumerate(order):
+                if self._apply(dpid, configs[dpid], rev):
+                    done.append(dpid)
+                if i + 1 < len(order) and any(dest_of(f.cookie) is not None for f in plans[dpid].add_flows):
+                    # A committed bundle is in the OpenFlow tables at once, but OVS's datapath
+                    # keeps serving cached flows until its revalidators catch up (a few ms
+                    # here); the next switch on the path must not turn before that.
+                    hub.sleep(self.settle)
             # Reported only once every switch has its bundle: the reports must not delay a cut-over.
             for dpid in done:
                 if self.reported.get(dpid, -1) < rev:
@@ -286,12 +296,14 @@ class VfabController(app_manager.OSKenApp):
             acc[0] += st.packet_count
             acc[1] += st.byte_count
         if self.lease is None:
-            self.lease = self.registry.lease(max(int(self.poll * 5), 5))
+            ttl = max(int(self.poll * 10), 10)
+            self.lease = self.registry.lease(ttl)
+            self.lease_stop = self.registry.keepalive(self.lease, ttl)
         try:
             self.registry.put(schema.counters_key(dpid), json.dumps({"at": time.time(), "counters": per}),
                               lease=self.lease)
-            self.registry._post("/lease/keepalive", {"ID": str(self.lease)})
         except Exception:
+            self.lease_stop.set()  # lease lost (e.g. etcd restarted): take a new one next time
             self.lease = None
             raise
 

@@ -13,10 +13,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--listen", default="127.0.0.1", help="OpenFlow listen address")
     ap.add_argument("--port", type=int, default=6653, help="OpenFlow TCP port")
     ap.add_argument("--poll", type=float, default=2.0, help="seconds between counter polls")
+    ap.add_argument("--settle-ms", type=float, default=5.0,
+                    help="pause between switches when a route moves (OVS datapath revalidation lag)")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = ap.parse_args(argv)
     os.environ["VFAB_ETCD"] = args.etcd
     os.environ["VFAB_POLL"] = str(args.poll)
+    os.environ["VFAB_SETTLE_MS"] = str(args.settle_ms)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for noisy in ("os_ken", "urllib3", "etcd3gw"):
