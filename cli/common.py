@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 
 import click
 from rich.console import Console
@@ -32,7 +33,8 @@ class Ctx:
         state = read_state()
         self.etcd = etcd or (state or {}).get("etcd") or DEFAULT_ENDPOINT
         self._registry: Registry | None = None
-        self.console = Console(highlight=False)
+        # Tables wider than 80 columns when piped (rich would otherwise wrap them to 80).
+        self.console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
     @property
     def registry(self) -> Registry:
