@@ -7,8 +7,6 @@ in teardown (the veth pair lives inside it and goes with it).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import os
 import random
@@ -29,7 +27,6 @@ from vfab.vid.ranges import Range, to_masks
 from vfab.vid.transport import RawPort
 
 PY = sys.executable
-CLONE_NEWNET = 0x40000000
 ROOT = os.geteuid() == 0 and shutil.which("ip") is not None
 needs_root = pytest.mark.skipif(not ROOT, reason="needs root and iproute2 (veth in a private netns)")
 
@@ -182,15 +179,6 @@ def test_bad_rx_mode_and_iface_name() -> None:
 
 # ----------------------------------------------------------------------------- veth fixture
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _setns(fd: int) -> None:
-    if _libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
 class Netns:
     """A private network namespace with a veth pair ``a`` <-> ``b`` inside."""
 
@@ -213,30 +201,14 @@ class Netns:
     def delete(self) -> None:
         subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
 
-    @contextlib.contextmanager
-    def entered(self):
-        """Run the body with this thread inside the namespace (sockets made here stay in it)."""
-        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-        target = os.open(f"/var/run/netns/{self.name}", os.O_RDONLY)
-        try:
-            _setns(target)
-            try:
-                yield self
-            finally:
-                _setns(home)
-        finally:
-            os.close(home)
-            os.close(target)
-
     def port(self, iface: str, rx: str = "ovs", **kw) -> RawPort:
-        with self.entered():
-            return RawPort(iface, rx, **kw)
+        return RawPort(iface, rx, netns=f"/var/run/netns/{self.name}", **kw)
 
 
 @pytest.fixture
 def ns():
     if not ROOT:
-        pytest.skip("needs root and iproute2")
+        pytest.fail("transport tests need root and iproute2 (raw sockets, network namespaces)")
     n = Netns()
     try:
         n.create()
