@@ -13,6 +13,7 @@ PACKAGE_DIR = {
     "vfab.controller": "controller",
     "vfab.services": "services",
     "vfab.services.echo": "services/echo",
+    "vfab.services.elastic_kvs": "services/elastic-kvs",
     "vfab.testbed": "testbed",
     "vfab.cli": "cli",
 }
@@ -31,6 +32,6 @@ setup(
         "click>=8.1",
         "rich>=13",
     ],
-    extras_require={"test": ["pytest>=8", "hypothesis>=6", "ruff>=0.5"]},
+    extras_require={"test": ["pytest>=8", "hypothesis>=6", "ruff>=0.5", "redis>=5"]},
     entry_points={"console_scripts": ["vfab=vfab.cli.main:main"]},
 )

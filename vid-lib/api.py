@@ -185,16 +185,18 @@ class Server:
 
 
 def announce(registry: Registry, service: str, name: str, iface: str, rx: str = "ovs",
-             ttl: int = 3, netns: str | None = None) -> Server:
+             ttl: int = 3, netns: str | None = None, ctl: str = "") -> Server:
     """Open ``iface``, register endpoint ``name`` of ``service`` under a lease, return the Server.
 
     ``netns``: open the data port in that network namespace (e.g. a testbed host's
     /proc/PID/ns/net) while etcd is reached from the process's own namespace.
+    ``ctl``: the endpoint's ZeroMQ control address, for stateful services (state manager).
     """
     svc = registry.service(service)
     port = RawPort(iface, rx, netns=netns)
     try:
-        ep = schema.Endpoint(service=service, name=name, mac=port.mac_str, rx=rx, host=socket.gethostname())
+        ep = schema.Endpoint(service=service, name=name, mac=port.mac_str, rx=rx, host=socket.gethostname(),
+                              ctl=ctl)
         lease = registry.announce(ep, ttl)
         server = Server(registry, svc, name, port, lease)
         server.refresh()

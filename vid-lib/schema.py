@@ -12,6 +12,9 @@
     /vfab/v1/config/miss                   "drop" | "controller" | "flood"
     /vfab/v1/applied/<dpid:016x>           Applied   {revision, flows, groups, at}  written by the controller
     /vfab/v1/counters/<dpid:016x>          {cookie-range: [packets, bytes]}      leased, by the controller
+    /vfab/v1/ops/<service>/<endpoint>      OpRec     {op, ranges, peer, phase, done, total, ...}  state op of
+                                                     the endpoint (one at a time), leased by it
+    /vfab/v1/load/<service>/<endpoint>     Load      {at, ranges: [[lo, hi, keys, req/s]]}  leased, by it
 """
 
 from __future__ import annotations
@@ -80,6 +83,14 @@ def link_key(dpid: int, port: int) -> str:
 MISS_KEY = f"{ROOT}config/miss"
 
 
+def op_key(service: str, endpoint: str) -> str:
+    return f"{ROOT}ops/{service}/{endpoint}"
+
+
+def load_key(service: str, endpoint: str) -> str:
+    return f"{ROOT}load/{service}/{endpoint}"
+
+
 def applied_key(dpid: int) -> str:
     return f"{ROOT}applied/{dpid:016x}"
 
@@ -145,11 +156,13 @@ class Endpoint(Record):
     mac: str
     rx: str = "ovs"
     host: str = ""
+    ctl: str = ""  # ZeroMQ control address (tcp://HOST:PORT) of a stateful endpoint, "" if none
 
     def __post_init__(self) -> None:
         check_name("service", self.service)
         check_name("endpoint", self.name)
         _need("endpoint", "host", self.host, str)
+        _need("endpoint", "ctl", self.ctl, str)
         self.mac = int_to_mac(mac_to_int(self.mac))
         if self.rx not in RX_MODES:
             raise VidError(f"receive mode {self.rx!r} is unknown: use one of {', '.join(RX_MODES)}")
@@ -239,8 +252,53 @@ class Applied(Record):
         _need("applied", "at", self.at, (int, float))
 
 
-# Folders the controller writes itself; they never change what it compiles.
-PASSIVE = ("applied", "counters")
+OP_KINDS = ("split", "move", "mirror")
+OP_PHASES = ("prepare", "copy", "flip", "done", "failed", "cancelled")
+
+
+@dataclass
+class OpRec(Record):
+    """A state operation (split/move/mirror) run by its source endpoint; merge is a split run by the owner."""
+
+    KIND: ClassVar[str] = "op"
+    op: str
+    source: str
+    peer: str
+    ranges: list
+    phase: str = "prepare"
+    done: int = 0
+    total: int = 0
+    started: float = 0.0
+    updated: float = 0.0
+    error: str = ""
+    timings: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.op not in OP_KINDS:
+            raise VidError(f"op {self.op!r} is unknown: one of {', '.join(OP_KINDS)}")
+        if self.phase not in OP_PHASES:
+            raise VidError(f"op phase {self.phase!r} is unknown: one of {', '.join(OP_PHASES)}")
+        for n in ("done", "total"):
+            _need("op", n, getattr(self, n), int)
+        _need("op", "ranges", self.ranges, list)
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in ("done", "failed", "cancelled")
+
+
+@dataclass
+class Load(Record):
+    """What a stateful endpoint reports about its ranges: [[lo, hi, keys, requests/s], ...]."""
+
+    KIND: ClassVar[str] = "load"
+    at: float
+    ranges: list = field(default_factory=list)
+    role: dict = field(default_factory=dict)  # "lo" (hex) -> "owner" | "mirror"
+
+
+# Folders that never change what the controller compiles (its own reports, endpoints' ops and load).
+PASSIVE = ("applied", "counters", "ops", "load")
 
 
 def parse_key(key: str) -> tuple[str, list[str]] | None:

@@ -332,6 +332,49 @@ class Registry:
         log.info("service %s: range %s -> %s (epoch %d, revision %d)", service, rng, owner or "-", top + 1, rev)
         return rev
 
+    def coalesce(self, service: str) -> int | None:
+        """Join neighbouring ranges with the same owner, mirrors, helpers and state; one txn.
+
+        Returns the revision, or None when nothing was joined (or somebody raced us).
+        """
+        current = self.ranges(service)
+        runs: list[list[tuple[schema.RangeRec, int]]] = []
+        for rec, mod in current:
+            last = runs[-1][-1][0] if runs else None
+            if last is not None and last.hi + 1 == rec.lo and (last.owner, last.mirrors, last.helpers, last.state) \
+                    == (rec.owner, rec.mirrors, rec.helpers, rec.state):
+                runs[-1].append((rec, mod))
+            else:
+                runs.append([(rec, mod)])
+        joins = [run for run in runs if len(run) > 1]
+        if not joins:
+            return None
+        compares, puts, deletes = [], {}, []
+        for run in joins:
+            first = run[0][0]
+            new = schema.RangeRec(lo=first.lo, hi=run[-1][0].hi, owner=first.owner, mirrors=first.mirrors,
+                                  helpers=first.helpers, epoch=max(r.epoch for r, _ in run) + 1, state=first.state)
+            puts[schema.range_key(service, first.lo)] = new.to_json()
+            for rec, mod in run:
+                compares.append(self.cmp_mod(schema.range_key(service, rec.lo), mod))
+                if rec.lo != first.lo:
+                    deletes.append(schema.range_key(service, rec.lo))
+        ok, rev = self.txn(compares, puts, deletes)
+        if ok:
+            log.info("service %s: joined %d runs of ranges", service, len(joins))
+        return rev if ok else None
+
+    def put_op(self, service: str, op: schema.OpRec, lease: int | None = None) -> int:
+        return self.put(schema.op_key(service, op.source), op.to_json(), lease=lease)
+
+    def ops(self, service: str) -> list[schema.OpRec]:
+        _, items = self.get_prefix(schema.ROOT + f"ops/{service}/")
+        return [schema.OpRec.from_json(v, k) for k, (v, _) in sorted(items.items())]
+
+    def loads(self, service: str) -> dict[str, schema.Load]:
+        _, items = self.get_prefix(schema.ROOT + f"load/{service}/")
+        return {k.rsplit("/", 1)[1]: schema.Load.from_json(v, k) for k, (v, _) in items.items()}
+
     # -- topology ---------------------------------------------------------
     def put_switch(self, sw: schema.Switch) -> int:
         return self.put(schema.switch_key(sw.dpid), sw.to_json())

@@ -1,0 +1,116 @@
+"""Load generator: N closed-loop logical clients on one port, recording a history.
+
+Each logical client sends its next operation only after the last one finished
+(the paper's Fig. 13 workload: put, get or delete on a random key of a small
+pool).  Every PUT writes a unique value (``c<client>-<n>``) so a history
+checker can tell which write a read saw.  Output (``--out``)::
+
+    {"history": [[client, op, key, value|null, invoke, respond, status, version], ...],
+     "counters": {...}, "summary": {...}}
+
+``invoke``/``respond`` are CLOCK_MONOTONIC seconds (system-wide on Linux, so
+histories of several processes can be checked together); ``status`` is the
+reply status name or ``"TIMEOUT"`` when every retry was spent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import time
+
+from vfab.services.elastic_kvs.client import KvsClient
+from vfab.services.elastic_kvs.proto import Op
+from vfab.vid.store import Registry
+
+log = logging.getLogger("vfab.kvs.load")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--etcd", default=os.environ.get("VFAB_ETCD", "127.0.0.1:2379"), help="etcd HOST:PORT")
+    p.add_argument("--service", required=True)
+    p.add_argument("--iface", required=True)
+    p.add_argument("--netns", default=None, metavar="PATH", help="network namespace of --iface")
+    p.add_argument("--clients", type=int, default=4, help="closed-loop logical clients (default 4)")
+    p.add_argument("--duration", type=float, default=5.0, help="s of load (default 5)")
+    p.add_argument("--keys", type=int, default=256, help="size of the key pool (default 256, as in the paper)")
+    p.add_argument("--prefix", default="k", help="key names are PREFIX<n> (default k)")
+    p.add_argument("--mix", default="1:1:0", help="put:get:del weights (default 1:1:0)")
+    p.add_argument("--value-size", type=int, default=64, help="bytes per value (default 64)")
+    p.add_argument("--timeout", type=float, default=0.5, help="per-attempt timeout in s (default 0.5)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--wait-start", metavar="FILE", default=None, help="start when FILE exists")
+    p.add_argument("--out", required=True, metavar="FILE.json")
+
+
+def drive(client: KvsClient, n: int, duration: float, keys: list[bytes], mix: tuple[int, int, int],
+          value_size: int, seed: int | None = None) -> list[list]:
+    rng = random.Random(seed)
+    ops = [Op.PUT] * mix[0] + [Op.GET] * mix[1] + [Op.DEL] * mix[2]
+    history: list[list] = []
+    counts = [0] * n
+
+    def issue(c: int) -> None:
+        op = rng.choice(ops)
+        key = rng.choice(keys)
+        value = b""
+        if op is Op.PUT:
+            counts[c] += 1
+            tag = f"c{client.client_id % 100000}_{c}_{counts[c]}".encode()
+            value = (tag + b"." * value_size)[:max(value_size, len(tag))]
+        client.submit(op, key, value, tag=c)
+
+    end = time.monotonic() + duration
+    for c in range(n):
+        issue(c)
+    while client.inflight:
+        for p in client.poll(0.05):
+            status = p.reply.status.name if p.reply is not None else "TIMEOUT"
+            shown = p.value if p.op is Op.PUT else (p.reply.body if p.reply is not None and p.op is Op.GET
+                                                    and status == "OK" else None)
+            history.append([p.tag, p.op.name, p.key.decode(), shown.split(b".")[0].decode() if shown else None,
+                            p.submitted, p.finished, status, p.reply.version if p.reply else 0])
+            if time.monotonic() < end:
+                issue(p.tag)
+    return history
+
+
+def summarize(history: list[list], duration: float) -> dict:
+    lat = sorted((h[5] - h[4]) * 1e3 for h in history)
+    failed = sum(1 for h in history if h[6] not in ("OK", "NOT_FOUND"))
+
+    def pct(q: float) -> float:
+        return round(lat[min(len(lat) - 1, int(q * len(lat)))], 3) if lat else float("nan")
+
+    return {"ops": len(history), "failed": failed, "req_per_s": round(len(history) / duration, 1),
+            "lat_ms": {"median": pct(0.5), "p99": pct(0.99), "max": round(lat[-1], 3) if lat else None}}
+
+
+def run(args: argparse.Namespace) -> int:
+    mix = tuple(int(x) for x in args.mix.split(":"))
+    if len(mix) != 3 or sum(mix) <= 0 or min(mix) < 0:
+        raise SystemExit(f"error: --mix {args.mix!r} must be three weights put:get:del, e.g. 1:1:0")
+    registry = Registry(args.etcd)
+    client = KvsClient(registry, args.service, args.iface, netns=args.netns, timeout=args.timeout)
+    registry.close()
+    keys = [f"{args.prefix}{i}".encode() for i in range(args.keys)]
+    try:
+        if args.wait_start:
+            while not os.path.exists(args.wait_start):
+                time.sleep(0.001)
+        t0 = time.monotonic()
+        history = drive(client, args.clients, args.duration, keys, mix, args.value_size, args.seed)
+        took = time.monotonic() - t0
+    finally:
+        client.close()
+    doc = {"history": history, "counters": client.counters, "summary": summarize(history, took)}
+    tmp = f"{args.out}.tmp.{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(doc, fh)
+    os.replace(tmp, args.out)
+    print(json.dumps(doc["summary"]), flush=True)
+    log.info("load: counters %s", client.counters)
+    return 0

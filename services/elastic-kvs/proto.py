@@ -1,0 +1,164 @@
+"""elastic-KVS request and reply payloads: the only module that knows their wire format.
+
+They ride in the payload of a vfab REQUEST/REPLY frame (``vfab.vid.frame``).
+
+Request::
+
+    0               1               2               3
+    +---------------+---------------+-------------------------------+
+    |  op (1 B)     |  flags = 0    |        key length (2 B)       |
+    +---------------+---------------+-------------------------------+
+    |                    client id (8 B, random per client)         |
+    +---------------------------------------------------------------+
+    |                    request id (8 B, per client, >= 1)         |
+    +---------------------------------------------------------------+
+    |  key (key length B) ... value (rest of the payload, PUT only) |
+
+Reply::
+
+    +---------------+---------------+-------------------------------+
+    |  status (1 B) |  flags = 0    |          reserved = 0         |
+    +---------------+---------------+-------------------------------+
+    |                    request id (8 B, echoed)                   |
+    +---------------------------------------------------------------+
+    |                    version (8 B) of the key after the op      |
+    +---------------------------------------------------------------+
+    |  value (GET, status OK) or a UTF-8 error message (status >= 3) |
+
+(client id, request id) names one logical operation: a retried PUT or DELETE
+carries the same pair and is applied once (the server remembers the last
+``RECENT_MAX`` pairs per key, and the memory moves with the key).  Versions
+start at 1 for the first write of a key and grow by one per write; a deleted
+key keeps its version as a tombstone.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+from vfab.vid.errors import VfabError
+
+REQ = struct.Struct("!BBHQQ")
+REP = struct.Struct("!BBHQQ")
+REQ_LEN = REQ.size
+REP_LEN = REP.size
+MAX_KEY = 128
+MAX_VALUE = 1280  # + header + key fits one vfab frame (1488 B of payload)
+RECENT_MAX = 16
+
+
+class KvsError(VfabError):
+    """A KVS operation failed; the message says what is wrong, the limit and the fix."""
+
+
+class Op(enum.IntEnum):
+    GET = 1
+    PUT = 2
+    DEL = 3
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    NOT_FOUND = 1
+    BAD_REQUEST = 3  # malformed or over a limit: the message says which
+    WRONG_OWNER = 4  # the range is not this server's (a stale route); retry
+    UNAVAILABLE = 5  # the server could not make the write durable; retry later
+
+
+def check_key(key: bytes) -> bytes:
+    if not isinstance(key, (bytes, bytearray)):
+        raise KvsError(f"key must be bytes, not {type(key).__name__}: encode it (e.g. key.encode())")
+    if not 1 <= len(key) <= MAX_KEY:
+        raise KvsError(f"key of {len(key)} B is out of bounds: keys are 1..{MAX_KEY} B")
+    return bytes(key)
+
+
+def check_value(value: bytes) -> bytes:
+    if not isinstance(value, (bytes, bytearray)):
+        raise KvsError(f"value must be bytes, not {type(value).__name__}: encode it first")
+    if len(value) > MAX_VALUE:
+        raise KvsError(f"value of {len(value)} B is too large: the limit is {MAX_VALUE} B (one frame); "
+                       "split it over several keys")
+    return bytes(value)
+
+
+@dataclass(frozen=True)
+class Request:
+    op: Op
+    client: int
+    reqid: int
+    key: bytes
+    value: bytes = b""
+
+    def serialize(self) -> bytes:
+        check_key(self.key)
+        if self.op is Op.PUT:
+            check_value(self.value)
+        elif self.value:
+            raise KvsError(f"{self.op.name} carries no value")
+        return REQ.pack(int(self.op), 0, len(self.key), self.client, self.reqid) + self.key + self.value
+
+
+def parse_request(data: bytes) -> Request:
+    """Parse a request; KvsError says what is wrong. Never raises anything else."""
+    if len(data) < REQ_LEN:
+        raise KvsError(f"truncated request: {len(data)} B, the header alone is {REQ_LEN} B")
+    op, flags, klen, client, reqid = REQ.unpack_from(data, 0)
+    try:
+        op = Op(op)
+    except ValueError:
+        raise KvsError(f"unknown op {op}: use GET (1), PUT (2) or DEL (3)") from None
+    if flags:
+        raise KvsError(f"reserved flags {flags:#x} are set: the client speaks another revision")
+    if not 1 <= klen <= MAX_KEY:
+        raise KvsError(f"key length {klen} is out of bounds: keys are 1..{MAX_KEY} B")
+    if REQ_LEN + klen > len(data):
+        raise KvsError(f"truncated request: key length says {klen} B, {len(data) - REQ_LEN} B follow")
+    if reqid == 0:
+        raise KvsError("request id 0 is reserved: number requests from 1")
+    key = bytes(data[REQ_LEN:REQ_LEN + klen])
+    value = bytes(data[REQ_LEN + klen:])
+    if op is not Op.PUT and value:
+        raise KvsError(f"{op.name} carries no value, but {len(value)} B follow the key")
+    if len(value) > MAX_VALUE:
+        raise KvsError(f"value of {len(value)} B is too large: the limit is {MAX_VALUE} B")
+    return Request(op, client, reqid, key, value)
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: Status
+    reqid: int
+    version: int = 0
+    body: bytes = b""
+
+    def serialize(self) -> bytes:
+        return REP.pack(int(self.status), 0, 0, self.reqid, self.version) + self.body
+
+    @property
+    def message(self) -> str:
+        return self.body.decode("utf-8", "replace")
+
+
+def parse_reply(data: bytes) -> Reply:
+    if len(data) < REP_LEN:
+        raise KvsError(f"truncated reply: {len(data)} B, the header alone is {REP_LEN} B")
+    status, _flags, _res, reqid, version = REP.unpack_from(data, 0)
+    try:
+        status = Status(status)
+    except ValueError:
+        raise KvsError(f"unknown reply status {status}: the server speaks another revision") from None
+    return Reply(status, reqid, version, bytes(data[REP_LEN:]))
+
+
+def error_reply(reqid: int, status: Status, message: str) -> bytes:
+    return Reply(status, reqid, 0, message.encode()[:MAX_VALUE]).serialize()
+
+
+def vkey(key: bytes) -> int:
+    """The 24-bit VID key of a KVS key: the top bits of its BLAKE2b hash (spreads keys evenly)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest()[:3], "big")

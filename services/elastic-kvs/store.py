@@ -1,0 +1,209 @@
+"""Durable storage of one elastic-KVS server: SQLite in WAL mode, fsync'd before every ack.
+
+Why SQLite: it ships with Python (nothing to install), ``synchronous=FULL``
+makes every commit durable (the WAL is fsync'd), one commit can carry a whole
+batch of writes (group commit: one fsync for many requests), and an index on
+the VID key streams exactly one range's keys for a split — where the paper's
+one-file-per-key layout needs a directory scan.  The select()-loop baseline
+keeps the paper's one file per key (``standard.py``).
+
+Table ``kv``: key (primary), vkey (24-bit VID key, indexed), value (NULL =
+deleted: a tombstone keeps the version so a later copy cannot resurrect an
+older value), version, recent (the last ``RECENT_MAX`` (client, request id)
+pairs that wrote the key: a retried write is recognised wherever the key
+lives).
+
+State record (what a split, mirror or replication ships; this module owns it)::
+
+    +-------+-------+---------------+---------------+-------+-------+-------+
+    | klen  | vkey  |    version    |  vlen | flags |  nrec | key | value |  recent (16 B each)
+    | 2 B   | 4 B   |     8 B       |  2 B  |  1 B  |  1 B  |     |       |
+    flags bit 0: tombstone (no value)
+
+Applying a record is version-gated: it wins only over an older version, so
+snapshot chunks and live replication may arrive in any order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import struct
+import threading
+from typing import Iterator
+
+from vfab.services.elastic_kvs.proto import RECENT_MAX, KvsError, vkey
+from vfab.vid.ranges import Range
+
+log = logging.getLogger("vfab.kvs.store")
+REC = struct.Struct("!HIQHBB")
+PAIR = struct.Struct("!QQ")
+TOMBSTONE = 1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS kv (k BLOB PRIMARY KEY, vkey INTEGER NOT NULL, value BLOB,
+                               version INTEGER NOT NULL, recent BLOB NOT NULL) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS kv_vkey ON kv (vkey);
+"""
+
+
+def pack_record(k: bytes, vk: int, value: bytes | None, version: int, recent: bytes) -> bytes:
+    flags = TOMBSTONE if value is None else 0
+    value = value or b""
+    return REC.pack(len(k), vk, version, len(value), flags, len(recent) // PAIR.size) + k + value + recent
+
+
+def unpack_records(blob: bytes) -> Iterator[tuple[bytes, int, bytes | None, int, bytes]]:
+    off, end = 0, len(blob)
+    while off < end:
+        if off + REC.size > end:
+            raise KvsError(f"truncated state record at byte {off}")
+        klen, vk, version, vlen, flags, nrec = REC.unpack_from(blob, off)
+        off += REC.size
+        k = blob[off:off + klen]
+        off += klen
+        value = None if flags & TOMBSTONE else blob[off:off + vlen]
+        off += vlen
+        recent = blob[off:off + nrec * PAIR.size]
+        off += nrec * PAIR.size
+        if off > end:
+            raise KvsError("truncated state record: lengths run past the blob")
+        yield bytes(k), vk, (bytes(value) if value is not None else None), version, bytes(recent)
+
+
+def recent_has(recent: bytes, client: int, reqid: int) -> bool:
+    want = PAIR.pack(client, reqid)
+    return any(recent[i:i + PAIR.size] == want for i in range(0, len(recent), PAIR.size))
+
+
+def recent_add(recent: bytes, client: int, reqid: int) -> bytes:
+    return (recent + PAIR.pack(client, reqid))[-RECENT_MAX * PAIR.size:]
+
+
+class Store:
+    """One SQLite database per server; each thread gets its own connection."""
+
+    def __init__(self, path: str):
+        self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._local = threading.local()
+        self.db.executescript(SCHEMA)
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            try:
+                conn = sqlite3.connect(self.path, isolation_level=None, timeout=30, check_same_thread=False)
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=FULL")
+            except sqlite3.Error as exc:
+                raise KvsError(f"cannot open the store {self.path}: {exc}; check the --data directory") from None
+            self._local.conn = conn
+        return conn
+
+    # -- the data path: one transaction per batch ----------------------------
+    def begin(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def commit(self) -> None:
+        self.db.execute("COMMIT")
+
+    def rollback(self) -> None:
+        if self.db.in_transaction:
+            self.db.execute("ROLLBACK")
+
+    def row(self, k: bytes) -> tuple[bytes | None, int, bytes] | None:
+        """(value or None if deleted, version, recent) of a key, or None if never written."""
+        return self.db.execute("SELECT value, version, recent FROM kv WHERE k=?", (k,)).fetchone()
+
+    def write(self, k: bytes, value: bytes | None, client: int, reqid: int) -> tuple[int, bool, bytes]:
+        """Put (value) or delete (None) inside the open transaction.
+
+        Returns (version, applied, record); applied is False when (client, reqid)
+        already wrote this key (a retry): nothing changes, the old version is returned.
+        """
+        row = self.row(k)
+        version, recent = (row[1], row[2]) if row else (0, b"")
+        if recent_has(recent, client, reqid):
+            return version, False, b""
+        if value is None and (row is None or row[0] is None):
+            # Deleting a missing key changes nothing but is remembered, so a retry answers the same.
+            recent = recent_add(recent, client, reqid)
+            if row is not None:
+                self.db.execute("UPDATE kv SET recent=? WHERE k=?", (recent, k))
+            return version, True, b""
+        version += 1
+        recent = recent_add(recent, client, reqid)
+        vk = vkey(k)
+        self.db.execute("INSERT OR REPLACE INTO kv (k, vkey, value, version, recent) VALUES (?,?,?,?,?)",
+                        (k, vk, value, version, recent))
+        return version, True, pack_record(k, vk, value, version, recent)
+
+    # -- state transfer --------------------------------------------------------
+    def count(self, rng: Range) -> int:
+        return self.db.execute("SELECT count(*) FROM kv WHERE vkey BETWEEN ? AND ? AND value IS NOT NULL",
+                               (rng.lo, rng.hi)).fetchone()[0]
+
+    def snapshot(self, rng: Range, chunk_bytes: int = 256 * 1024) -> Iterator[tuple[bytes, int]]:
+        """(blob of records, number of records) chunks of every key (tombstones too) in ``rng``.
+
+        Reads inside one transaction: a consistent snapshot while the data path keeps writing.
+        """
+        db = self.db
+        db.execute("BEGIN")
+        try:
+            blob, n = [], 0
+            size = 0
+            for k, vk, value, version, recent in db.execute(
+                    "SELECT k, vkey, value, version, recent FROM kv WHERE vkey BETWEEN ? AND ?", (rng.lo, rng.hi)):
+                rec = pack_record(k, vk, value, version, recent)
+                blob.append(rec)
+                size += len(rec)
+                n += 1
+                if size >= chunk_bytes:
+                    yield b"".join(blob), n
+                    blob, n, size = [], 0, 0
+            if n:
+                yield b"".join(blob), n
+        finally:
+            db.execute("COMMIT")
+
+    def apply(self, blobs: list[bytes]) -> int:
+        """Apply record blobs durably (one fsync'd transaction); returns how many records won."""
+        db = self.db
+        won = 0
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            for blob in blobs:
+                for k, vk, value, version, recent in unpack_records(blob):
+                    cur = db.execute(
+                        "INSERT INTO kv (k, vkey, value, version, recent) VALUES (?,?,?,?,?) "
+                        "ON CONFLICT(k) DO UPDATE SET value=excluded.value, version=excluded.version, "
+                        "recent=excluded.recent WHERE excluded.version > kv.version",
+                        (k, vk, value, version, recent))
+                    won += cur.rowcount
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return won
+
+    def drop(self, rng: Range) -> int:
+        """Forget every key of ``rng`` (after it moved away, or before a fresh copy arrives)."""
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            n = db.execute("DELETE FROM kv WHERE vkey BETWEEN ? AND ?", (rng.lo, rng.hi)).rowcount
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return n
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
