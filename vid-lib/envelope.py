@@ -56,18 +56,17 @@ def decode(frames: list[bytes]) -> Envelope:
         raise EnvelopeError(f"control header of {len(raw)} B is too large: the limit is {MAX_HEADER} B")
     try:
         head = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise EnvelopeError(f"control header is not JSON: {exc}") from None
     if not isinstance(head, dict):
         raise EnvelopeError("control header is not a JSON object")
-    if head.get("v") != VERSION:
+    if type(head.get("v")) is not int or head.get("v") != VERSION:
         raise EnvelopeError(f"control message version {head.get('v')!r} is not supported: this endpoint speaks "
                             f"{VERSION}; upgrade the older side")
     kind, body = head.get("type"), head.get("body", {})
     if not isinstance(kind, str) or not isinstance(body, dict):
         raise EnvelopeError("control header needs a string 'type' and an object 'body'")
-    try:
-        return Envelope(kind, str(head.get("sender", "")), int(head.get("epoch", 0)), int(head.get("id", 0)),
-                        body, [bytes(f) for f in frames[1:]])
-    except (TypeError, ValueError):
-        raise EnvelopeError("control header has a non-integer 'epoch' or 'id'") from None
+    epoch, ident = head.get("epoch", 0), head.get("id", 0)
+    if type(epoch) is not int or type(ident) is not int:
+        raise EnvelopeError(f"control header has a non-integer 'epoch' or 'id' ({epoch!r}, {ident!r})")
+    return Envelope(kind, str(head.get("sender", "")), epoch, ident, body, [bytes(f) for f in frames[1:]])

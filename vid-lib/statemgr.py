@@ -131,6 +131,8 @@ class StateManager:
         # op); may be called from the op thread: the server must queue them thread-safely.
         self.on_forwarded: Callable[[bytes, int], None] = lambda frame, hops: None
         self._paused_frames: list[bytes] = []
+        self.in_batch = False   # the data path is inside a batch (set/cleared by the server's loop)
+        self.batch_no = 0       # batches finished so far
         self._stop = threading.Event()
         self.refresh()
 
@@ -505,6 +507,9 @@ class StateManager:
         except (VfabError, zmq.ZMQError, KeyError) as exc:
             op.rec.phase, op.rec.error = "failed", str(exc)
             log.error("%s: %s to %s failed: %s", self.name, op.kind, op.peer, exc)
+        except Exception as exc:  # a bug: still end the op visibly
+            op.rec.phase, op.rec.error = "failed", f"internal error: {exc!r}"
+            log.exception("%s: %s to %s failed", self.name, op.kind, op.peer)
         finally:
             op.rec.timings["total_s"] = round(time.monotonic() - t0, 4)
             with self.lock:
@@ -524,6 +529,7 @@ class StateManager:
         reg.put_op(self.service.name, op.rec, lease=self.lease or None)
 
     def _ask(self, dealer: zmq.Socket, env: Envelope, timeout: float = ACK_TIMEOUT) -> Envelope:
+        peer = self.op.peer if self.op is not None else "?"
         env.id = self._id()
         env.sender = self.name
         dealer.send_multipart(env.frames())
@@ -533,9 +539,9 @@ class StateManager:
                 got = self._recv_env(dealer)
                 if got is not None and got.id == env.id:
                     if got.type != "OK":
-                        raise StateError(f"peer refused {env.type}: {got.body.get('error', '?')}")
+                        raise StateError(f"peer {peer} refused {env.type}: {got.body.get('error', '?')}")
                     return got
-        raise StateError(f"peer did not answer {env.type} within {timeout:.0f} s (dead or overloaded?)")
+        raise StateError(f"peer {peer} did not answer {env.type} within {timeout:.0f} s (dead or overloaded?)")
 
     def _check(self, op: Op) -> None:
         if op.cancel.is_set():
@@ -573,9 +579,7 @@ class StateManager:
             with self.lock:
                 if rng in self.paused:
                     self.paused.remove(rng)
-                rngs = self.targets.get(op.peer, [])
-                if rng in rngs:
-                    rngs.remove(rng)
+                self._untarget(op.peer, rng)
             try:
                 self._ask(dealer, Envelope("ABORT", body=body))
             except StateError as exc:
@@ -597,10 +601,12 @@ class StateManager:
             self._ask(dealer, Envelope("COMMIT", body={"lo": rng.lo}))
             with self.lock:  # the peer is in the view's mirrors before it stops being a copy target
                 self.refresh(reg)
-                self.targets.get(op.peer, []).remove(rng)
+                self._untarget(op.peer, rng)
         else:
-            with self.lock:  # the data path holds the lock per batch: after this no write to rng is in flight
+            with self.lock:
                 self.paused.append(rng)
+            self._quiesce()  # after the batch in progress (if any), no write to rng is in flight
+            self._check(op)  # ...and every write before it reached the peer, or the op fails here
             try:
                 rev = reg.assign(self.service.name, rng, op.peer, expect_epoch=start_epoch,
                                  mirrors=[m for m in parent.mirrors if m != op.peer], helpers=parent.helpers)
@@ -610,8 +616,8 @@ class StateManager:
             self.refresh(reg)
             with self.lock:
                 self.paused.remove(rng)
-                self.targets.get(op.peer, []).remove(rng)
-                held = [f for f in self._paused_frames]
+                self._untarget(op.peer, rng)
+                held = list(self._paused_frames)
                 self._paused_frames.clear()
             try:
                 self._ask(dealer, Envelope("COMMIT", body={"lo": rng.lo}))
@@ -632,6 +638,18 @@ class StateManager:
             op.rec.timings["switches_s"] = round(reg.wait_applied(reg.state_revision(), timeout=5.0), 4)
         except RegistryError as exc:
             log.warning("%s: switches slow to apply the flip: %s", self.name, exc)
+
+    def _untarget(self, peer: str, rng: Range) -> None:
+        rngs = self.targets.get(peer, [])
+        if rng in rngs:
+            rngs.remove(rng)
+
+    def _quiesce(self, timeout: float = 2 * ACK_TIMEOUT) -> None:
+        seen, deadline = self.batch_no, time.monotonic() + timeout
+        while self.in_batch and self.batch_no == seen:
+            if time.monotonic() > deadline:
+                raise StateError(f"the data path stayed inside one batch for {timeout:.0f} s: nothing moved; retry")
+            time.sleep(0.0005)
 
     def _forward_held(self, frames: list[bytes]) -> None:
         # The main thread owns the sockets: hand the frames to it through on_forwarded (it re-classifies them).

@@ -1,0 +1,174 @@
+"""elastic-KVS on real OVS + os-ken + etcd in Mininet: state ops under load, crashes, takeover, bad input.
+
+Topology line,2,3: vfh1-3 on vfbs1, vfh4-6 on vfbs2.  Servers on vfh1, vfh4, vfh5
+(one service per test, stopped at its end), load clients on vfh2, vfh3, vfh6.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from vfab.services.elastic_kvs import proto
+from vfab.services.elastic_kvs.proto import KvsError, Op, Status
+from vfab.testbed import history, kvs
+from vfab.testbed.procs import wait_for
+from vfab.vid import statectl
+from vfab.vid.errors import VidError
+from vfab.vid.ranges import Range
+from vfab.vid.statemgr import StateError
+
+HALF = Range(0x800000, 0xFFFFFF)
+
+
+@pytest.fixture
+def servers(testbed):
+    started = []
+
+    def start(service: str, specs: list[tuple[str, str, str | None]]):
+        testbed.registry.create_service(service)
+        for host, name, listen in specs:
+            started.append(kvs.start_server(testbed, host, name, service, listen))
+        testbed.wait_revision(testbed.registry.state_revision())
+        return started
+
+    yield start
+    for proc in started:
+        testbed.sup.stop(proc)
+        assert "Traceback" not in open(proc.logpath).read(), f"{proc.name} raised:\n{proc.tail(40)}"
+
+
+def owners(tb, service: str) -> list[tuple[Range, str]]:
+    return [(r.range, r.owner) for r, _ in tb.registry.ranges(service)]
+
+
+def run_op(tb, service: str, start) -> object:
+    since = time.time()
+    source = start()
+    return statectl.wait(tb.registry, service, source, since, timeout=60)
+
+
+def checked(tb, service: str, loads: list[dict], keys: list[str], preloaded: list[str] = ()) -> dict:
+    rows = [[-1, "PUT", k, k, 0.0, 0.0, "OK", 1] for k in preloaded]
+    for doc in loads:
+        rows += doc["history"]
+    at = time.monotonic()
+    return history.check(rows, kvs.read_back(tb, "vfh2", service, keys), at)
+
+
+def test_split_mirror_merge_move_under_load_lose_nothing(testbed, servers):
+    servers("kvs1", [("vfh1", "a", "0-0xffffff"), ("vfh4", "b", None), ("vfh5", "c", None)])
+    loads = [kvs.start_load(testbed, h, f"load1-{h}", "kvs1", duration=14, clients=4, keys=300)
+             for h in ("vfh2", "vfh3", "vfh6")]
+    time.sleep(2)
+    ops = {
+        "split": run_op(testbed, "kvs1", lambda: statectl.split(testbed.registry, "kvs1", HALF, "b")),
+        "mirror": run_op(testbed, "kvs1", lambda: statectl.mirror(testbed.registry, "kvs1", "a", "c")),
+        "merge": run_op(testbed, "kvs1", lambda: statectl.merge(testbed.registry, "kvs1", HALF, "a")),
+        "move": run_op(testbed, "kvs1", lambda: statectl.move(testbed.registry, "kvs1", "a", "b")),
+    }
+    docs = [kvs.finish_load(testbed, p, out) for p, out in loads]
+    for name, op in ops.items():
+        assert op.phase == "done", f"{name}: {op}"
+        assert op.done >= 1, f"{name} moved no keys: {op}"
+    # move: b owns everything; c, mirror of the lower half since the mirror op, stays its mirror under b
+    recs = [(r.range, r.owner, r.mirrors) for r, _ in testbed.registry.ranges("kvs1")]
+    assert recs == [(Range(0, 0x7FFFFF), "b", ["c"]), (HALF, "b", [])], recs
+    report = checked(testbed, "kvs1", docs, [f"k{i}" for i in range(300)])
+    assert report["ops"] > 3000, report["ops"]
+    assert report["acked_puts"] > 1000
+    assert not report["failed"], f"{len(report['failed'])} requests failed, e.g. {report['failed'][:5]}"
+    assert not report["violations"], "\n".join(report["violations"][:10])
+
+
+@pytest.mark.parametrize("victim", ["owner", "peer"])
+def test_kill_during_split_keeps_one_owner_and_every_write(testbed, servers, victim):
+    service = f"kvs-kill-{victim}"
+    procs = servers(service, [("vfh1", "a", "0-0xffffff"), ("vfh4", "b", None)])
+    n = 3000
+    assert kvs.preload(testbed, "vfh3", service, n, value_size=256) == n
+    load, out = kvs.start_load(testbed, "vfh2", f"load-kill-{victim}", service, duration=20, clients=4, keys=n,
+                               timeout=0.5)
+    since = time.time()
+    statectl.split(testbed.registry, service, HALF, "b", throttle=800)  # ~2 s of copying
+    wait_for(lambda: (op := statectl.current(testbed.registry, service, "a")) and op.phase == "copy"
+             and op.done > 200, 20, "the split to be copying")
+    if victim == "owner":
+        testbed.sup.kill9(procs[0])
+        time.sleep(1.0)
+        # The crashed owner comes back on its durable store, under the same name.
+        procs[0] = kvs.start_server(testbed, "vfh1", "a", service)
+        # The peer aborts by itself once its source is silent and etcd still names the owner.
+        wait_for(lambda: "aborted" in open(procs[1].logpath).read(), 20, "b to abort the orphaned copy")
+    else:
+        testbed.sup.kill9(procs[1])
+        op = statectl.wait(testbed.registry, service, "a", since, timeout=30)
+        assert op.phase == "failed" and "b" in op.error, op
+    assert owners(testbed, service) == [(Range(0, 0xFFFFFF), "a")]
+    doc = kvs.finish_load(testbed, load, out)
+    report = checked(testbed, service, [doc], [f"k{i}" for i in range(n)], preloaded=[f"k{i}" for i in range(n)])
+    assert report["acked_puts"] > 100
+    assert not report["violations"], "\n".join(report["violations"][:10])
+    if victim == "peer":  # the owner never stopped serving
+        assert not report["failed"], f"{len(report['failed'])} requests failed, e.g. {report['failed'][:5]}"
+
+
+def test_mirror_takes_over_when_the_owner_dies(testbed, servers):
+    procs = servers("kvs-mirror", [("vfh1", "a", "0-0xffffff"), ("vfh5", "c", None)])
+    op = run_op(testbed, "kvs-mirror", lambda: statectl.mirror(testbed.registry, "kvs-mirror", "a", "c"))
+    assert op.phase == "done", op
+    assert [r.mirrors for r, _ in testbed.registry.ranges("kvs-mirror")] == [["c"]]
+    load, out = kvs.start_load(testbed, "vfh2", "load-mirror", "kvs-mirror", duration=12, clients=4, keys=300)
+    time.sleep(3)
+    testbed.sup.kill9(procs[0])
+    wait_for(lambda: owners(testbed, "kvs-mirror") == [(Range(0, 0xFFFFFF), "c")], 15, "c to take over")
+    doc = kvs.finish_load(testbed, load, out)
+    report = checked(testbed, "kvs-mirror", [doc], [f"k{i}" for i in range(300)])
+    assert report["acked_puts"] > 300
+    assert not report["violations"], "\n".join(report["violations"][:10])
+    assert not report["failed"], f"{len(report['failed'])} requests failed, e.g. {report['failed'][:5]}"
+
+
+def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(testbed, servers):
+    servers("kvs-bad", [("vfh1", "a", "0-0x7fffff"), ("vfh4", "b", "0x800000-0xffffff")])
+    with kvs.client(testbed, "vfh2", "kvs-bad") as cli:
+        assert cli.put(b"keep", b"v1") == 1
+        with pytest.raises(KvsError, match="1280"):
+            cli.put(b"big", b"x" * (proto.MAX_VALUE + 1))
+        with pytest.raises(KvsError, match="1..128"):
+            cli.put(b"", b"v")
+        # The same mistakes on the wire (a client that skips the checks) and plain garbage.
+        vk = proto.vkey(b"keep")
+        raw = cli.api
+        bad = {
+            "oversized": proto.REQ.pack(2, 0, 4, 7, 1) + b"keep" + b"x" * (proto.MAX_VALUE + 1),
+            "empty key": proto.REQ.pack(2, 0, 0, 7, 2) + b"v",
+            "unknown op": proto.REQ.pack(9, 0, 4, 7, 3) + b"keep",
+            "truncated": b"\x02\x00",
+            "key past end": proto.REQ.pack(1, 0, 100, 7, 4) + b"keep",
+        }
+        for what, payload in bad.items():
+            seq = raw.send_request(vk, payload)
+            rep = raw.wait_reply(seq, timeout=2.0)
+            assert rep is not None, f"{what}: no reply"
+            reply = proto.parse_reply(rep.payload)
+            assert reply.status is Status.BAD_REQUEST, (what, reply)
+            assert reply.message, what
+        assert cli.get(b"keep") == b"v1"
+        assert cli.get(b"missing") is None
+        assert cli.delete(b"missing") is False
+    # Operator mistakes: a range nobody owns alone, a peer that is not there, a split by a non-owner.
+    with pytest.raises(StateError, match="not inside one owner"):
+        statectl.split(testbed.registry, "kvs-bad", Range(0x700000, 0x900000), "b")
+    with pytest.raises(StateError, match="not a live stateful endpoint"):
+        statectl.split(testbed.registry, "kvs-bad", Range(0, 0xFFFF), "nobody")
+    with pytest.raises(StateError, match="does not own"):
+        statectl.command(testbed.registry, "kvs-bad", "b", "SPLIT", {"peer": "a", "lo": 0, "hi": 0xFFFF})
+    with pytest.raises(VidError):
+        Range(0, 0x1000000)
+    assert owners(testbed, "kvs-bad") == [(Range(0, 0x7FFFFF), "a"), (Range(0x800000, 0xFFFFFF), "b")]
+    with kvs.client(testbed, "vfh3", "kvs-bad") as cli:
+        assert cli.get(b"keep") == b"v1"
+        ops = kvs.pipeline(cli, [(Op.PUT, f"x{i}".encode(), b"y") for i in range(200)])
+        assert all(p.reply is not None and p.reply.status is Status.OK for p in ops)

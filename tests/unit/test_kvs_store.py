@@ -1,0 +1,512 @@
+"""services/elastic-kvs/store.py: the SQLite store of one elastic-KVS server (on a tmp_path file)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from vfab.services.elastic_kvs import store as store_mod
+from vfab.services.elastic_kvs.proto import RECENT_MAX, KvsError, vkey
+from vfab.services.elastic_kvs.store import PAIR, REC, Store, pack_record, recent_add, recent_has, unpack_records
+from vfab.vid.ranges import Range
+
+FULL = Range(0, (1 << 24) - 1)
+C1, C2 = 0xAAAA, 0xBBBB
+
+
+@pytest.fixture
+def st(tmp_path):
+    s = Store(str(tmp_path / "kv.db"))
+    yield s
+    s.rollback()
+    s.close()
+
+
+def put(s: Store, k: bytes, v: bytes | None, client: int = C1, reqid: int = 1):
+    s.begin()
+    try:
+        out = s.write(k, v, client, reqid)
+    except BaseException:
+        s.rollback()
+        raise
+    s.commit()
+    return out
+
+
+def fill(s: Store, n: int, prefix: str = "key", start_reqid: int = 1) -> list[bytes]:
+    keys = [f"{prefix}-{i}".encode() for i in range(n)]
+    s.begin()
+    for i, k in enumerate(keys):
+        s.write(k, b"val-" + k, C1, start_reqid + i)
+    s.commit()
+    return keys
+
+
+def table(s: Store) -> dict[bytes, tuple]:
+    return {k: (v, ver, rec) for k, v, ver, rec in s.db.execute("SELECT k, value, version, recent FROM kv")}
+
+
+def all_records(s: Store, rng: Range = FULL, chunk_bytes: int = 256 * 1024) -> list[tuple]:
+    return [r for blob, _n in s.snapshot(rng, chunk_bytes) for r in unpack_records(blob)]
+
+
+def pairs(recent: bytes) -> list[tuple[int, int]]:
+    return [PAIR.unpack_from(recent, i) for i in range(0, len(recent), PAIR.size)]
+
+
+# -- the data path ------------------------------------------------------------------
+
+
+def test_write_and_row_in_a_transaction(st):
+    assert st.row(b"k") is None
+    st.begin()
+    version, applied, record = st.write(b"k", b"v1", C1, 1)
+    # visible to the same connection before the commit
+    assert st.row(b"k") == (b"v1", 1, PAIR.pack(C1, 1))
+    st.commit()
+    assert (version, applied) == (1, True)
+    assert st.row(b"k") == (b"v1", 1, PAIR.pack(C1, 1))
+    assert list(unpack_records(record)) == [(b"k", vkey(b"k"), b"v1", 1, PAIR.pack(C1, 1))]
+
+
+def test_rollback_discards_the_write(st):
+    st.begin()
+    st.write(b"k", b"v", C1, 1)
+    st.rollback()
+    assert st.row(b"k") is None
+    st.rollback()  # no transaction open: a no-op, not an error
+
+
+def test_uncommitted_write_is_invisible_to_another_thread(st):
+    st.begin()
+    st.write(b"k", b"v", C1, 1)
+    seen = []
+    t = threading.Thread(target=lambda: (seen.append(st.row(b"k")), st.close()))
+    t.start()
+    t.join(5)
+    st.commit()
+    assert seen == [None]
+    assert st.row(b"k")[0] == b"v"
+
+
+def test_versions_grow_by_one(st):
+    assert [put(st, b"k", f"v{i}".encode(), C1, i)[0] for i in (1, 2, 3)] == [1, 2, 3]
+    assert st.row(b"k")[:2] == (b"v3", 3)
+    # versions are per key
+    assert put(st, b"other", b"x", C1, 4)[0] == 1
+
+
+def test_empty_value_is_a_value_not_a_tombstone(st):
+    put(st, b"k", b"", C1, 1)
+    assert st.row(b"k")[:2] == (b"", 1)
+    assert st.count(FULL) == 1
+
+
+def test_delete_leaves_a_tombstone_and_put_continues_the_version(st):
+    put(st, b"k", b"v1", C1, 1)
+    put(st, b"k", b"v2", C1, 2)
+    version, applied, record = put(st, b"k", None, C1, 3)
+    assert (version, applied) == (3, True)
+    value, ver, _recent = st.row(b"k")
+    assert (value, ver) == (None, 3)
+    assert list(unpack_records(record))[0][2:4] == (None, 3)
+    assert st.count(FULL) == 0
+    version, applied, _ = put(st, b"k", b"v4", C1, 4)
+    assert (version, applied) == (4, True)
+    assert st.row(b"k")[:2] == (b"v4", 4)
+
+
+def test_delete_of_a_missing_key_changes_nothing(st):
+    assert put(st, b"ghost", None, C1, 1) == (0, True, b"")
+    assert st.row(b"ghost") is None
+    # a tombstone deleted again keeps its version, but the pair is remembered
+    put(st, b"k", b"v", C1, 2)
+    put(st, b"k", None, C1, 3)
+    assert put(st, b"k", None, C2, 1) == (2, True, b"")
+    assert st.row(b"k") == (None, 2, PAIR.pack(C1, 2) + PAIR.pack(C1, 3) + PAIR.pack(C2, 1))
+    assert put(st, b"k", None, C2, 1) == (2, False, b"")
+
+
+def test_retry_is_recognised_and_changes_nothing(st):
+    assert put(st, b"k", b"first", C1, 7)[:2] == (1, True)
+    before = st.row(b"k")
+    assert put(st, b"k", b"first", C1, 7) == (1, False, b"")
+    assert put(st, b"k", b"something else", C1, 7) == (1, False, b"")
+    assert put(st, b"k", None, C1, 7) == (1, False, b"")
+    assert st.row(b"k") == before
+    # the same reqid from another client is a different operation
+    assert put(st, b"k", b"c2", C2, 7)[:2] == (2, True)
+    # a retry after later writes still answers with the current version, and changes nothing
+    assert put(st, b"k", b"first", C1, 7) == (2, False, b"")
+    assert st.row(b"k")[:2] == (b"c2", 2)
+
+
+def test_recent_max_bounds_the_memory(st):
+    put(st, b"k", b"v0", C1, 1000)
+    for i in range(1, RECENT_MAX):  # RECENT_MAX - 1 newer writes: the first pair is still remembered
+        put(st, b"k", b"v%d" % i, C2, i)
+    _v, ver, recent = st.row(b"k")
+    assert ver == RECENT_MAX
+    assert len(recent) == RECENT_MAX * PAIR.size
+    assert pairs(recent)[0] == (C1, 1000)
+    assert put(st, b"k", b"again", C1, 1000) == (RECENT_MAX, False, b"")
+    # one more (the RECENT_MAX-th newer write): the oldest pair is forgotten
+    put(st, b"k", b"v%d" % RECENT_MAX, C2, RECENT_MAX)
+    _v, ver, recent = st.row(b"k")
+    assert len(recent) == RECENT_MAX * PAIR.size
+    assert (C1, 1000) not in pairs(recent)
+    assert pairs(recent) == [(C2, i) for i in range(1, RECENT_MAX + 1)]
+    version, applied, _ = put(st, b"k", b"again", C1, 1000)
+    assert (version, applied) == (RECENT_MAX + 2, True)
+
+
+def test_recent_helpers():
+    r = b""
+    for i in range(RECENT_MAX + 3):
+        r = recent_add(r, C1, i)
+    assert len(r) == RECENT_MAX * PAIR.size
+    assert not recent_has(r, C1, 0) and not recent_has(r, C1, 2)
+    assert recent_has(r, C1, 3) and recent_has(r, C1, RECENT_MAX + 2)
+    assert not recent_has(r, C2, 5)
+    assert not recent_has(b"", C1, 1)
+
+
+def test_data_survives_close_and_reopen(tmp_path):
+    path = str(tmp_path / "sub" / "dir" / "kv.db")  # parent directories are created
+    s = Store(path)
+    keys = fill(s, 50)
+    put(s, keys[0], b"updated", C2, 1)
+    put(s, keys[1], None, C2, 2)
+    before = table(s)
+    s.close()
+    s2 = Store(path)
+    try:
+        assert table(s2) == before
+        assert s2.row(keys[0]) == (b"updated", 2, PAIR.pack(C1, 1) + PAIR.pack(C2, 1))
+        assert s2.row(keys[1])[:2] == (None, 2)
+        assert s2.count(FULL) == 49
+        # the retry memory survives the restart too
+        assert put(s2, keys[0], b"updated", C2, 1) == (2, False, b"")
+        assert put(s2, keys[0], b"after restart", C2, 3)[:2] == (3, True)
+    finally:
+        s2.close()
+
+
+def test_open_failure_is_a_kvs_error(tmp_path):
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(KvsError, match=r"cannot open the store .*adir"):
+        Store(str(tmp_path / "adir"))
+
+
+# -- snapshot / count / drop -----------------------------------------------------------
+
+
+def test_snapshot_yields_exactly_the_range_with_tombstones(st):
+    keys = fill(st, 400)
+    for k in keys[::10]:
+        put(st, k, None, C2, 1)
+    rng = Range(0x400000, 0xBFFFFF)
+    want = {k for k in keys if vkey(k) in rng}
+    assert 0 < len(want) < len(keys)
+    recs = all_records(st, rng)
+    got = {r[0] for r in recs}
+    assert got == want
+    assert len(recs) == len(want)  # no duplicates
+    for k, vk, value, version, recent in recs:
+        assert vk == vkey(k)
+        assert (value, version, recent) == st.row(k)
+    tombs = {k for k in want if k in keys[::10]}
+    assert tombs and {r[0] for r in recs if r[2] is None} == tombs
+    # a snapshot of the whole space has every key; of a single empty slot, nothing
+    assert len(all_records(st)) == 400
+    free = next(v for v in range(1 << 24) if v not in {vkey(k) for k in keys})
+    assert list(st.snapshot(Range(free, free))) == []
+
+
+def test_snapshot_range_bounds_are_inclusive(st):
+    keys = fill(st, 50)
+    vk = vkey(keys[7])
+    assert [r[0] for r in all_records(st, Range(vk, vk))] == [keys[7]]
+    got = {r[0] for r in all_records(st, Range(0, vk))} | {r[0] for r in all_records(st, Range(vk, FULL.hi))}
+    assert got == set(keys)
+
+
+def test_snapshot_is_chunked_by_chunk_bytes(st):
+    keys = fill(st, 300)
+    chunk = 2000
+    chunks = list(st.snapshot(FULL, chunk_bytes=chunk))
+    assert len(chunks) > 5
+    total = 0
+    for i, (blob, n) in enumerate(chunks):
+        recs = list(unpack_records(blob))
+        assert len(recs) == n > 0
+        total += n
+        sizes = [len(pack_record(*r)) for r in recs]
+        assert sum(sizes) == len(blob)
+        if i < len(chunks) - 1:
+            # a chunk is cut as soon as it reaches chunk_bytes: at least chunk_bytes, less without its last record
+            assert len(blob) >= chunk
+            assert len(blob) - sizes[-1] < chunk
+        else:
+            assert len(blob) < chunk + sizes[-1]
+    assert total == len(keys)
+    # the default chunk size holds them all in one
+    assert [n for _b, n in st.snapshot(FULL)] == [300]
+
+
+def test_snapshot_leaves_no_transaction_open(st):
+    fill(st, 20)
+    list(st.snapshot(FULL, 100))
+    assert not st.db.in_transaction
+    gen = st.snapshot(FULL, 100)
+    next(gen)
+    gen.close()  # abandoned half way
+    assert not st.db.in_transaction
+    put(st, b"after", b"x", C2, 1)
+    assert st.row(b"after")[0] == b"x"
+
+
+def test_count_counts_live_keys_in_the_range(st):
+    keys = fill(st, 200)
+    for k in keys[:30]:
+        put(st, k, None, C2, 1)
+    live = keys[30:]
+    assert st.count(FULL) == 170
+    rng = Range(0, 0x7FFFFF)
+    assert st.count(rng) == sum(1 for k in live if vkey(k) in rng)
+    assert st.count(Range(0x800000, FULL.hi)) == sum(1 for k in live if vkey(k) >= 0x800000)
+
+
+def test_drop_removes_only_that_range(st):
+    keys = fill(st, 200)
+    put(st, keys[0], None, C2, 1)  # a tombstone is dropped too when in range
+    rng = Range(0x200000, 0x9FFFFF)
+    inside = {k for k in keys if vkey(k) in rng}
+    before = table(st)
+    assert st.drop(rng) == len(inside)
+    after = table(st)
+    assert set(after) == set(keys) - inside
+    assert all(after[k] == before[k] for k in after)
+    assert st.count(rng) == 0
+    assert all_records(st, rng) == []
+    assert st.drop(rng) == 0
+    assert not st.db.in_transaction
+
+
+# -- apply -------------------------------------------------------------------------------
+
+
+def test_apply_into_an_empty_store_reproduces_rows_exactly(st, tmp_path):
+    keys = fill(st, 120)
+    for i, k in enumerate(keys[:40]):
+        put(st, k, b"second", C2, i + 1)
+    for k in keys[40:50]:
+        put(st, k, None, C2, 999)
+    put(st, b"empty", b"", C2, 5000)
+    blobs = [b for b, _n in st.snapshot(FULL, chunk_bytes=1500)]
+    assert len(blobs) > 1
+    dst = Store(str(tmp_path / "dst.db"))
+    try:
+        assert dst.apply(blobs) == 121
+        assert table(dst) == table(st)
+        assert dst.row(b"empty") == (b"", 1, PAIR.pack(C2, 5000))
+        assert dst.count(FULL) == st.count(FULL) == 111
+        # vkey is stored too: range queries on the copy agree with the source
+        rng = Range(0, 0x5FFFFF)
+        assert dst.count(rng) == st.count(rng)
+        assert {r[0] for r in all_records(dst, rng)} == {r[0] for r in all_records(st, rng)}
+        # the retry memory moved with the keys
+        assert put(dst, keys[0], b"second", C2, 1) == (2, False, b"")
+        assert put(dst, keys[45], None, C2, 999) == (2, False, b"")
+        # applying the same snapshot again changes nothing
+        assert dst.apply(blobs) == 0
+        assert table(dst) == table(st)
+    finally:
+        dst.close()
+
+
+def test_apply_is_version_gated(st):
+    k = b"key"
+    vk = vkey(k)
+    r1 = pack_record(k, vk, b"one", 1, PAIR.pack(C1, 1))
+    r2 = pack_record(k, vk, b"two", 2, PAIR.pack(C1, 1) + PAIR.pack(C1, 2))
+    r3 = pack_record(k, vk, None, 3, PAIR.pack(C1, 3))
+    assert st.apply([r2]) == 1
+    assert st.row(k) == (b"two", 2, PAIR.pack(C1, 1) + PAIR.pack(C1, 2))
+    assert st.apply([r1]) == 0  # older: ignored
+    assert st.row(k)[:2] == (b"two", 2)
+    assert st.apply([r2]) == 0  # equal: ignored
+    assert st.apply([r3]) == 1  # newer tombstone wins
+    assert st.row(k) == (None, 3, PAIR.pack(C1, 3))
+    assert st.apply([r1, r2]) == 0  # an older value cannot resurrect a deleted key
+    assert st.row(k)[:2] == (None, 3)
+
+
+def test_apply_older_record_never_overwrites_newer_in_any_order(st, tmp_path):
+    import itertools
+
+    k = b"key"
+    recs = [pack_record(k, vkey(k), (None if v == 3 else b"v%d" % v), v, PAIR.pack(C1, v)) for v in (1, 2, 3, 4)]
+    for n, order in enumerate(itertools.permutations(recs)):
+        dst = Store(str(tmp_path / f"perm{n}.db"))
+        try:
+            # one record per apply() (separate transactions) and all in one blob
+            for r in order:
+                dst.apply([r])
+            assert dst.row(k) == (b"v4", 4, PAIR.pack(C1, 4)), order
+            dst.drop(FULL)
+            dst.apply([b"".join(order)])
+            assert dst.row(k) == (b"v4", 4, PAIR.pack(C1, 4)), order
+        finally:
+            dst.close()
+
+
+def test_apply_local_write_newer_than_the_copy_wins(st):
+    put(st, b"k", b"a", C1, 1)
+    put(st, b"k", b"b", C1, 2)
+    stale = pack_record(b"k", vkey(b"k"), b"stale", 1, PAIR.pack(C2, 1))
+    assert st.apply([stale]) == 0
+    assert st.row(b"k")[:2] == (b"b", 2)
+    # a write after an applied record continues from the applied version
+    newer = pack_record(b"k", vkey(b"k"), b"remote", 9, PAIR.pack(C2, 9))
+    assert st.apply([newer]) == 1
+    assert put(st, b"k", b"local", C1, 3)[:2] == (10, True)
+
+
+def test_shuffled_snapshots_converge(st, tmp_path):
+    keys = fill(st, 150)
+    snap1 = [b for b, _n in st.snapshot(FULL, chunk_bytes=700)]
+    rnd = random.Random(1234)
+    for i, k in enumerate(rnd.sample(keys, 80)):
+        put(st, k, None if i % 4 == 0 else b"new-%d" % i, C2, i + 1)
+    for i in range(20):
+        put(st, b"fresh-%d" % i, b"f", C2, 1000 + i)
+    snap2 = [b for b, _n in st.snapshot(FULL, chunk_bytes=700)]
+    want = table(st)
+    # split every blob into single records, so the shuffle interleaves records of both snapshots freely
+    singles = [pack_record(*r) for blob in snap1 + snap2 for r in unpack_records(blob)]
+    results = []
+    for trial in range(4):
+        order = singles[:]
+        random.Random(trial).shuffle(order)
+        dst = Store(str(tmp_path / f"conv{trial}.db"))
+        try:
+            if trial % 2:
+                dst.apply(order)
+            else:
+                for i in range(0, len(order), 37):
+                    dst.apply(order[i:i + 37])
+            results.append(table(dst))
+        finally:
+            dst.close()
+    assert all(r == want for r in results)
+
+
+def test_apply_truncated_blob_raises_and_applies_nothing(st):
+    good = pack_record(b"a", vkey(b"a"), b"x", 1, b"")
+    bad = pack_record(b"b", vkey(b"b"), b"yyyy", 1, PAIR.pack(C1, 1))[:-3]
+    with pytest.raises(KvsError, match="truncated"):
+        st.apply([good, bad])
+    assert st.row(b"a") is None
+    assert not st.db.in_transaction
+
+
+# -- the record format -------------------------------------------------------------------
+
+
+def test_pack_record_layout():
+    rec = pack_record(b"ab", 0x123456, b"xyz", 7, PAIR.pack(1, 2))
+    assert REC.size == 18
+    assert rec[:18] == bytes([0, 2, 0, 0x12, 0x34, 0x56]) + (7).to_bytes(8, "big") + bytes([0, 3, 0, 1])
+    assert rec[18:] == b"ab" + b"xyz" + PAIR.pack(1, 2)
+    tomb = pack_record(b"ab", 1, None, 2, b"")
+    assert tomb[14:18] == bytes([0, 0, store_mod.TOMBSTONE, 0])
+    assert list(unpack_records(tomb)) == [(b"ab", 1, None, 2, b"")]
+
+
+def test_unpack_records_round_trip_several():
+    recs = [(b"k1", 1, b"v", 1, b""), (b"k2", 2, None, 5, PAIR.pack(3, 4)), (b"k" * 128, 0xFFFFFF, b"", 9, b"")]
+    blob = b"".join(pack_record(*r) for r in recs)
+    assert list(unpack_records(blob)) == recs
+    assert list(unpack_records(b"")) == []
+
+
+@pytest.mark.parametrize("cut", [1, 5, 17])
+def test_unpack_records_truncated_header(cut):
+    blob = pack_record(b"k1", 1, b"v", 1, b"") + pack_record(b"k2", 2, b"w", 1, b"")[:cut]
+    it = unpack_records(blob)
+    assert next(it)[0] == b"k1"
+    with pytest.raises(KvsError, match=r"truncated state record at byte 21"):
+        next(it)
+
+
+@pytest.mark.parametrize("cut", [1, 2, 5, 10, 16])
+def test_unpack_records_truncated_body(cut):
+    full = pack_record(b"key", 1, b"value", 1, PAIR.pack(1, 1))  # 18 + 3 + 5 + 16 = 42 B
+    assert len(full) == 42
+    with pytest.raises(KvsError, match=r"truncated state record: lengths run past the blob"):
+        list(unpack_records(full[:-cut]))
+
+
+# -- concurrency ---------------------------------------------------------------------------
+
+
+def test_snapshot_while_another_thread_writes_is_consistent(st):
+    keys = [b"c-%d" % i for i in range(60)]
+    st.begin()
+    for k in keys:
+        st.write(k, b"gen-0", C1, 1)
+    st.commit()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    gens = [0]
+
+    def writer():
+        try:
+            g = 0
+            while not stop.is_set() and g < 2000:
+                g += 1
+                # every transaction moves all keys to the next generation together
+                st.begin()
+                for k in keys:
+                    st.write(k, b"gen-%d" % g, C1, g + 1)
+                st.commit()
+                gens[0] = g
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+            st.rollback()
+        finally:
+            st.close()
+
+    t = threading.Thread(target=writer)
+    t.start()
+    seen = set()
+    snapshots = 0
+    deadline = time.monotonic() + 2.0
+    try:
+        while time.monotonic() < deadline and (snapshots < 25 or len(seen) < 3):
+            snapshots += 1
+            recs = []
+            for blob, _n in st.snapshot(FULL, chunk_bytes=400):
+                recs.extend(unpack_records(blob))
+                time.sleep(0.001)  # widen the window for a commit to land mid-snapshot
+            assert sorted(r[0] for r in recs) == sorted(keys)
+            values = {r[2] for r in recs}
+            versions = {r[3] for r in recs}
+            assert len(values) == 1 and len(versions) == 1, f"torn snapshot: {values} {versions}"
+            (value,), (version,) = values, versions
+            assert value == b"gen-%d" % (version - 1)
+            for k, vk, _v, ver, recent in recs:
+                assert vk == vkey(k)
+                assert pairs(recent)[-1] == (C1, ver)
+            seen.add(version)
+    finally:
+        stop.set()
+        t.join(10)
+    assert not t.is_alive()
+    assert errors == []
+    assert gens[0] > 0
+    assert len(seen) > 1 or gens[0] >= 2000, "the snapshots never overlapped a write"
