@@ -11,6 +11,7 @@ import time
 
 import click
 
+from vfab.cli.cmd_state import fmt_rate, fmt_ranges, load_by_range, op_json, ops_of, range_load
 from vfab.cli.common import STATE_DIR, STATE_FILE, errors, pass_ctx, read_state, table
 from vfab.testbed.net import TopoSpec
 from vfab.vid import schema
@@ -118,7 +119,7 @@ def netns(host: str) -> None:
 @pass_ctx
 @errors
 def status(c, as_json: bool) -> None:
-    """Health of the fabric: etcd, controller, switches (applied revision), services and ranges."""
+    """Health of the fabric: etcd, controller, switches, services, ranges (keys, req/s) and state operations."""
     state = read_state()
     reg = c.registry
     try:
@@ -131,10 +132,17 @@ def status(c, as_json: bool) -> None:
     for s in reg.services():
         rs = [r for r, _ in reg.ranges(s.name)]
         eps = reg.endpoints(s.name)
+        loads = load_by_range(reg, s.name)
         services.append({"name": s.name, "id": s.id, "ranges": len(rs),
                          "unassigned": sum(1 for r in rs if not r.owner),
                          "endpoints": [e.name for e in eps],
-                         "orphaned": sorted({r.owner for r in rs if r.owner and r.owner not in {e.name for e in eps}})})
+                         "orphaned": sorted({r.owner for r in rs if r.owner and r.owner not in {e.name for e in eps}}),
+                         # per range: the owner's report (keys, req/s; null without one); state operations
+                         "range_map": [{"lo": r.lo, "hi": r.hi, "owner": r.owner, "mirrors": list(r.mirrors),
+                                        "state": r.state, "epoch": r.epoch,
+                                        "keys": load[0] if (load := range_load(loads, r)) else None,
+                                        "req_s": load[1] if load else None} for r in rs],
+                         "ops": [op_json(op) for op in ops_of(reg, s.name)]})
     out = {
         "etcd": {"endpoint": reg.endpoint, "revision": rev},
         "controller": None,
@@ -159,6 +167,16 @@ def status(c, as_json: bool) -> None:
     c.console.print(table("services", ["name", "id", "ranges", "unassigned", "endpoints", "owners down"],
                           [[s["name"], s["id"], s["ranges"], s["unassigned"], ", ".join(s["endpoints"]) or "-",
                             ", ".join(s["orphaned"]) or "-"] for s in services]))
+    for s in services:
+        c.console.print(table(f"{s['name']}: ranges", ["lo", "hi", "owner", "mirrors", "keys", "req/s"],
+                              [[f"{r['lo']:#08x}", f"{r['hi']:#08x}", r["owner"] or "-", ",".join(r["mirrors"]) or "-",
+                                "-" if r["keys"] is None else r["keys"], fmt_rate(r["req_s"])]
+                               for r in s["range_map"]]))
+        if s["ops"]:
+            c.console.print(table(f"{s['name']}: state operations (running or last, per endpoint)",
+                                  ["op", "source -> peer", "ranges", "phase", "done/total", "error"],
+                                  [[o["op"], f"{o['source']} -> {o['peer']}", fmt_ranges(o["ranges"]), o["phase"],
+                                    f"{o['done']}/{o['total']}", o["error"] or "-"] for o in s["ops"]]))
 
 
 COMMANDS = [up, down, exec_, netns, status]

@@ -6,6 +6,7 @@ import json
 
 import click
 
+from vfab.cli.cmd_state import fmt_rate, load_by_range, range_load
 from vfab.cli.common import KEY, RANGE, NameType, errors, pass_ctx, table
 from vfab.vid import codec, schema
 
@@ -71,21 +72,25 @@ def service_del(c, name: str) -> None:
 @pass_ctx
 @errors
 def ranges(c, service: str) -> None:
-    """Show SERVICE's range map: owner, mirrors, helpers, epoch and traffic per range."""
+    """Show SERVICE's range map: owner, mirrors, helpers, epoch, traffic, keys and requests/s per range."""
     reg = c.registry
     svc = reg.service(service)
     live = {e.name for e in reg.endpoints(service)}
     counts = _counters(reg)
+    loads = load_by_range(reg, service)  # the owners' reports: (keys, req/s) per range
     rows = []
     for r, _ in reg.ranges(service):
         owner = r.owner or "-"
         if r.owner and r.owner not in live:
             owner += " (down)"
         pk = counts.get(f"{svc.id}/{r.lo:06x}", [0, 0])[0]
+        load = range_load(loads, r)
         rows.append([f"{r.lo:#08x}", f"{r.hi:#08x}", owner, ",".join(r.mirrors) or "-",
-                     ",".join(r.helpers) or "-", r.epoch, r.state, pk])
+                     ",".join(r.helpers) or "-", r.epoch, r.state, pk,
+                     load[0] if load else "-", fmt_rate(load[1] if load else None)])
     c.console.print(table(f"ranges of {service} (id {svc.id})",
-                          ["lo", "hi", "owner", "mirrors", "helpers", "epoch", "state", "packets"], rows))
+                          ["lo", "hi", "owner", "mirrors", "helpers", "epoch", "state", "packets", "keys", "req/s"],
+                          rows))
 
 
 @click.command("resolve")

@@ -4,6 +4,10 @@ Services are reached through VIDs (MAC addresses that name a service and a
 24-bit key); the controller routes each key range to whichever endpoint owns
 it now.  Start a local fabric with 'vfab up', inspect it with 'vfab status',
 'vfab ranges SERVICE' and 'vfab flows', move a range with 'vfab route'.
+
+Stateful services (elastic-KVS) move their ranges live, state and all: 'vfab
+split', 'vfab merge', 'vfab move' and 'vfab mirror' (stop one with 'vfab
+cancel'); 'vfab kvs get|put|del' sends one request from a fabric host.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import logging
 
 import click
 
-from vfab.cli import cmd_fabric, cmd_flows, cmd_ranges
+from vfab.cli import cmd_fabric, cmd_flows, cmd_kvs, cmd_ranges, cmd_state
 from vfab.cli.common import Ctx
 
 
@@ -27,7 +31,7 @@ def cli(ctx: click.Context, etcd: str | None, verbose: bool) -> None:
     ctx.obj = Ctx(etcd)
 
 
-for module in (cmd_fabric, cmd_ranges, cmd_flows):
+for module in (cmd_fabric, cmd_ranges, cmd_flows, cmd_state, cmd_kvs):
     for command in module.COMMANDS:
         cli.add_command(command)
 

@@ -131,6 +131,7 @@ class StateManager:
         # op); may be called from the op thread: the server must queue them thread-safely.
         self.on_forwarded: Callable[[bytes, int], None] = lambda frame, hops: None
         self._paused_frames: list[bytes] = []
+        self.on_view_change: Callable[[], None] = lambda: None  # e.g. re-filter the receive port
         self.in_batch = False   # the data path is inside a batch (set/cleared by the server's loop)
         self.batch_no = 0       # batches finished so far
         self._stop = threading.Event()
@@ -142,7 +143,10 @@ class StateManager:
         recs = [r for r, _ in reg.ranges(self.service.name)]
         eps = {e.name: e for e in reg.endpoints(self.service.name)}
         with self.lock:
+            changed = recs != self.view.ranges
             self.view.ranges, self.view.endpoints = recs, eps
+        if changed:
+            self.on_view_change()
 
     def start(self) -> None:
         threading.Thread(target=self._housekeeping, name="statemgr-view", daemon=True).start()
@@ -353,7 +357,9 @@ class StateManager:
                 rec = self.view.find(rng.lo)
             if rec is not None and rec.owner == self.name:
                 raise StateError(f"{self.name} already owns {rng}")
-            dropped = self.backend.drop(rng)  # a fresh copy: nothing stale may survive
+            # A fresh copy: nothing stale may survive, unless we mirror the range (then our copy is current
+            # and must stay whatever happens to this operation; version-gated records keep it right).
+            dropped = 0 if rec is not None and self.name in rec.mirrors else self.backend.drop(rng)
             with self.lock:
                 self.incoming[rng.lo] = Incoming(rng, env.sender, b.get("mode", "split"), time.monotonic())
             log.info("%s: receiving %s from %s (%s); dropped %d stale keys", self.name, rng, env.sender,
@@ -391,7 +397,9 @@ class StateManager:
             for frame in inc.buffered:
                 self.on_forwarded(frame, 0)
         else:
-            self.backend.drop(inc.range)
+            rec = self.view.find(inc.range.lo)
+            if not (rec is not None and self.name in rec.mirrors):
+                self.backend.drop(inc.range)
             log.info("%s: %s from %s aborted: copy dropped, %d buffered requests forwarded to the owner",
                      self.name, inc.range, inc.source, len(inc.buffered))
             self.refresh()
@@ -458,6 +466,8 @@ class StateManager:
         schema.check_name("peer endpoint", peer)
         if peer == self.name:
             raise StateError(f"{kind} to {peer}: the peer is this endpoint itself; name another endpoint")
+        if peer not in self.view.endpoints:
+            self.refresh()  # the peer may have started since the last refresh
         with self.lock:
             if self.op is not None:
                 raise StateError(f"{self.name} is already running a {self.op.kind} to {self.op.peer}: wait for it "
@@ -526,6 +536,7 @@ class StateManager:
 
     def _publish(self, reg: Registry, op: Op) -> None:
         op.rec.updated = time.time()
+        op.rec.total = max(op.rec.total, op.rec.done)  # tombstones travel too; total counted live keys
         reg.put_op(self.service.name, op.rec, lease=self.lease or None)
 
     def _ask(self, dealer: zmq.Socket, env: Envelope, timeout: float = ACK_TIMEOUT) -> Envelope:
@@ -560,12 +571,13 @@ class StateManager:
             op.rec.phase = "copy"
             sent_at = time.monotonic()
             last_pub = 0.0
-            for blob, n in self.backend.snapshot(rng):
+            chunk = 256 * 1024 if op.throttle <= 0 else max(4096, int(op.throttle * 100))  # ~0.1 s per chunk
+            for blob, n in self.backend.snapshot(rng, chunk):
                 self._check(op)
                 self._ask(dealer, Envelope("CHUNK", body={"lo": rng.lo}, blobs=[blob]))
                 op.rec.done += n
                 if op.throttle > 0:  # records per second, so serving is not starved
-                    time.sleep(max(0.0, sent_at + n / op.throttle - time.monotonic()))
+                    op.cancel.wait(max(0.0, sent_at + n / op.throttle - time.monotonic()))
                     sent_at = time.monotonic()
                 if time.monotonic() - last_pub > 0.2:
                     last_pub = time.monotonic()
@@ -574,6 +586,7 @@ class StateManager:
             op.rec.timings.setdefault("copy_s", 0.0)
             op.rec.timings["copy_s"] += round(time.monotonic() - t0, 4)
             op.rec.phase = "flip"
+            self._publish(reg, op)
             self._flip(reg, dealer, op, rng, start_epoch)
         except BaseException:
             with self.lock:

@@ -53,8 +53,16 @@ class KvsServer:
         self.sm.lease = self.server.lease
         self.sm.refresh()
         self.sm.on_forwarded = self._queue
+        self.sm.on_view_change = self._refilter
+        self._refilter()
         self.pending: collections.deque[tuple[bytes, int]] = collections.deque()
         self.counters = collections.Counter()
+
+    def _refilter(self) -> None:
+        """rx=bpf/promisc: receive the VIDs of every range we own or mirror (rx=ovs needs nothing)."""
+        with self.sm.lock:
+            mine = [r.range for r in self.sm.view.ranges if r.owner == self.name or self.name in r.mirrors]
+        self.server.port.set_blocks([b for r in mine for b in api.service_blocks(self.svc, r)])
 
     def _queue(self, frame: bytes, hops: int) -> None:
         self.pending.append((frame, hops))

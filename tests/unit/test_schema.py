@@ -16,7 +16,7 @@ MAC = "02:00:00:00:00:01"
 
 GOOD = {
     schema.Service: {"name": "echo", "id": 7, "layout": "suffix"},
-    schema.Endpoint: {"service": "echo", "name": "e1", "mac": MAC, "rx": "bpf", "host": "h1"},
+    schema.Endpoint: {"service": "echo", "name": "e1", "mac": MAC, "rx": "bpf", "host": "h1", "ctl": "tcp://127.0.0.1:5555"},
     schema.RangeRec: {"lo": 0, "hi": 99, "owner": "e1", "mirrors": ["e2"], "helpers": ["e3"],
                       "epoch": 4, "state": "moving"},
     schema.Host: {"mac": MAC, "dpid": 1, "port": 3, "name": "h1"},
@@ -30,7 +30,7 @@ WRONG_TYPES = [
     (schema.Service, "id", "7"), (schema.Service, "id", True), (schema.Service, "name", 7),
     (schema.Service, "layout", 1),
     (schema.Endpoint, "mac", 12.5), (schema.Endpoint, "rx", ["ovs"]), (schema.Endpoint, "service", 5),
-    (schema.Endpoint, "host", 7), (schema.Endpoint, "name", None),
+    (schema.Endpoint, "host", 7), (schema.Endpoint, "name", None), (schema.Endpoint, "ctl", 5),
     (schema.RangeRec, "lo", "0"), (schema.RangeRec, "hi", 99.0), (schema.RangeRec, "epoch", None),
     (schema.RangeRec, "epoch", False), (schema.RangeRec, "owner", 3),
     (schema.RangeRec, "mirrors", "e2"), (schema.RangeRec, "helpers", {"e3": 1}),
