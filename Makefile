@@ -2,12 +2,16 @@
 VENV ?= /opt/vfab-venv
 PY := $(VENV)/bin/python
 
-.PHONY: bootstrap demo test unit integration bench bench-smoke lint
+# `make demo` is the elastic-KVS demo; `make demo-echo` the first (echo) demo.
+.PHONY: bootstrap demo demo-echo test unit integration bench bench-smoke lint
 
 bootstrap:
 	@VFAB_VENV=$(VENV) bash scripts/bootstrap.sh
 
 demo: bootstrap
+	$(PY) -m vfab.testbed.kvs_demo
+
+demo-echo: bootstrap
 	$(PY) -m vfab.testbed.demo
 
 test: bootstrap
