@@ -18,7 +18,6 @@ import logging
 import os
 import signal
 import threading
-import time
 
 import zmq
 
@@ -26,7 +25,7 @@ from vfab.services.elastic_kvs import proto
 from vfab.services.elastic_kvs.proto import Op, Status
 from vfab.services.elastic_kvs.store import Store
 from vfab.vid import api
-from vfab.vid.errors import FrameError, VfabError
+from vfab.vid.errors import FrameError
 from vfab.vid.frame import Frame, FrameType, parse
 from vfab.vid.statemgr import StateManager
 from vfab.vid.store import Registry
@@ -113,24 +112,23 @@ class KvsServer:
         replies: list[tuple[Frame, bytes]] = []
         vks: list[int] = []
         records: list[bytes] = []
-        if True:
-            self.store.begin()
-            try:
-                for frame, raw, hops in batch:
-                    out = self._one(frame, raw, hops, vks, records)
-                    if out is not None:
-                        replies.append((frame, out))
-                self.store.commit()
-            except Exception as exc:
-                self.store.rollback()
-                log.error("%s: batch of %d failed (%s): answering UNAVAILABLE", self.name, len(batch), exc)
-                self._send_all([(f, proto.error_reply(0, Status.UNAVAILABLE, f"store failed: {exc}"))
-                                for f, _, _ in batch])
-                return
-            if records and not self.sm.replicate(vks, records):
-                replies = [(f, proto.error_reply(proto.parse_reply(r).reqid, Status.UNAVAILABLE,
-                                                 "a mirror could not be reached or fenced off: retry"))
-                           for f, r in replies]
+        self.store.begin()
+        try:
+            for frame, raw, hops in batch:
+                out = self._one(frame, raw, hops, vks, records)
+                if out is not None:
+                    replies.append((frame, out))
+            self.store.commit()
+        except Exception as exc:
+            self.store.rollback()
+            log.error("%s: batch of %d failed (%s): answering UNAVAILABLE", self.name, len(batch), exc)
+            self._send_all([(f, proto.error_reply(0, Status.UNAVAILABLE, f"store failed: {exc}"))
+                            for f, _, _ in batch])
+            return
+        if records and not self.sm.replicate(vks, records):
+            replies = [(f, proto.error_reply(proto.parse_reply(r).reqid, Status.UNAVAILABLE,
+                                             "a mirror could not be reached or fenced off: retry"))
+                       for f, r in replies]
         self._send_all(replies)
 
     def _send_all(self, replies: list[tuple[Frame, bytes]]) -> None:
@@ -222,11 +220,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"ready {srv.sm.ctl}", flush=True)
         log.info("%s: ready; owns %s", args.name, ", ".join(owned) or "nothing yet")
         srv.serve(stop)
-    except VfabError:
-        raise
     finally:
         if srv is not None:
             srv.close()
         registry.close()
-        time.sleep(0)
     return 0
