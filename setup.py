@@ -9,6 +9,8 @@ from setuptools import setup
 PACKAGE_DIR = {
     "vfab": "vfab",
     "vfab.vid": "vid-lib",
+    "vfab.vid.registry": "vid-lib/registry",
+    "vfab.vid.state": "vid-lib/state",
     "vfab.fabric": "fabric",
     "vfab.controller": "controller",
     "vfab.services": "services",

@@ -71,7 +71,8 @@ if __package__ in (None, ""):
 
 from bench.common import parser, summary, write  # noqa: E402
 from vfab.testbed.fabric import Testbed  # noqa: E402
-from vfab.vid import api, codec, schema  # noqa: E402
+from vfab.vid import api, codec  # noqa: E402
+from vfab.vid.registry import schema  # noqa: E402
 from vfab.vid.frame import ETH_LEN, Frame, FrameType  # noqa: E402
 from vfab.vid.ranges import Range  # noqa: E402
 from vfab.vid.transport import RawPort  # noqa: E402

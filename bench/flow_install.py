@@ -37,7 +37,8 @@ from vfab.fabric.compiler import compile_fabric  # noqa: E402
 from vfab.fabric.flows import FlowSpec, Kind  # noqa: E402
 from vfab.fabric.state import FabricState  # noqa: E402
 from vfab.testbed.fabric import Testbed  # noqa: E402
-from vfab.vid import codec, schema  # noqa: E402
+from vfab.vid import codec  # noqa: E402
+from vfab.vid.registry import schema  # noqa: E402
 from vfab.vid.ranges import Range, to_masks  # noqa: E402
 
 TXN_OPS = 128          # etcd --max-txn-ops default

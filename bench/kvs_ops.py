@@ -35,7 +35,7 @@ from bench import redis_reshard  # noqa: E402
 from bench.common import parser, summary, write  # noqa: E402
 from vfab.testbed import kvs  # noqa: E402
 from vfab.testbed.fabric import Testbed  # noqa: E402
-from vfab.vid import statectl  # noqa: E402
+from vfab.vid.state import ctl as statectl  # noqa: E402
 from vfab.vid.ranges import Range  # noqa: E402
 
 FULL = Range(0, 0xFFFFFF)

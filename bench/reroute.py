@@ -46,7 +46,8 @@ if __package__ in (None, ""):
 from bench.common import parser, summary, write  # noqa: E402
 from vfab.fabric.flows import Kind, make_cookie  # noqa: E402
 from vfab.testbed.fabric import Testbed  # noqa: E402
-from vfab.vid import codec, schema  # noqa: E402
+from vfab.vid import codec  # noqa: E402
+from vfab.vid.registry import schema  # noqa: E402
 from vfab.vid.frame import Frame, FrameType  # noqa: E402
 from vfab.vid.ranges import Range, to_masks  # noqa: E402
 from vfab.vid.transport import RawPort  # noqa: E402

@@ -14,7 +14,7 @@ import click
 from vfab.cli.cmd_state import fmt_rate, fmt_ranges, load_by_range, op_json, ops_of, range_load
 from vfab.cli.common import STATE_DIR, STATE_FILE, errors, pass_ctx, read_state, table
 from vfab.testbed.net import TopoSpec
-from vfab.vid import schema
+from vfab.vid.registry import schema
 from vfab.vid.errors import RegistryError
 
 

@@ -10,7 +10,8 @@ from vfab.cli.common import errors, pass_ctx, table
 from vfab.fabric.compiler import compile_fabric
 from vfab.fabric.flows import Kind, split_cookie
 from vfab.fabric.state import FabricState
-from vfab.vid import codec, schema
+from vfab.vid import codec
+from vfab.vid.registry import schema
 
 
 def _fmt_match(m) -> str:

@@ -8,7 +8,8 @@ import click
 
 from vfab.cli.cmd_state import fmt_rate, load_by_range, range_load
 from vfab.cli.common import KEY, RANGE, NameType, errors, pass_ctx, table
-from vfab.vid import codec, schema
+from vfab.vid import codec
+from vfab.vid.registry import schema
 
 
 def _counters(reg) -> dict[str, list[int]]:

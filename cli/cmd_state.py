@@ -1,7 +1,7 @@
 """Live state operations: ``split``, ``merge``, ``move``, ``mirror``, ``cancel`` (DESIGN.md §5).
 
 Each command asks the endpoint that must act (the range's owner, or SOURCE)
-over its ZeroMQ control socket (``vfab.vid.statectl``), then follows the
+over its ZeroMQ control socket (``vfab.vid.state.ctl``), then follows the
 operation's record in etcd until it ends, showing its progress; Ctrl-C while
 following cancels the operation (before its flip nothing changes).
 
@@ -18,10 +18,11 @@ import click
 from rich.console import Console
 
 from vfab.cli.common import RANGE, NameType, errors, pass_ctx
-from vfab.vid import schema, statectl
+from vfab.vid.registry import schema
+from vfab.vid.state import ctl as statectl
 from vfab.vid.errors import RegistryError
 from vfab.vid.ranges import Range
-from vfab.vid.statemgr import StateError
+from vfab.vid.errors import StateError
 
 CANCEL_WAIT = 30.0  # s to wait for an operation to end after a cancel (a throttled copy notices it between chunks)
 

@@ -14,7 +14,7 @@ from rich.table import Table
 from vfab.vid import codec
 from vfab.vid.errors import Conflict, NotFound, RegistryError, VfabError, VidError
 from vfab.vid.ranges import Range
-from vfab.vid.store import DEFAULT_ENDPOINT, Registry
+from vfab.vid.registry import DEFAULT_ENDPOINT, Registry
 
 STATE_DIR = os.environ.get("VFAB_STATE_DIR", "/run/vfab")
 STATE_FILE = os.path.join(STATE_DIR, "up.json")
@@ -77,7 +77,7 @@ class NameType(click.ParamType):
         self.kind = kind
 
     def convert(self, value, param, ctx):
-        from vfab.vid.schema import check_name
+        from vfab.vid.registry.schema import check_name
 
         try:
             return check_name(self.kind, value)

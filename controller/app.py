@@ -29,8 +29,8 @@ from vfab.fabric.compiler import compile_fabric, route_destinations
 from vfab.fabric.flows import Kind, split_cookie
 from vfab.fabric.state import FabricState
 from vfab.fabric.topology import distances, next_hops
-from vfab.vid import schema
-from vfab.vid.store import DEFAULT_ENDPOINT, Registry
+from vfab.vid.registry import schema
+from vfab.vid.registry import DEFAULT_ENDPOINT, Registry
 
 log = logging.getLogger("vfab.controller")
 

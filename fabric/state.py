@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from vfab.vid import schema
+from vfab.vid.registry import schema
 from vfab.vid.errors import RegistryError
 
 log = logging.getLogger("vfab.state")

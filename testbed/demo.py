@@ -21,7 +21,8 @@ from rich.table import Table
 
 from vfab.testbed.fabric import Testbed
 from vfab.testbed.procs import wait_for
-from vfab.vid import codec, schema
+from vfab.vid import codec
+from vfab.vid.registry import schema
 
 THIRD = (codec.KEY_MAX + 1) // 3
 RANGES = {"s1": (0, THIRD - 1), "s2": (THIRD, 2 * THIRD - 1), "s3": (2 * THIRD, codec.KEY_MAX)}

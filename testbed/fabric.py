@@ -19,8 +19,8 @@ from vfab.fabric import ovs
 from vfab.testbed.etcd import LocalEtcd
 from vfab.testbed.net import TopoSpec, build, describe
 from vfab.testbed.procs import Supervisor, free_port, wait_for
-from vfab.vid import schema
-from vfab.vid.store import Registry
+from vfab.vid.registry import schema
+from vfab.vid.registry import Registry
 
 log = logging.getLogger("vfab.testbed")
 LOCK_FILE = "/run/vfab-testbed.lock"

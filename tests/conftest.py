@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vfab.testbed.etcd import LocalEtcd, free_port
-from vfab.vid.store import Registry
+from vfab.vid.registry import Registry
 
 
 @pytest.fixture(scope="session")

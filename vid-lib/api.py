@@ -29,12 +29,13 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from vfab.vid import codec, schema
+from vfab.vid import codec
+from vfab.vid.registry import schema
 from vfab.vid.codec import Layout
 from vfab.vid.errors import RegistryError, TransportError
 from vfab.vid.frame import Frame, FrameType
 from vfab.vid.ranges import Range, to_masks
-from vfab.vid.store import Registry
+from vfab.vid.registry import Registry
 from vfab.vid.transport import RawPort
 
 log = logging.getLogger("vfab.api")

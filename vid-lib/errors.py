@@ -27,3 +27,7 @@ class Conflict(RegistryError):
 
 class TransportError(VfabError):
     """A raw socket could not be opened, bound or filtered."""
+
+
+class StateError(VfabError):
+    """A state operation (split/merge/mirror/move) was refused or failed; the message says why and what to do."""

@@ -25,7 +25,7 @@ import time
 from vfab.vid import api
 from vfab.vid.codec import KEY_MAX
 from vfab.vid.ranges import Range
-from vfab.vid.store import Registry
+from vfab.vid.registry import Registry
 from vfab.vid.transport import RX_MODES
 
 log = logging.getLogger("vfab.echo.client")

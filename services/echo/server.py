@@ -12,7 +12,7 @@ import threading
 
 from vfab.vid import api
 from vfab.vid.ranges import Range
-from vfab.vid.store import Registry
+from vfab.vid.registry import Registry
 from vfab.vid.transport import RX_MODES
 
 log = logging.getLogger("vfab.echo.server")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from vfab.services.elastic_kvs import proto
 from vfab.services.elastic_kvs.proto import KvsError, Op, Status
 from vfab.vid import api
-from vfab.vid.store import Registry
+from vfab.vid.registry import Registry
 
 RETRY_STATUSES = (Status.WRONG_OWNER, Status.UNAVAILABLE)
 

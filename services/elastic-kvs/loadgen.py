@@ -24,7 +24,7 @@ import time
 
 from vfab.services.elastic_kvs.client import KvsClient
 from vfab.services.elastic_kvs.proto import Op
-from vfab.vid.store import Registry
+from vfab.vid.registry import Registry
 
 log = logging.getLogger("vfab.kvs.load")
 

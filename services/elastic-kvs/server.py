@@ -27,8 +27,8 @@ from vfab.services.elastic_kvs.store import Store
 from vfab.vid import api
 from vfab.vid.errors import FrameError
 from vfab.vid.frame import Frame, FrameType, parse
-from vfab.vid.statemgr import StateManager
-from vfab.vid.store import Registry
+from vfab.vid.state.manager import StateManager
+from vfab.vid.registry import Registry
 from vfab.vid.transport import RX_MODES
 
 log = logging.getLogger("vfab.kvs.server")

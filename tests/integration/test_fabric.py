@@ -17,7 +17,8 @@ import pytest
 from tests.integration.conftest import client_args, run_client, start_server
 from vfab.fabric.compiler import compile_fabric
 from vfab.fabric.state import FabricState
-from vfab.vid import codec, schema
+from vfab.vid import codec
+from vfab.vid.registry import schema
 from vfab.vid.ranges import Range
 
 THIRD = (codec.KEY_MAX + 1) // 3

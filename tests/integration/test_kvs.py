@@ -14,10 +14,10 @@ from vfab.services.elastic_kvs import proto
 from vfab.services.elastic_kvs.proto import KvsError, Op, Status
 from vfab.testbed import history, kvs
 from vfab.testbed.procs import wait_for
-from vfab.vid import statectl
+from vfab.vid.state import ctl as statectl
 from vfab.vid.errors import VidError
 from vfab.vid.ranges import Range
-from vfab.vid.statemgr import StateError
+from vfab.vid.errors import StateError
 
 HALF = Range(0x800000, 0xFFFFFF)
 

@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from vfab.cli.main import cli
-from vfab.vid import schema
+from vfab.vid.registry import schema
 from vfab.vid.ranges import Range
 
 

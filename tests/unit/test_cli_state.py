@@ -17,10 +17,10 @@ from click.testing import CliRunner
 
 from vfab.cli import cmd_state
 from vfab.cli.main import cli
-from vfab.vid import schema
+from vfab.vid.registry import schema
 from vfab.vid.envelope import Envelope, decode
 from vfab.vid.ranges import Range
-from vfab.vid.store import Registry
+from vfab.vid.registry import Registry
 
 
 @pytest.fixture

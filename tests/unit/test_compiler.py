@@ -13,7 +13,8 @@ from vfab.fabric.compiler import compile_fabric
 from vfab.fabric.flows import TABLE_ADMIT, TABLE_ROUTE, Kind, split_cookie
 from vfab.fabric.state import FabricState
 from vfab.testbed.fakeoftable import FakeFabric
-from vfab.vid import codec, schema
+from vfab.vid import codec
+from vfab.vid.registry import schema
 from vfab.vid.codec import KEY_MAX, Layout
 from vfab.vid.frame import ETH_TYPE
 from vfab.vid.ranges import Range, check_partition, to_masks

@@ -8,14 +8,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vfab.vid import schema
+from vfab.vid.registry import schema
 from vfab.vid.codec import KEY_MAX
 from vfab.vid.errors import RegistryError, VidError
 
 MAC = "02:00:00:00:00:01"
 
 GOOD = {
-    schema.Service: {"name": "echo", "id": 7, "layout": "suffix"},
+    schema.Service: {"name": "echo", "id": 7, "layout": "suffix", "frontdoors": [{"kind": "dhcp4"}]},
     schema.Endpoint: {"service": "echo", "name": "e1", "mac": MAC, "rx": "bpf", "host": "h1", "ctl": "tcp://127.0.0.1:5555"},
     schema.RangeRec: {"lo": 0, "hi": 99, "owner": "e1", "mirrors": ["e2"], "helpers": ["e3"],
                       "epoch": 4, "state": "moving"},
@@ -28,7 +28,8 @@ GOOD = {
 # (record type, field, bad value)
 WRONG_TYPES = [
     (schema.Service, "id", "7"), (schema.Service, "id", True), (schema.Service, "name", 7),
-    (schema.Service, "layout", 1),
+    (schema.Service, "layout", 1), (schema.Service, "frontdoors", {"kind": "dhcp4"}),
+    (schema.Service, "frontdoors", [{"port": 67}]), (schema.Service, "frontdoors", [{"kind": "udp", "x": 1.5}]),
     (schema.Endpoint, "mac", 12.5), (schema.Endpoint, "rx", ["ovs"]), (schema.Endpoint, "service", 5),
     (schema.Endpoint, "host", 7), (schema.Endpoint, "name", None), (schema.Endpoint, "ctl", 5),
     (schema.RangeRec, "lo", "0"), (schema.RangeRec, "hi", 99.0), (schema.RangeRec, "epoch", None),

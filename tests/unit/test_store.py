@@ -8,11 +8,11 @@ import time
 import pytest
 
 from vfab.testbed.etcd import free_port
-from vfab.vid import schema
+from vfab.vid.registry import schema
 from vfab.vid.codec import KEY_MAX
 from vfab.vid.errors import Conflict, NotFound, RegistryError, VidError
 from vfab.vid.ranges import FULL, Range, check_partition
-from vfab.vid.store import Registry
+from vfab.vid.registry import Registry
 
 
 def layout_of(registry: Registry, service: str) -> list[tuple[int, int, str, int, str]]:

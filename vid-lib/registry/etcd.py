@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import etcd3gw
 import requests
 
-from vfab.vid import schema
+from vfab.vid.registry import schema
 from vfab.vid.codec import KEY_MAX, SERVICE_MAX, Layout
 from vfab.vid.errors import Conflict, NotFound, RegistryError, VidError
 from vfab.vid.ranges import Range

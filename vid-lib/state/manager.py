@@ -40,11 +40,11 @@ from typing import Callable, Iterator, Protocol
 
 import zmq
 
-from vfab.vid import schema
+from vfab.vid.registry import schema
 from vfab.vid.envelope import Envelope, EnvelopeError, decode
-from vfab.vid.errors import Conflict, RegistryError, VfabError
+from vfab.vid.errors import Conflict, RegistryError, StateError, VfabError
 from vfab.vid.ranges import Range
-from vfab.vid.store import Registry
+from vfab.vid.registry import Registry
 
 log = logging.getLogger("vfab.statemgr")
 
@@ -53,10 +53,6 @@ INCOMING_IDLE = 6.0     # s a peer waits on a silent source before asking etcd
 VIEW_PERIOD = 0.25      # s between refreshes of the cached range map
 LOAD_PERIOD = 1.0       # s between load reports
 FWD_HOPS = 4
-
-
-class StateError(VfabError):
-    """A state operation was refused or failed; the message says why and what to do."""
 
 
 class Backend(Protocol):

@@ -139,6 +139,10 @@ class Service(Record):
     name: str
     id: int
     layout: str = Layout.PREFIX.value
+    # Front doors: table-0 classifiers that turn a real protocol into this service's VIDs, e.g.
+    # {"kind": "dhcp4"} or {"kind": "udp", "ip": "10.0.0.100", "port": 11211, "key": "ip_src"}.
+    # The kinds and their parameters are defined by vfab.fabric.frontdoor.
+    frontdoors: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_name("service", self.name)
@@ -146,6 +150,15 @@ class Service(Record):
         if not 1 <= self.id <= SERVICE_MAX:
             raise VidError(f"service id {self.id} is out of range: 1..{SERVICE_MAX}")
         Layout.parse(self.layout)
+        _need("service", "frontdoors", self.frontdoors, list)
+        for door in self.frontdoors:
+            if not isinstance(door, dict) or not isinstance(door.get("kind"), str):
+                raise VidError(f"front door {door!r} of service {self.name!r} is malformed: each is an object "
+                               'with a "kind" (e.g. {"kind": "dhcp4"})')
+            for k, v in door.items():
+                if not isinstance(k, str) or not isinstance(v, (str, int)) or isinstance(v, bool):
+                    raise VidError(f"front door {door!r} of service {self.name!r}: parameter {k!r} must be a "
+                                   "string or an integer")
 
 
 @dataclass

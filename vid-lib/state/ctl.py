@@ -19,12 +19,12 @@ from typing import Callable
 
 import zmq
 
-from vfab.vid import schema
+from vfab.vid.registry import schema
 from vfab.vid.envelope import Envelope, EnvelopeError, decode
 from vfab.vid.errors import NotFound
 from vfab.vid.ranges import Range
-from vfab.vid.statemgr import StateError
-from vfab.vid.store import Registry
+from vfab.vid.errors import StateError
+from vfab.vid.registry import Registry
 
 
 def command(reg: Registry, service: str, endpoint: str, type: str, body: dict, timeout: float = 5.0) -> Envelope:
