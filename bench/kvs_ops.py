@@ -13,7 +13,7 @@ order, each on all N keys:
 - move   a -> b (b, a mirror, becomes the owner)
 
 Per operation: the OpRec's own timings (copy, flip, switches, total), the wall
-time from the statectl call to ``statectl.wait`` returning (it polls etcd every
+time from the statectl call to ``statectl.wait`` returning (it follows the op's record with an etcd watch;
 50 ms), keys moved (OpRec.done) and the load's latency for requests invoked in
 that window.  Failed client requests (status not OK/NOT_FOUND) are counted over
 the whole load run.  Then, in the same run, Redis Cluster resharding of the same
@@ -57,17 +57,11 @@ def run_op(tb: Testbed, svc: str, name: str) -> dict:
         "move": lambda: statectl.move(reg, svc, "a", "b"),
     }[name]
     source = SOURCE[name]
-    prev = statectl.current(reg, svc, source)
     m0 = time.monotonic()
-    if start() != source:
+    started = start()
+    if started.source != source:
         raise RuntimeError(f"{svc} {name}: run by an unexpected endpoint")
-    # statectl.wait accepts records started up to 1 s before ``since``: wait for this op's own record
-    # first, so that the previous op's (finished) record is never taken for it.
-    while (rec := statectl.current(reg, svc, source)) is None or (prev is not None and rec.started <= prev.started):
-        if time.monotonic() - m0 > 30:
-            raise RuntimeError(f"{svc} {name}: no operation record from {source} after 30 s")
-        time.sleep(0.005)
-    rec = statectl.wait(reg, svc, source, rec.started, timeout=300)
+    rec = statectl.wait(reg, svc, started.op, timeout=300)
     m1 = time.monotonic()
     return {"op": name, "source": source, "phase": rec.phase, "error": rec.error, "keys": rec.done,
             "total": rec.total, "timings": {k: round(v, 4) for k, v in rec.timings.items()},

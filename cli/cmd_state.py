@@ -156,7 +156,7 @@ def _timings(rec: schema.OpRec) -> str:
         v = rec.timings.get(name)
         return f"{v:.3f} s" if isinstance(v, (int, float)) else "-"
 
-    return f"copy {s('copy_s')}, flip {s('flip_s')}, switches {s('switches_s')}, total {s('total_s')}"
+    return f"copy {s('copy_s')}, flip {s('flip_s')}, total {s('total_s')}"
 
 
 def _live_stateful(reg, service: str) -> dict:
@@ -191,54 +191,40 @@ def _split_source(reg, service: str, rng: Range, peer: str, flag: str) -> str:
 
 
 def _run(c, service: str, source: str, kind: str, desc: str, send, wait: bool, timeout: float) -> None:
-    """Send the command to ``source`` (``send()`` returns its name), then follow the op until it ends."""
+    """Send the command (``send()`` returns what the endpoint started), then follow the op by its id."""
     reg = c.registry
-    previous = statectl.current(reg, service, source)
-    since = time.time()
-    source = send()
-    since = _after(previous, since)
+    started = send()
     if not wait:
-        click.echo(f"{desc}: accepted by {source}; follow it with 'vfab status', cancel it with "
-                   f"'vfab cancel {service} {source}'")
+        click.echo(f"{desc}: accepted by {started.source} as {started.op}; follow it with 'vfab status', cancel "
+                   f"it with 'vfab cancel {service} {started.source}'")
         return
-    click.echo(f"{desc}: accepted by {source}; following it (Ctrl-C cancels it)", err=True)
+    click.echo(f"{desc}: accepted by {started.source} as {started.op}; following it (Ctrl-C cancels it)", err=True)
     follow = Follow(desc)
     note = ""
     try:
-        rec = statectl.wait(reg, service, source, since, timeout=timeout, progress=follow)
+        rec = statectl.wait(reg, service, started.op, timeout=timeout, progress=follow)
     except KeyboardInterrupt:
         follow.close()
-        rec, note = _interrupted(reg, service, source, since, kind)
+        rec, note = _interrupted(reg, service, started, kind)
     finally:
         follow.close()
     _report(reg, service, desc, rec, note)
 
 
-def _after(previous: schema.OpRec | None, since: float) -> float:
-    """``since`` for statectl.wait, past the start of the source's previous operation.
-
-    wait() accepts a record started up to 1 s before ``since`` (clock skew between
-    hosts), so the record of an operation that ended just before this one was sent
-    would be taken for this one's until the endpoint replaces it.
-    """
-    if previous is not None and previous.finished and previous.started < since:
-        return max(since, previous.started + 1.0 + 1e-3)
-    return since
-
-
-def _interrupted(reg, service: str, source: str, since: float, kind: str) -> tuple[schema.OpRec, str]:
+def _interrupted(reg, service: str, started, kind: str) -> tuple[schema.OpRec, str]:
     """Ctrl-C while following: cancel the op and wait (briefly) for how it ended."""
-    click.echo(f"interrupted: cancelling {source}'s {kind} ...", err=True)
+    source = started.source
+    click.echo(f"interrupted: cancelling {source}'s {kind} {started.op} ...", err=True)
     try:
         statectl.cancel(reg, service, source)
     except StateError as exc:
-        rec = statectl.current(reg, service, source)
-        if rec is None or rec.started < since - 1.0 or not rec.finished:
+        rec, _ = reg.op(service, started.op)
+        if rec is None or not rec.finished:
             raise click.ClickException(f"the cancel failed: {exc}; the {kind} may still be running: see "
                                        f"'vfab status', retry with 'vfab cancel {service} {source}'") from None
         return rec, f" (the cancel came too late: {exc})"
     try:
-        rec = statectl.wait(reg, service, source, since, timeout=CANCEL_WAIT)
+        rec = statectl.wait(reg, service, started.op, timeout=CANCEL_WAIT)
     except KeyboardInterrupt:
         raise click.ClickException(f"cancel sent to {source}; stopped waiting for it: see 'vfab status'") from None
     except StateError:
@@ -253,6 +239,8 @@ def _report(reg, service: str, desc: str, rec: schema.OpRec, note: str = "") -> 
     owners = _owners(reg, service, rec.ranges)
     if rec.phase == "done":
         click.echo(f"{desc}: done{note}; {_timings(rec)}; now {owners}")
+        for n in rec.notes:
+            click.echo(f"{desc}: note: {n}", err=True)
         return
     raise click.ClickException(f"{desc}: {rec.phase} ({_timings(rec)}): {rec.error or 'no reason given'}; "
                                f"now {owners}")
@@ -376,25 +364,14 @@ def cancel(c, service: str, source: str) -> None:
     """
     reg = c.registry
     reg.service(service)
-    before = statectl.current(reg, service, source)
-    statectl.cancel(reg, service, source)
-    what = f"{before.op} {source} -> {before.peer}" if before and not before.finished else f"{source}'s operation"
-    click.echo(f"cancel sent to {source}", err=True)
-    deadline = time.monotonic() + CANCEL_WAIT
-    rec = None
-    while time.monotonic() < deadline:
-        rec = statectl.current(reg, service, source)
-        if rec is None and before is not None and not before.finished:
-            raise click.ClickException(f"{what}: its record vanished ({source} died?): see 'vfab ranges'")
-        # the op cancelled is the one running now: a record newer than a finished one seen before
-        fresh = rec is not None and (before is None or not before.finished or rec.started > before.started)
-        if fresh and rec.finished:
-            break
-        time.sleep(0.05)
-    else:
+    op_id = statectl.cancel(reg, service, source)
+    click.echo(f"cancel sent to {source} ({op_id})", err=True)
+    try:
+        rec = statectl.wait(reg, service, op_id, timeout=CANCEL_WAIT)
+    except StateError:
         raise click.ClickException(f"cancel sent to {source}, but its operation did not end within "
                                    f"{CANCEL_WAIT:.0f} s (a throttled copy notices a cancel only between chunks, "
-                                   "and a flip cannot be interrupted): see 'vfab status'")
+                                   "and a flip cannot be interrupted): see 'vfab status'") from None
     what = f"{rec.op} {source} -> {rec.peer}"
     if rec.phase == "cancelled":
         click.echo(f"{what}: cancelled after {rec.done}/{rec.total} keys; {rec.error or 'nothing changed'}")

@@ -3,7 +3,8 @@
 Keys are byte strings; the VID key of a key is a 24-bit hash of it
 (``proto.vkey``), so each server owns the keys whose hash lies in its ranges.
 Modules: ``proto`` (the request/reply wire format), ``store`` (durable SQLite
-storage), ``envelope`` (the ZeroMQ control envelope), ``server`` (the data and
-control loops), ``vfab.vid.state`` (split/merge/mirror/move), ``client`` (get/put/del
-with retries), ``standard`` (the paper's select()-loop baseline over TCP).
+storage and the state records), ``backend`` (the KVS as a backend of vid-lib's
+stateful-endpoint loop, ``vfab.vid.state``), ``server`` (wires them into the
+loop), ``client`` (get/put/del with retries), ``loadgen`` (closed-loop load with
+a recorded history), ``standard`` (the paper's select()-loop baseline over TCP).
 """

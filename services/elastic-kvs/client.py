@@ -1,10 +1,14 @@
 """elastic-KVS client library: get/put/delete with timeouts, retries and request ids.
 
-Each operation gets a request id (with the client's random 64-bit id it names
-the operation); a retry re-sends the very same request, so a PUT or DELETE
+Each operation gets a random 64-bit request id (with the client's random
+64-bit id it names the operation); a retry re-sends the very same request, so a PUT or DELETE
 whose reply was lost is applied once — the server recognises the pair even
 after the key moved to another server.  Clients never reconnect and never
 learn who owns a key: they send to the key's VID and the fabric delivers.
+
+A reply is accepted only if it comes from the VID the request went to (the
+switch lets only the key's owner send from it), echoes this client's id and
+names a request in flight: forged or stray replies are counted and dropped.
 
 ``submit``/``poll`` run many operations at once on one port (the load
 generator's N logical clients); ``get``/``put``/``delete`` are the blocking
@@ -13,7 +17,7 @@ forms.
 
 from __future__ import annotations
 
-import random
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -52,18 +56,20 @@ class KvsClient:
         self.api = api.Client(registry, service, iface, rx=rx, netns=netns)
         self.timeout = timeout
         self.retries = retries
-        self.client_id = client_id if client_id is not None else random.getrandbits(63) | 1
-        self._reqid = 0
+        self.client_id = client_id if client_id is not None else secrets.randbits(63) | 1
         self.inflight: dict[int, Pending] = {}
-        self.counters = {"sent": 0, "retries": 0, "timeouts": 0, "stray_replies": 0, "retry_status": 0}
+        self.counters = {"sent": 0, "retries": 0, "timeouts": 0, "stray_replies": 0, "retry_status": 0,
+                         "forged_replies": 0}
 
     # -- asynchronous form ------------------------------------------------------------
     def submit(self, op: Op, key: bytes, value: bytes = b"", tag: object = None) -> Pending:
         proto.check_key(key)
         if op is Op.PUT:
             proto.check_value(value)
-        self._reqid += 1
-        p = Pending(op, bytes(key), bytes(value), self._reqid, proto.vkey(key), time.monotonic(), tag=tag)
+        reqid = secrets.randbits(64) or 1
+        while reqid in self.inflight:
+            reqid = secrets.randbits(64) or 1
+        p = Pending(op, bytes(key), bytes(value), reqid, proto.vkey(key), time.monotonic(), tag=tag)
         self.inflight[p.reqid] = p
         self._send(p)
         return p
@@ -104,8 +110,11 @@ class KvsClient:
                 self.counters["stray_replies"] += 1
                 continue
             p = self.inflight.get(reply.reqid)
-            if p is None:
-                self.counters["stray_replies"] += 1  # a late duplicate of an answered request
+            if p is None or reply.client != self.client_id:
+                self.counters["stray_replies"] += 1  # a late duplicate of an answered request, or not ours
+                continue
+            if rep.src != self.api.vid(p.vk):
+                self.counters["forged_replies"] += 1  # not from the key's VID: not its owner
                 continue
             if reply.status in RETRY_STATUSES and p.attempts <= self.retries:
                 self.counters["retry_status"] += 1

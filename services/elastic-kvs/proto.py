@@ -10,22 +10,26 @@ Request::
     +---------------+---------------+-------------------------------+
     |                    client id (8 B, random per client)         |
     +---------------------------------------------------------------+
-    |                    request id (8 B, per client, >= 1)         |
+    |          request id (8 B, random per request, != 0)            |
     +---------------------------------------------------------------+
     |  key (key length B) ... value (rest of the payload, PUT only) |
 
-Reply::
+Reply (sent from the VID that was asked: a client drops replies from anywhere else)::
 
     +---------------+---------------+-------------------------------+
     |  status (1 B) |  flags = 0    |          reserved = 0         |
     +---------------+---------------+-------------------------------+
+    |                    client id (8 B, echoed)                    |
+    +---------------------------------------------------------------+
     |                    request id (8 B, echoed)                   |
     +---------------------------------------------------------------+
     |                    version (8 B) of the key after the op      |
     +---------------------------------------------------------------+
     |  value (GET, status OK) or a UTF-8 error message (status >= 3) |
 
-(client id, request id) names one logical operation: a retried PUT or DELETE
+Client and request ids are random 64-bit numbers, so a host that is not the
+key's owner can neither guess a reply's ids nor send it from the key's VID
+(port security).  (client id, request id) names one logical operation: a retried PUT or DELETE
 carries the same pair and is applied once (the server remembers the last
 ``RECENT_MAX`` pairs per key, and the memory moves with the key).  Versions
 start at 1 for the first write of a key and grow by one per write; a deleted
@@ -41,7 +45,7 @@ from dataclasses import dataclass
 from vfab.vid.errors import VfabError
 
 REQ = struct.Struct("!BBHQQ")
-REP = struct.Struct("!BBHQQ")
+REP = struct.Struct("!BBHQQQ")
 REQ_LEN = REQ.size
 REP_LEN = REP.size
 MAX_KEY = 128
@@ -117,7 +121,7 @@ def parse_request(data: bytes) -> Request:
     if REQ_LEN + klen > len(data):
         raise KvsError(f"truncated request: key length says {klen} B, {len(data) - REQ_LEN} B follow")
     if reqid == 0:
-        raise KvsError("request id 0 is reserved: number requests from 1")
+        raise KvsError("request id 0 is reserved: use random non-zero ids")
     key = bytes(data[REQ_LEN:REQ_LEN + klen])
     value = bytes(data[REQ_LEN + klen:])
     if op is not Op.PUT and value:
@@ -127,15 +131,25 @@ def parse_request(data: bytes) -> Request:
     return Request(op, client, reqid, key, value)
 
 
+def peek(data: bytes) -> tuple[int, int, bytes | None]:
+    """(client id, request id, key or None) of whatever can be read of a request; never raises."""
+    if len(data) < REQ_LEN:
+        return 0, 0, None
+    _op, _flags, klen, client, reqid = REQ.unpack_from(data, 0)
+    key = bytes(data[REQ_LEN:REQ_LEN + klen]) if 1 <= klen <= MAX_KEY and REQ_LEN + klen <= len(data) else None
+    return client, reqid, key
+
+
 @dataclass(frozen=True)
 class Reply:
     status: Status
     reqid: int
     version: int = 0
     body: bytes = b""
+    client: int = 0
 
     def serialize(self) -> bytes:
-        return REP.pack(int(self.status), 0, 0, self.reqid, self.version) + self.body
+        return REP.pack(int(self.status), 0, 0, self.client, self.reqid, self.version) + self.body
 
     @property
     def message(self) -> str:
@@ -145,16 +159,16 @@ class Reply:
 def parse_reply(data: bytes) -> Reply:
     if len(data) < REP_LEN:
         raise KvsError(f"truncated reply: {len(data)} B, the header alone is {REP_LEN} B")
-    status, _flags, _res, reqid, version = REP.unpack_from(data, 0)
+    status, _flags, _res, client, reqid, version = REP.unpack_from(data, 0)
     try:
         status = Status(status)
     except ValueError:
         raise KvsError(f"unknown reply status {status}: the server speaks another revision") from None
-    return Reply(status, reqid, version, bytes(data[REP_LEN:]))
+    return Reply(status, reqid, version, bytes(data[REP_LEN:]), client)
 
 
-def error_reply(reqid: int, status: Status, message: str) -> bytes:
-    return Reply(status, reqid, 0, message.encode()[:MAX_VALUE]).serialize()
+def error_reply(reqid: int, status: Status, message: str, client: int = 0) -> bytes:
+    return Reply(status, reqid, 0, message.encode()[:MAX_VALUE], client).serialize()
 
 
 def vkey(key: bytes) -> int:

@@ -34,12 +34,28 @@ import threading
 from typing import Iterator
 
 from vfab.services.elastic_kvs.proto import RECENT_MAX, KvsError, vkey
+from vfab.vid.codec import KEY_MAX
 from vfab.vid.ranges import Range
+from vfab.vid.state.backend import BackendError
 
 log = logging.getLogger("vfab.kvs.store")
 REC = struct.Struct("!HIQHBB")
 PAIR = struct.Struct("!QQ")
 TOMBSTONE = 1
+DROP_CHUNK = 2000  # records deleted per transaction (a drop never holds the write lock for long)
+
+
+class StoreError(KvsError, BackendError):
+    """The store could not read or write; the message names the cause (e.g. the disk is full)."""
+
+
+def _why(exc: sqlite3.Error, path: str) -> str:
+    text = str(exc)
+    if "full" in text:
+        return f"{text} ({path}): free space on that file system"
+    if "readonly" in text or "read-only" in text:
+        return f"{text} ({path}): the store is read-only; check permissions and mounts"
+    return f"{text} ({path})"
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (k BLOB PRIMARY KEY, vkey INTEGER NOT NULL, value BLOB,
@@ -105,18 +121,53 @@ class Store:
 
     # -- the data path: one transaction per batch ----------------------------
     def begin(self) -> None:
-        self.db.execute("BEGIN IMMEDIATE")
+        self._exec("BEGIN IMMEDIATE")
 
     def commit(self) -> None:
-        self.db.execute("COMMIT")
+        self._exec("COMMIT")
 
     def rollback(self) -> None:
-        if self.db.in_transaction:
-            self.db.execute("ROLLBACK")
+        """Roll back the open transaction, if SQLite has not already (it does on a full disk)."""
+        try:
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+        except sqlite3.Error as exc:
+            log.warning("rollback of %s failed: %s", self.path, exc)
+
+    def _exec(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
+        try:
+            return self.db.execute(sql, args)
+        except sqlite3.Error as exc:
+            raise StoreError(_why(exc, self.path)) from None
+
+    def _txn(self, fn, durable: bool = True):
+        """Run ``fn(db)`` in one write transaction; StoreError names the cause, never the rollback's."""
+        db = self.db
+        try:
+            if not durable:
+                db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("BEGIN IMMEDIATE")
+            out = fn(db)
+            db.execute("COMMIT")
+            return out
+        except sqlite3.Error as exc:
+            self.rollback()
+            raise StoreError(_why(exc, self.path)) from None
+        except BaseException:
+            self.rollback()
+            raise
+        finally:
+            if not durable:
+                db.execute("PRAGMA synchronous=FULL")
 
     def row(self, k: bytes) -> tuple[bytes | None, int, bytes] | None:
         """(value or None if deleted, version, recent) of a key, or None if never written."""
-        return self.db.execute("SELECT value, version, recent FROM kv WHERE k=?", (k,)).fetchone()
+        return self._exec("SELECT value, version, recent FROM kv WHERE k=?", (k,)).fetchone()
+
+    def record(self, k: bytes) -> bytes:
+        """The state record of a key as it is now (b"" if never written)."""
+        row = self.row(k)
+        return pack_record(k, vkey(k), row[0], row[1], row[2]) if row else b""
 
     def write(self, k: bytes, value: bytes | None, client: int, reqid: int) -> tuple[int, bool, bytes]:
         """Put (value) or delete (None) inside the open transaction.
@@ -132,18 +183,18 @@ class Store:
             # Deleting a missing key changes nothing but is remembered, so a retry answers the same.
             recent = recent_add(recent, client, reqid)
             if row is not None:
-                self.db.execute("UPDATE kv SET recent=? WHERE k=?", (recent, k))
+                self._exec("UPDATE kv SET recent=? WHERE k=?", (recent, k))
             return version, True, b""
         version += 1
         recent = recent_add(recent, client, reqid)
         vk = vkey(k)
-        self.db.execute("INSERT OR REPLACE INTO kv (k, vkey, value, version, recent) VALUES (?,?,?,?,?)",
-                        (k, vk, value, version, recent))
+        self._exec("INSERT OR REPLACE INTO kv (k, vkey, value, version, recent) VALUES (?,?,?,?,?)",
+                   (k, vk, value, version, recent))
         return version, True, pack_record(k, vk, value, version, recent)
 
     # -- state transfer --------------------------------------------------------
     def count(self, rng: Range) -> int:
-        return self.db.execute("SELECT count(*) FROM kv WHERE vkey BETWEEN ? AND ? AND value IS NOT NULL",
+        return self._exec("SELECT count(*) FROM kv WHERE vkey BETWEEN ? AND ? AND value IS NOT NULL",
                                (rng.lo, rng.hi)).fetchone()[0]
 
     def snapshot(self, rng: Range, chunk_bytes: int = 256 * 1024) -> Iterator[tuple[bytes, int]]:
@@ -170,37 +221,61 @@ class Store:
         finally:
             db.execute("COMMIT")
 
-    def apply(self, blobs: list[bytes]) -> int:
-        """Apply record blobs durably (one fsync'd transaction); returns how many records won."""
-        db = self.db
-        won = 0
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            for blob in blobs:
-                for k, vk, value, version, recent in unpack_records(blob):
-                    cur = db.execute(
-                        "INSERT INTO kv (k, vkey, value, version, recent) VALUES (?,?,?,?,?) "
-                        "ON CONFLICT(k) DO UPDATE SET value=excluded.value, version=excluded.version, "
-                        "recent=excluded.recent WHERE excluded.version > kv.version",
-                        (k, vk, value, version, recent))
-                    won += cur.rowcount
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        return won
+    def apply(self, blobs: list[bytes], durable: bool = True) -> int:
+        """Apply record blobs in one transaction (fsync'd unless ``durable=False``); how many records won.
+
+        ``durable=False`` (a bulk copy) leaves the commit in the WAL unsynced until :meth:`sync`.
+        """
+        rows = [rec for blob in blobs for rec in unpack_records(blob)]
+
+        def run(db: sqlite3.Connection) -> int:
+            before = db.total_changes
+            db.executemany(
+                "INSERT INTO kv (k, vkey, value, version, recent) VALUES (?,?,?,?,?) "
+                "ON CONFLICT(k) DO UPDATE SET value=excluded.value, version=excluded.version, "
+                "recent=excluded.recent WHERE excluded.version > kv.version", rows)
+            return db.total_changes - before
+
+        return self._txn(run, durable)
+
+    def sync(self) -> None:
+        """Make every earlier commit durable (fsync the write-ahead log, or the database)."""
+        for path in (self.path + "-wal", self.path):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                raise StoreError(f"fsync of {path} failed: {exc.strerror}") from None
+            finally:
+                os.close(fd)
 
     def drop(self, rng: Range) -> int:
-        """Forget every key of ``rng`` (after it moved away, or before a fresh copy arrives)."""
-        db = self.db
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            n = db.execute("DELETE FROM kv WHERE vkey BETWEEN ? AND ?", (rng.lo, rng.hi)).rowcount
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        return n
+        """Forget every key of ``rng`` (after it moved away, or before a fresh copy arrives).
+
+        In transactions of DROP_CHUNK records, so the data path never waits long for the write lock.
+        """
+        total = 0
+        while True:
+            n = self._txn(lambda db: db.execute(
+                "DELETE FROM kv WHERE k IN (SELECT k FROM kv WHERE vkey BETWEEN ? AND ? LIMIT ?)",
+                (rng.lo, rng.hi, DROP_CHUNK)).rowcount)
+            total += n
+            if n < DROP_CHUNK:
+                return total
+
+    def keep_only(self, ranges: list[Range]) -> int:
+        """Forget every key outside ``ranges`` (what a crash left behind); returns how many."""
+        total, lo = 0, 0
+        for r in sorted(ranges, key=lambda r: r.lo):
+            if r.lo > lo:
+                total += self.drop(Range(lo, r.lo - 1))
+            lo = max(lo, r.hi + 1)
+        if lo <= KEY_MAX:
+            total += self.drop(Range(lo, KEY_MAX))
+        return total
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)

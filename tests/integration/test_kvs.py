@@ -44,9 +44,7 @@ def owners(tb, service: str) -> list[tuple[Range, str]]:
 
 
 def run_op(tb, service: str, start) -> object:
-    since = time.time()
-    source = start()
-    return statectl.wait(tb.registry, service, source, since, timeout=60)
+    return statectl.wait(tb.registry, service, start().op, timeout=60)
 
 
 def checked(tb, service: str, loads: list[dict], keys: list[str], preloaded: list[str] = ()) -> dict:
@@ -90,9 +88,8 @@ def test_kill_during_split_keeps_one_owner_and_every_write(testbed, servers, vic
     assert kvs.preload(testbed, "vfh3", service, n, value_size=256) == n
     load, out = kvs.start_load(testbed, "vfh2", f"load-kill-{victim}", service, duration=20, clients=4, keys=n,
                                timeout=0.5)
-    since = time.time()
-    statectl.split(testbed.registry, service, HALF, "b", throttle=800)  # ~2 s of copying
-    wait_for(lambda: (op := statectl.current(testbed.registry, service, "a")) and op.phase == "copy"
+    started = statectl.split(testbed.registry, service, HALF, "b", throttle=800)  # ~2 s of copying
+    wait_for(lambda: (op := testbed.registry.op(service, started.op)[0]) and op.phase == "copy"
              and op.done > 200, 20, "the split to be copying")
     if victim == "owner":
         testbed.sup.kill9(procs[0])
@@ -103,7 +100,7 @@ def test_kill_during_split_keeps_one_owner_and_every_write(testbed, servers, vic
         wait_for(lambda: "aborted" in open(procs[1].logpath).read(), 20, "b to abort the orphaned copy")
     else:
         testbed.sup.kill9(procs[1])
-        op = statectl.wait(testbed.registry, service, "a", since, timeout=30)
+        op = statectl.wait(testbed.registry, service, started.op, timeout=30)
         assert op.phase == "failed" and "b" in op.error, op
     assert owners(testbed, service) == [(Range(0, 0xFFFFFF), "a")]
     doc = kvs.finish_load(testbed, load, out)

@@ -63,43 +63,45 @@ class FakeEndpoint:
             if env.type in ("SPLIT", "MOVE", "MIRROR"):
                 b = env.body
                 ranges = [[b["lo"], b["hi"]]] if "lo" in b else [[0, 0x7FFFFF]]
-                play = threading.Thread(target=self._play, args=(env.type.lower(), b["peer"], ranges), daemon=True)
+                self.op_id = f"{self.name}.{len(self.plays):08x}"
+                play = threading.Thread(target=self._play, args=(env.type.lower(), b["peer"], ranges, self.op_id),
+                                        daemon=True)
                 play.start()
                 self.plays.append(play)
-                reply = env.reply("OK", self.name, ranges=ranges)
+                reply = env.reply("OK", self.name, op=self.op_id, ranges=ranges)
             elif env.type == "CANCEL":
                 self.cancelled.set()
-                reply = env.reply("OK", self.name, op="split")
+                reply = env.reply("OK", self.name, op=self.op_id)
             else:
                 reply = env.reply("ERR", self.name, error=f"unknown {env.type}")
             self.sock.send_multipart([ident, *reply.frames()])
         self.sock.close(0)
 
-    def _play(self, kind: str, peer: str, ranges: list) -> None:
+    def _play(self, kind: str, peer: str, ranges: list, op_id: str) -> None:
         time.sleep(0.2)  # like the state manager, which counts the keys before it publishes the record
         reg = Registry(self.etcd)
         rec = schema.OpRec(op=kind, source=self.name, peer=peer, ranges=ranges, total=self.total,
-                           started=time.time(), updated=time.time())
-        reg.put_op(self.service, rec)
+                           started=time.time(), updated=time.time(), id=op_id)
+        reg.put(schema.op_key(self.service, rec.id), rec.to_json())
         rec.phase = "copy"
         for done in range(0, self.total + 1, self.total // 4):
             rec.done = done
-            reg.put_op(self.service, rec)
+            reg.put(schema.op_key(self.service, rec.id), rec.to_json())
             time.sleep(0.06)
             if self.stall and done >= self.total // 2:
                 self.cancelled.wait(10)
             if self.cancelled.is_set():
                 rec.phase, rec.error = "cancelled", "cancelled by the operator before the flip; nothing changed"
                 rec.timings = {"total_s": 0.3}
-                reg.put_op(self.service, rec)
+                reg.put(schema.op_key(self.service, rec.id), rec.to_json())
                 return
         rec.timings = {"copy_s": 0.25}
         if self.fail:
             rec.phase, rec.error, rec.timings["total_s"] = "failed", self.fail, 0.3
-            reg.put_op(self.service, rec)
+            reg.put(schema.op_key(self.service, rec.id), rec.to_json())
             return
         rec.phase = "flip"
-        reg.put_op(self.service, rec)
+        reg.put(schema.op_key(self.service, rec.id), rec.to_json())
         for lo, hi in ranges:
             if kind == "mirror":
                 reg.assign(self.service, Range(lo, hi), self.name, mirrors=[peer])
@@ -107,7 +109,7 @@ class FakeEndpoint:
                 reg.assign(self.service, Range(lo, hi), peer)
         rec.phase = "done"
         rec.timings.update(flip_s=0.012, switches_s=0.034, total_s=0.321)
-        reg.put_op(self.service, rec)
+        reg.put(schema.op_key(self.service, rec.id), rec.to_json())
         reg.close()
 
     def close(self) -> None:
@@ -243,7 +245,7 @@ def test_split_follows_the_op_and_prints_the_summary(run, fakes):
     assert "copy 500/1000 keys (50%)" in res.output  # non-TTY progress: a line per phase / ~10 %
     assert "flip" in res.output
     last = res.stdout.strip().splitlines()[-1]
-    assert "done" in last and "copy 0.250 s" in last and "flip 0.012 s" in last and "switches 0.034 s" in last
+    assert "done" in last and "copy 0.250 s" in last and "flip 0.012 s" in last and "total 0.321 s" in last
     assert "total 0.321 s" in last and "0x400000-0x7fffff: s2" in last
 
 
@@ -268,7 +270,7 @@ def test_back_to_back_ops_report_their_own_record(run, fakes):
     assert res.exit_code == 0, res.output
     rec = [r for r in fakes[0].got if r.type in ("MIRROR", "MOVE")]
     assert [r.type for r in rec] == ["MIRROR", "MOVE"]
-    op = [o for o in run.registry.ops("kv") if o.source == "s1"][0]
+    op = [o for o in run.registry.ops("kv") if o.source == "s1"][-1]
     assert (op.op, op.phase) == ("move", "done")  # the CLI returned only once the move had ended
     assert "copy 250/1000 keys (25%)" in res.output
     assert "0x000000-0x7fffff: s2" in res.stdout
@@ -344,10 +346,11 @@ def reported(kv):
     kv.assign("kv", Range(0x800000, 0xFFFFFF), "s2")
     kv.put(schema.load_key("kv", "s1"),
            schema.Load(at=time.time(), ranges=[[0, 0x7FFFFF, 4242, 123.25]], role={"000000": "owner"}).to_json())
-    kv.put_op("kv", schema.OpRec(op="split", source="s1", peer="s2", ranges=[[0x400000, 0x7FFFFF]], phase="copy",
-                                 done=300, total=1200, started=time.time()))
-    kv.put_op("kv", schema.OpRec(op="move", source="s2", peer="s3", ranges=[[0x800000, 0xFFFFFF]],
-                                 phase="failed", error="peer refused BEGIN: disk full", started=time.time()))
+    for rec in (schema.OpRec(op="split", source="s1", peer="s2", ranges=[[0x400000, 0x7FFFFF]], phase="copy",
+                             done=300, total=1200, started=time.time(), id="s1.0001"),
+                schema.OpRec(op="move", source="s2", peer="s3", ranges=[[0x800000, 0xFFFFFF]], phase="failed",
+                             error="peer refused BEGIN: disk full", started=time.time(), id="s2.0001")):
+        kv.put(schema.op_key("kv", rec.id), rec.to_json())
     return kv
 
 

@@ -41,7 +41,7 @@ def raw_request(op=2, flags=0, klen=None, client=CLIENT, reqid=1, key=b"k", valu
 
 def test_header_sizes_match_the_documented_layout():
     assert REQ_LEN == 20
-    assert REP_LEN == 20
+    assert REP_LEN == 28
     assert MAX_KEY == 128
     assert MAX_VALUE == 1280
     # header + the largest key + the largest value fit one vfab frame payload (1488 B)
@@ -55,8 +55,9 @@ def test_serialized_request_bytes_are_exact():
 
 
 def test_serialized_reply_bytes_are_exact():
-    data = Reply(Status.NOT_FOUND, 0x0A0B, 7, b"hi").serialize()
-    assert data == bytes([1, 0, 0, 0]) + (0x0A0B).to_bytes(8, "big") + (7).to_bytes(8, "big") + b"hi"
+    data = Reply(Status.NOT_FOUND, 0x0A0B, 7, b"hi", client=0x99).serialize()
+    assert data == bytes([1, 0, 0, 0]) + (0x99).to_bytes(8, "big") + (0x0A0B).to_bytes(8, "big") + \
+        (7).to_bytes(8, "big") + b"hi"
 
 
 # -- round trips --------------------------------------------------------------
@@ -128,12 +129,12 @@ def test_error_reply_round_trip_and_truncation():
 
 
 def test_parse_reply_rejects_truncated_and_unknown_status():
-    with pytest.raises(KvsError, match=r"truncated reply: 19 B, the header alone is 20 B"):
-        parse_reply(b"\x00" * 19)
+    with pytest.raises(KvsError, match=r"truncated reply: 27 B, the header alone is 28 B"):
+        parse_reply(b"\x00" * 27)
     with pytest.raises(KvsError, match=r"unknown reply status 2"):
-        parse_reply(bytes([2]) + b"\x00" * 19)
+        parse_reply(bytes([2]) + b"\x00" * 27)
     with pytest.raises(KvsError, match=r"unknown reply status 255"):
-        parse_reply(b"\xff" + b"\x00" * 19)
+        parse_reply(b"\xff" + b"\x00" * 27)
 
 
 # -- malformed requests -------------------------------------------------------

@@ -115,10 +115,14 @@ class Registry:
             return {"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
         return {"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": str(mod_revision)}
 
-    def watch_batches(self, prefix: str, start_revision: int) -> tuple[Iterator[list[Event]], Callable[[], None]]:
+    def watch_batches(self, prefix: str, start_revision: int,
+                      idle: float | None = None) -> tuple[Iterator[list[Event]], Callable[[], None]]:
         """Events under prefix from start_revision on, one list per etcd watch response.
 
-        Call the second item to stop.
+        Call the second item to stop (from the consuming thread: closing the stream while another
+        thread reads it blocks both).  With ``idle`` the iterator simply ends after ``idle`` s without
+        events, so a consumer can check its own stop flag or deadline and watch again from the next
+        revision.
 
         etcd never splits the events of one revision across watch responses, so
         every revision in a list is complete once the list is taken; a consumer
@@ -129,7 +133,7 @@ class Registry:
                                    "start_revision": start_revision}}
         try:
             resp = self._client.session.post(self._client.get_url("/watch"), json=body, stream=True,
-                                             timeout=(self.timeout, None))
+                                             timeout=(self.timeout, idle))
         except requests.RequestException as exc:
             raise RegistryError(f"etcd at {self.endpoint} is unreachable ({exc.__class__.__name__}): cannot "
                                 "watch; start it with 'vfab up' or point --etcd at a running member") from None
@@ -159,6 +163,8 @@ class Registry:
                     if batch:
                         yield batch
             except (requests.RequestException, OSError, AttributeError, ValueError) as exc:
+                if idle is not None and "timed out" in str(exc).lower():
+                    return  # no event for `idle` s: the consumer watches again from its next revision
                 if not stopped.is_set():  # not our own cancel(): the stream broke
                     raise RegistryError(f"etcd watch on {prefix} broke: {exc.__class__.__name__}") from None
 
@@ -171,6 +177,11 @@ class Registry:
     def lease(self, ttl: int) -> int:
         out = self._post("/lease/grant", {"TTL": ttl})
         return int(out["ID"])
+
+    def keepalive_once(self, lease_id: int) -> int:
+        """Refresh a lease once; its remaining TTL in s, 0 when etcd no longer has it (expired)."""
+        out = self._post("/lease/keepalive", {"ID": str(lease_id)})
+        return int((out.get("result") or {}).get("TTL", 0) or 0)
 
     def keepalive(self, lease_id: int, ttl: int) -> threading.Event:
         """Refresh a lease every ttl/3 s in a thread until the returned event is set."""
@@ -245,7 +256,7 @@ class Registry:
         self.delete(schema.service_key(name))
 
     # -- endpoints --------------------------------------------------------
-    def announce(self, ep: schema.Endpoint, ttl: int = 3, allow_shared: bool = False) -> int:
+    def announce(self, ep: schema.Endpoint, ttl: int = 3, allow_shared: bool = False, lease: int | None = None) -> int:
         """Register a live endpoint under a lease kept alive by a thread; returns the lease id.
 
         An ``rx=ovs`` endpoint receives every frame the switch rewrites to its
@@ -265,9 +276,10 @@ class Registry:
                     f"interface {ep.mac} already carries endpoint {other.service}/{other.name} (rx={other.rx}): "
                     "an rx=ovs endpoint needs its interface to itself, because the switch rewrites its VIDs to "
                     "the interface MAC; use rx=bpf for both, or another interface")
-        lease = self.lease(ttl)
+        if lease is None:  # else the caller keeps its own lease alive
+            lease = self.lease(ttl)
+            self.keepalive(lease, ttl)
         self.put(schema.endpoint_key(ep.service, ep.name), ep.to_json(), lease=lease)
-        self.keepalive(lease, ttl)
         log.info("endpoint %s/%s: announced at %s (rx=%s, lease %x)", ep.service, ep.name, ep.mac, ep.rx, lease)
         return lease
 
@@ -364,15 +376,22 @@ class Registry:
             log.info("service %s: joined %d runs of ranges", service, len(joins))
         return rev if ok else None
 
-    def put_op(self, service: str, op: schema.OpRec, lease: int | None = None) -> int:
-        return self.put(schema.op_key(service, op.source), op.to_json(), lease=lease)
-
     def ops(self, service: str) -> list[schema.OpRec]:
-        _, items = self.get_prefix(schema.ROOT + f"ops/{service}/")
-        return [schema.OpRec.from_json(v, k) for k, (v, _) in sorted(items.items())]
+        """Every operation record of a service (running and recently finished), oldest first."""
+        _, items = self.get_prefix(schema.op_prefix(service))
+        return sorted((schema.OpRec.from_json(v, k) for k, (v, _) in items.items()), key=lambda o: o.started)
+
+    def op(self, service: str, op_id: str) -> tuple[schema.OpRec | None, int]:
+        """(record or None, etcd revision of the read)."""
+        out = self._post("/kv/range", {"key": _b64(schema.op_key(service, op_id))})
+        kvs = out.get("kvs", [])
+        rev = int(out["header"]["revision"])
+        if not kvs:
+            return None, rev
+        return schema.OpRec.from_json(_unb64(kvs[0].get("value", "")), schema.op_key(service, op_id)), rev
 
     def loads(self, service: str) -> dict[str, schema.Load]:
-        _, items = self.get_prefix(schema.ROOT + f"load/{service}/")
+        _, items = self.get_prefix(schema.load_prefix(service))
         return {k.rsplit("/", 1)[1]: schema.Load.from_json(v, k) for k, (v, _) in items.items()}
 
     # -- topology ---------------------------------------------------------

@@ -12,8 +12,8 @@
     /vfab/v1/config/miss                   "drop" | "controller" | "flood"
     /vfab/v1/applied/<dpid:016x>           Applied   {revision, flows, groups, at}  written by the controller
     /vfab/v1/counters/<dpid:016x>          {cookie-range: [packets, bytes]}      leased, by the controller
-    /vfab/v1/ops/<service>/<endpoint>      OpRec     {op, ranges, peer, phase, done, total, ...}  state op of
-                                                     the endpoint (one at a time), leased by it
+    /vfab/v1/ops/<service>/<op id>         OpRec     {id, op, source, ranges, peer, phase, done, total, ...}
+                                                     a state op (one running per endpoint), leased by its source
     /vfab/v1/load/<service>/<endpoint>     Load      {at, ranges: [[lo, hi, keys, req/s]]}  leased, by it
 """
 
@@ -83,8 +83,16 @@ def link_key(dpid: int, port: int) -> str:
 MISS_KEY = f"{ROOT}config/miss"
 
 
-def op_key(service: str, endpoint: str) -> str:
-    return f"{ROOT}ops/{service}/{endpoint}"
+def op_key(service: str, op_id: str) -> str:
+    return f"{ROOT}ops/{service}/{op_id}"
+
+
+def op_prefix(service: str) -> str:
+    return f"{ROOT}ops/{service}/"
+
+
+def load_prefix(service: str) -> str:
+    return f"{ROOT}load/{service}/"
 
 
 def load_key(service: str, endpoint: str) -> str:
@@ -285,8 +293,12 @@ class OpRec(Record):
     updated: float = 0.0
     error: str = ""
     timings: dict = field(default_factory=dict)
+    id: str = ""                                  # "<source>.<hex>": the op's key under ops/<service>/
+    notes: list = field(default_factory=list)     # what went wrong after the commit (the op still succeeded)
 
     def __post_init__(self) -> None:
+        _need("op", "id", self.id, str)
+        _need("op", "notes", self.notes, list)
         if self.op not in OP_KINDS:
             raise VidError(f"op {self.op!r} is unknown: one of {', '.join(OP_KINDS)}")
         if self.phase not in OP_PHASES:

@@ -1,9 +1,11 @@
-"""Operator side of the state manager: ask endpoints to split, merge, move, mirror or cancel.
+"""Operator side of the state layer: ask endpoints to split, merge, move, mirror or cancel.
 
 Each call sends one command over ZeroMQ to the endpoint that must act (the
-owner of the range, found in etcd) and returns at once; :func:`wait` follows
-the operation's record in etcd (``/vfab/v1/ops/...``) until it ends, calling
-``progress(op)`` on every change.
+owner of the range, found in etcd); the endpoint validates it, starts the
+operation and answers with its **op id**.  :func:`wait` follows that
+operation's record (``/vfab/v1/ops/<service>/<op id>``) with an etcd watch
+until it ends, calling ``progress(op)`` on every change — no polling, no
+matching by wall-clock time.
 
 * ``split(reg, svc, range, peer)``: the range's owner gives ``range`` to ``peer``.
 * ``merge(reg, svc, range, into)``: ``into`` takes ``range`` back from its owner
@@ -15,16 +17,25 @@ the operation's record in etcd (``/vfab/v1/ops/...``) until it ends, calling
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import zmq
 
-from vfab.vid.registry import schema
 from vfab.vid.envelope import Envelope, EnvelopeError, decode
-from vfab.vid.errors import NotFound
+from vfab.vid.errors import NotFound, RegistryError, StateError
 from vfab.vid.ranges import Range
-from vfab.vid.errors import StateError
-from vfab.vid.registry import Registry
+from vfab.vid.registry import Registry, schema
+
+
+@dataclass
+class Started:
+    """An operation an endpoint accepted."""
+
+    service: str
+    source: str
+    op: str            # its id
+    ranges: list
 
 
 def command(reg: Registry, service: str, endpoint: str, type: str, body: dict, timeout: float = 5.0) -> Envelope:
@@ -62,55 +73,88 @@ def owner_of_range(reg: Registry, service: str, rng: Range) -> str:
     return hits[0].owner
 
 
-def split(reg: Registry, service: str, rng: Range, peer: str, throttle: float = 0.0) -> str:
-    """Start the split; returns the source endpoint's name (to :func:`wait` on)."""
+def _start(reg: Registry, service: str, source: str, type: str, body: dict) -> Started:
+    reply = command(reg, service, source, type, body)
+    return Started(service, source, str(reply.body.get("op", "")), reply.body.get("ranges", []))
+
+
+def split(reg: Registry, service: str, rng: Range, peer: str, throttle: float = 0.0) -> Started:
     owner = owner_of_range(reg, service, rng)
     if owner == peer:
         raise StateError(f"{peer} already owns {rng}: nothing to split")
-    command(reg, service, owner, "SPLIT", {"peer": peer, "lo": rng.lo, "hi": rng.hi, "throttle": throttle})
-    return owner
+    return _start(reg, service, owner, "SPLIT", {"peer": peer, "lo": rng.lo, "hi": rng.hi, "throttle": throttle})
 
 
-def merge(reg: Registry, service: str, rng: Range, into: str, throttle: float = 0.0) -> str:
+def merge(reg: Registry, service: str, rng: Range, into: str, throttle: float = 0.0) -> Started:
     return split(reg, service, rng, into, throttle)
 
 
-def move(reg: Registry, service: str, source: str, peer: str, throttle: float = 0.0) -> str:
-    command(reg, service, source, "MOVE", {"peer": peer, "throttle": throttle})
-    return source
+def move(reg: Registry, service: str, source: str, peer: str, throttle: float = 0.0) -> Started:
+    return _start(reg, service, source, "MOVE", {"peer": peer, "throttle": throttle})
 
 
-def mirror(reg: Registry, service: str, source: str, peer: str, throttle: float = 0.0) -> str:
-    command(reg, service, source, "MIRROR", {"peer": peer, "throttle": throttle})
-    return source
+def mirror(reg: Registry, service: str, source: str, peer: str, throttle: float = 0.0) -> Started:
+    return _start(reg, service, source, "MIRROR", {"peer": peer, "throttle": throttle})
 
 
-def cancel(reg: Registry, service: str, source: str) -> None:
-    command(reg, service, source, "CANCEL", {})
+def cancel(reg: Registry, service: str, source: str) -> str:
+    """Cancel ``source``'s running operation; returns its op id."""
+    return str(command(reg, service, source, "CANCEL", {}).body.get("op", ""))
 
 
-def current(reg: Registry, service: str, source: str) -> schema.OpRec | None:
-    got = reg.get(schema.op_key(service, source))
-    return schema.OpRec.from_json(got[0], schema.op_key(service, source)) if got else None
+def running(reg: Registry, service: str, source: str) -> schema.OpRec | None:
+    """``source``'s unfinished operation, if any."""
+    live = [o for o in reg.ops(service) if o.source == source and not o.finished]
+    return live[-1] if live else None
 
 
-def wait(reg: Registry, service: str, source: str, since: float, timeout: float = 600.0,
-         progress: Callable[[schema.OpRec], None] | None = None, poll: float = 0.05) -> schema.OpRec:
-    """Follow ``source``'s operation started after ``since`` (time.time()) until it ends."""
+def wait(reg: Registry, service: str, op_id: str, timeout: float = 600.0,
+         progress: Callable[[schema.OpRec], None] | None = None) -> schema.OpRec:
+    """Follow operation ``op_id`` (from the command's reply) with an etcd watch until it ends."""
     deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        rec = current(reg, service, source)
-        if rec is None:
-            if last is not None:
-                raise NotFound(f"the record of {source}'s {last.op} vanished: {source} died (its lease expired); "
-                               "see 'vfab ranges' for who owns what now")
-        elif rec.started >= since - 1.0:
+    last: schema.OpRec | None = None
+    key = schema.op_key(service, op_id)
+    while True:
+        try:
+            rec, rev = reg.op(service, op_id)
+        except RegistryError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)  # etcd restarting: ride it out
+            continue
+        if rec is None and last is not None:
+            raise NotFound(f"the record of {op_id} vanished: {last.source} died (its lease expired); see "
+                           "'vfab ranges' for who owns what now")
+        for rec in ([rec] if rec is not None else []):
             if progress is not None and (last is None or (rec.phase, rec.done) != (last.phase, last.done)):
                 progress(rec)
             last = rec
             if rec.finished:
                 return rec
-        time.sleep(poll)
-    raise StateError(f"{source}'s operation did not end within {timeout:.0f} s; cancel it with "
-                     f"'vfab cancel {service} {source}'")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise StateError(f"operation {op_id} did not end within {timeout:.0f} s; cancel it with "
+                             f"'vfab cancel {service} {op_id.rsplit('.', 1)[0]}'")
+        try:
+            batches, stop = reg.watch_batches(key, rev + 1, idle=min(left, 1.0))
+        except RegistryError:
+            time.sleep(0.2)
+            continue
+        try:
+            for batch in batches:
+                for ev in batch:
+                    if ev.value is None:
+                        if last is not None:
+                            raise NotFound(f"the record of {op_id} vanished: {last.source} died (its lease "
+                                           "expired); see 'vfab ranges' for who owns what now")
+                        continue
+                    rec = schema.OpRec.from_json(ev.value, key)
+                    if progress is not None and (last is None or (rec.phase, rec.done) != (last.phase, last.done)):
+                        progress(rec)
+                    last = rec
+                    if rec.finished:
+                        return rec
+        except RegistryError:
+            pass  # the watch broke (etcd restarted): re-read and watch again
+        finally:
+            stop()

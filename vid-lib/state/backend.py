@@ -1,0 +1,83 @@
+"""The contract between the stateful-endpoint loop and a service: its backend.
+
+The loop (:mod:`vfab.vid.state.loop`) owns the data port, the control socket,
+batching, pausing and replication; a service plugs in by giving it a
+:class:`Backend`: how to find a request's VID key, how to serve a batch, and
+its records per range of keys for the state operations.  elastic-KVS's
+backend is ``vfab.services.elastic_kvs.backend``; sdhcp's will be another.
+
+Rules a backend keeps (the loop's safety rests on them):
+
+* ``handle_batch`` applies the batch durably (or raises :class:`BackendError`
+  with nothing applied) and returns one reply per request plus the records of
+  every write whose reply acknowledges it.  A retried write that the backend
+  recognises (already applied) still returns the key's current record: the
+  loop re-sends it to the mirrors before the retry is acknowledged, so an
+  acknowledged write is never missing from a mirror.
+* Records are self-describing blobs that ``apply`` accepts in any order and
+  any number of times (e.g. version-gated); they travel between endpoints
+  unchanged.
+* ``error_reply`` builds the service's own error reply to a request payload
+  (with the request's own id): the loop never parses payloads.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+from vfab.vid.errors import VfabError
+from vfab.vid.ranges import Range
+
+
+class BackendError(VfabError):
+    """The backend could not apply a batch or a state transfer; the message names the cause."""
+
+
+class BadRequest(VfabError):
+    """A request payload the backend cannot read; the message says what is wrong."""
+
+
+class Refusal(enum.Enum):
+    BAD_REQUEST = "bad_request"    # malformed or over a limit
+    WRONG_OWNER = "wrong_owner"    # not ours and its owner is unreachable: retry
+    UNAVAILABLE = "unavailable"    # could not be made durable (everywhere it must be): retry later
+
+
+@dataclass
+class Request:
+    """One request the loop hands to ``handle_batch``."""
+
+    payload: bytes
+    key: int          # VID key (from ``key_of``)
+    src: bytes        # the client's MAC (replies go there)
+
+
+class Backend(Protocol):
+    def key_of(self, payload: bytes) -> int:
+        """The 24-bit VID key of a request; raises BadRequest."""
+
+    def handle_batch(self, requests: list[Request]) -> tuple[list[bytes | None], list[tuple[int, bytes]]]:
+        """Serve a batch in one durable step: (replies parallel to requests, [(key, record)] written)."""
+
+    def error_reply(self, payload: bytes, refusal: Refusal, message: str) -> bytes | None:
+        """The service's error reply to a request payload (None: send nothing)."""
+
+    def count(self, rng: Range) -> int:
+        """Live records in ``rng`` (for progress and load reports)."""
+
+    def snapshot(self, rng: Range, chunk_bytes: int) -> Iterator[tuple[bytes, int]]:
+        """(blob, records) chunks of every record in ``rng``, from one consistent read."""
+
+    def apply(self, blobs: list[bytes], durable: bool = True) -> int:
+        """Apply record blobs; ``durable=False`` may leave them unsynced until ``sync``."""
+
+    def sync(self) -> None:
+        """Make every earlier ``apply`` durable."""
+
+    def drop(self, rng: Range) -> int:
+        """Forget every record in ``rng``; returns how many."""
+
+    def keep_only(self, ranges: list[Range]) -> int:
+        """Forget every record outside ``ranges`` (garbage left by a crash); returns how many."""

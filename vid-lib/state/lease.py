@@ -1,0 +1,109 @@
+"""An endpoint's etcd lease: liveness for the fabric, authority for the endpoint itself.
+
+The endpoint record (and its op and load records) live under the lease; when
+it expires the controller stops routing to the endpoint and a mirror may take
+its ranges over.  So the lease is also a *fence*: an owner may serve its
+ranges only while it knows its lease is alive.  Each keepalive is sent at
+``t`` and etcd then extends the lease to at least ``t + ttl``; the endpoint
+counts its authority from the send time of the last keepalive that succeeded,
+minus a margin, on its own monotonic clock (``valid_until``).  A process that
+was stopped (SIGSTOP), starved or cut off from etcd past that point stops
+serving by itself — before anyone else can take over.
+
+When etcd answers that the lease is gone (it expired while we were away), the
+lease is granted anew and every leased record is put back (``on_renewed``
+callbacks), within one keepalive period of resuming; the endpoint then
+re-reads its view before serving again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from vfab.vid.errors import RegistryError
+from vfab.vid.registry import Registry
+
+log = logging.getLogger("vfab.state.lease")
+MARGIN = 0.5  # s of the TTL the endpoint does not count on (clock rates, request latency)
+
+
+class EndpointLease:
+    def __init__(self, endpoint: str, ttl: int, name: str = ""):
+        if ttl < 2:
+            raise RegistryError(f"lease TTL {ttl} s is too short: use at least 2 s (default 3)")
+        self.reg = Registry(endpoint)
+        self.ttl = ttl
+        self.name = name
+        self.id = 0
+        self.valid_until = 0.0           # time.monotonic() up to which we may act as owner
+        self.generation = 0              # grows each time the lease is granted anew
+        self.on_renewed: list[Callable[[int], None]] = []  # called with the new lease id
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+
+    @property
+    def valid(self) -> bool:
+        return time.monotonic() < self.valid_until
+
+    def grant(self) -> int:
+        t = time.monotonic()
+        self.id = self.reg.lease(self.ttl)
+        self.valid_until = t + self.ttl - MARGIN
+        self.generation += 1
+        return self.id
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name=f"lease-{self.name}", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def revoke(self) -> None:
+        self.stop()
+        if self.id:
+            try:
+                self.reg.revoke(self.id)
+            except RegistryError as exc:
+                log.warning("%s: could not revoke lease %x (%s); it expires by itself", self.name, self.id, exc)
+        self.reg.close()
+
+    def _run(self) -> None:
+        period = max(self.ttl / 3.0, 0.2)
+        while not self._stop.is_set():
+            self._wake.wait(period)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            self.tick()
+
+    def tick(self) -> None:
+        """One keepalive; renews the lease and its records if etcd lost it."""
+        t = time.monotonic()
+        try:
+            ttl = self.reg.keepalive_once(self.id)
+        except RegistryError as exc:
+            log.warning("%s: keepalive of lease %x failed: %s (authority for %.1f s more)", self.name, self.id,
+                        exc, max(0.0, self.valid_until - time.monotonic()))
+            return
+        if ttl > 0:
+            self.valid_until = max(self.valid_until, t + min(ttl, self.ttl) - MARGIN)
+            return
+        log.warning("%s: lease %x expired (the process was stopped or cut off for more than %d s): "
+                    "registering again", self.name, self.id, self.ttl)
+        self.valid_until = 0.0
+        try:
+            with self._lock:
+                self.grant()
+                self.valid_until = 0.0  # not before every record is back and the view re-read
+                for cb in list(self.on_renewed):
+                    cb(self.id)
+                self.valid_until = t + self.ttl - MARGIN
+            log.warning("%s: registered again under lease %x", self.name, self.id)
+        except RegistryError as exc:
+            self.valid_until = 0.0
+            log.warning("%s: registering again failed: %s; retrying", self.name, exc)

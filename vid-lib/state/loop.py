@@ -1,0 +1,674 @@
+"""The loop of a stateful endpoint: one thread owns the data port, the control socket and every table.
+
+A service gives it a :class:`~vfab.vid.state.backend.Backend`; the loop does
+the rest (DESIGN.md §5; twemproxy's protocol-agnostic core and DPDK l2fwd's
+loop are the models)::
+
+    poll(data port, control ROUTER, peer DEALERs, wake-up fd)
+      control message  → apply/buffer/commit/abort/forward/start an operation
+      REPL acks        → when a batch's writes are on every mirror and copy: send its replies
+      at a batch boundary (no batch waiting for acks):
+        calls          → what other threads asked (pause, release, a new view, ...)
+        batch          → up to BATCH frames: classify by VID key, serve / hold / forward / ignore,
+                         handle_batch (one durable step), replicate, reply
+
+Nothing else touches these tables: the operation thread (:mod:`.runner`), the
+view watcher, the lease keeper and the housekeeper talk to the loop through
+:meth:`EndpointLoop.call`, which runs a function here between batches — so a
+pause is quiescent by construction, and a released request is served at once
+(no poll timeout to wait out).
+
+Replies leave from the VID that was asked (port security lets only the
+range's owner source it), so a client can tell a real reply from a forged one.
+An owner serves only while its lease is known to be alive
+(:mod:`.lease`): stopped past its TTL it holds requests until it has
+registered again and re-read the range map.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from vfab.vid import codec
+from vfab.vid.api import service_blocks
+from vfab.vid.envelope import Envelope, EnvelopeError, decode
+from vfab.vid.errors import FrameError, RegistryError, StateError, VfabError
+from vfab.vid.frame import Frame, FrameType, parse
+from vfab.vid.ranges import Range
+from vfab.vid.registry import Registry, schema
+from vfab.vid.state import machine
+from vfab.vid.state.backend import Backend, BackendError, BadRequest, Refusal, Request
+from vfab.vid.state.housekeeper import Housekeeper
+from vfab.vid.state.lease import EndpointLease
+from vfab.vid.state.runner import OpRunner
+from vfab.vid.state.view import View, ViewWatcher, read_view
+from vfab.vid.transport import RawPort
+
+log = logging.getLogger("vfab.state.loop")
+
+BATCH = 64
+ACK_TIMEOUT = 3.0        # s for a mirror or copy target to acknowledge replicated writes
+INCOMING_IDLE = 6.0      # s a peer waits on a silent source before asking etcd how it ended
+FWD_HOPS = 4
+TICK = 0.05              # s between timer checks when idle
+
+
+@dataclass
+class Incoming:
+    """A range being copied to us (we are the peer)."""
+
+    range: Range
+    source: str
+    mode: str                      # "split" or "mirror"
+    seen: float
+    buffered: list = field(default_factory=list)
+
+
+@dataclass
+class Inflight:
+    """A served batch whose writes are on their way to mirrors and copies; its replies wait."""
+
+    replies: list                  # (frame, vk, payload, wrote)
+    waiting: dict                  # REPL id -> peer
+    deadline: float
+    failed: dict = field(default_factory=dict)   # peer -> why
+
+
+class _Call:
+    def __init__(self, fn):
+        self.fn = fn
+        self.done = threading.Event()
+        self.result = None
+        self.exc: BaseException | None = None
+
+
+class EndpointLoop:
+    def __init__(self, registry: Registry, service: str, name: str, iface: str, backend: Backend,
+                 rx: str = "ovs", netns: str | None = None, ttl: int = 3, batch: int = BATCH,
+                 bind: str = "tcp://127.0.0.1:*"):
+        schema.check_name("endpoint", name)
+        self.registry = registry
+        self.etcd = registry.endpoint
+        self.service = registry.service(service)
+        self.layout = codec.Layout.parse(self.service.layout)
+        self.name = name
+        self.backend = backend
+        self.batch_max = batch
+        self.zctx = zmq.Context.instance()
+        self.router = self.zctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(bind)
+        self.ctl = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.lease = EndpointLease(self.etcd, ttl, name)
+        self.port = RawPort(iface, rx, netns=netns)
+        self.endpoint = schema.Endpoint(service=service, name=name, mac=self.port.mac_str, rx=rx,
+                                        host=socket.gethostname(), ctl=self.ctl)
+        try:
+            self.registry.announce(self.endpoint, ttl, lease=self.lease.grant())
+        except BaseException:
+            self.port.close()
+            self.router.close(0)
+            raise
+        self.view: View = read_view(registry, service)
+        self.view_generation = self.lease.generation
+        self.min_revision = 0
+        self.pending: collections.deque = collections.deque()   # (raw, hops) to (re)classify
+        self.paused: dict[int, tuple[Range, list]] = {}
+        self.incoming: dict[int, Incoming] = {}
+        self.fenced: list = []
+        self.targets: dict[str, list[Range]] = {}
+        self.op: OpRunner | None = None
+        self.inflight: Inflight | None = None
+        self.dealers: dict[str, zmq.Socket] = {}
+        self.calls: collections.deque = collections.deque()
+        self.pending_drops: list[Range] = []
+        self.rates: dict[int, int] = {}
+        self.counters: collections.Counter = collections.Counter()
+        self._next_id = 0
+        self._thread: threading.Thread | None = None
+        self._wakefd = os.eventfd(0, os.EFD_NONBLOCK)
+        self._stopping = threading.Event()
+        self._last_timers = 0.0
+        self.watcher = ViewWatcher(self.etcd, service, self._on_view)
+        self.housekeeper = Housekeeper(self)
+        self.lease.on_renewed.append(self._renewed)
+        self._refilter()
+        dropped = self.backend.keep_only([r.range for r in self.view.held_by(name)])
+        if dropped:
+            log.warning("%s: dropped %d records of ranges this endpoint no longer holds (left by a crash)", name,
+                        dropped)
+
+    # -- other threads' door ----------------------------------------------------------------------
+    def call(self, fn, wait: bool = True, timeout: float = 10.0):
+        """Run ``fn()`` on the loop's thread at the next batch boundary; its result (or exception)."""
+        if threading.current_thread() is self._thread or self._thread is None:
+            return fn()
+        box = _Call(fn)
+        self.calls.append(box)
+        os.eventfd_write(self._wakefd, 1)
+        if not wait:
+            return None
+        if not box.done.wait(timeout):
+            return machine.Failure("loop", f"the endpoint's loop did not answer within {timeout:.0f} s")
+        if box.exc is not None:
+            raise box.exc
+        return box.result
+
+    def _on_view(self, view: View) -> None:
+        self.call(lambda: self._set_view(view), wait=False)
+
+    def _set_view(self, view: View, generation: int | None = None) -> None:
+        if view.revision < self.min_revision:
+            return  # older than our own last write: a late watch event
+        old = self.view
+        self.view = view
+        if generation is not None:
+            self.view_generation = generation
+        if [r.range for r in old.held_by(self.name)] != [r.range for r in view.held_by(self.name)]:
+            self._refilter()
+        self.housekeeper.wake()
+
+    def _patch(self, rec: schema.RangeRec, revision: int) -> None:
+        self.view = self.view.patched(rec)
+        self.min_revision = max(self.min_revision, revision)
+        self._refilter()
+
+    def _renewed(self, lease_id: int) -> None:
+        """(lease thread) The lease expired while we were away: put our records back, re-read the map."""
+        reg = self.lease.reg
+        reg.announce(self.endpoint, self.lease.ttl, allow_shared=True, lease=lease_id)
+        op = self.op
+        if op is not None:
+            op._publish()
+        view = read_view(reg, self.service.name)
+        gen = self.lease.generation
+        self.call(lambda: self._set_view(view, generation=gen), wait=False)
+
+    def _refilter(self) -> None:
+        """rx=bpf/promisc: receive the VIDs of every range we own or mirror (rx=ovs needs nothing)."""
+        mine = [r.range for r in self.view.held_by(self.name)] + [i.range for i in self.incoming.values()]
+        self.port.set_blocks([b for r in mine for b in service_blocks(self.service, r)])
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def serve(self, stop: threading.Event) -> None:
+        self._thread = threading.current_thread()
+        self.lease.start()
+        self.watcher.start()
+        self.housekeeper.start()
+        idle = zmq.Poller()
+        busy = zmq.Poller()
+        for p in (idle, busy):
+            p.register(self.router, zmq.POLLIN)
+            p.register(self._wakefd, zmq.POLLIN)
+        idle.register(self.port.fileno(), zmq.POLLIN)
+        self._pollers = (idle, busy)
+        log.info("%s: serving %s on %s (ctl %s, lease %x)", self.name, self.service.name, self.port.iface, self.ctl,
+                 self.lease.id)
+        while not stop.is_set():
+            waiting = self.inflight is not None
+            if waiting:
+                timeout = max(0.0, self.inflight.deadline - time.monotonic())
+            elif self.pending or self.calls:
+                timeout = 0.0
+            else:
+                timeout = TICK
+            events = dict((idle if not waiting else busy).poll(timeout * 1000))
+            if self._wakefd in events:
+                try:
+                    os.eventfd_read(self._wakefd)
+                except BlockingIOError:
+                    pass
+            if self.router in events:
+                self._serve_ctl()
+            for sock in [s for s in self.dealers.values() if s in events]:
+                self._dealer_in(sock)
+            if self.inflight is not None:
+                if time.monotonic() >= self.inflight.deadline:
+                    self._finish_inflight(timed_out=True)
+                continue
+            self._run_calls()
+            self._timers()
+            self._batch()
+
+    def _run_calls(self) -> None:
+        while self.calls and self.inflight is None:
+            box = self.calls.popleft()
+            try:
+                box.result = box.fn()
+            except BaseException as exc:  # handed to the caller
+                box.exc = exc
+            box.done.set()
+
+    def _timers(self) -> None:
+        now = time.monotonic()
+        if now - self._last_timers < TICK:
+            return
+        self._last_timers = now
+        if self.fenced and self._authoritative():
+            self.pending.extend(self.fenced)
+            self.fenced = []
+        for inc in [i for i in self.incoming.values() if now - i.seen > INCOMING_IDLE]:
+            self._silent_source(inc)
+
+    def _authoritative(self) -> bool:
+        return self.lease.valid and self.view_generation == self.lease.generation
+
+    # -- data ---------------------------------------------------------------------------------------
+    def _batch(self) -> None:
+        frames = []
+        while self.pending and len(frames) < self.batch_max:
+            frames.append(self.pending.popleft())
+        while len(frames) < self.batch_max:
+            got = self.port.recv_raw(0)
+            if got is None:
+                break
+            frames.append((got[0], 0))
+        if frames:
+            self._handle(frames)
+
+    def _role(self, vk: int, hops: int) -> str:
+        for inc in self.incoming.values():
+            if inc.mode == "split" and vk in inc.range:
+                return "incoming"
+        rec = self.view.find(vk)
+        if rec is not None and rec.owner == self.name:
+            if any(vk in rng for rng, _ in self.paused.values()):
+                return "paused"
+            return "serve" if self._authoritative() else "fenced"
+        if rec is not None and self.name in rec.mirrors and hops == 0:
+            return "ignore"  # the owner got it too (mirrored delivery)
+        return "forward"
+
+    def _handle(self, frames: list) -> None:
+        reqs: list[Request] = []
+        meta: list[Frame] = []
+        direct: list = []
+        for raw, hops in frames:
+            try:
+                frame = parse(raw)
+            except FrameError:
+                self.counters["bad_frames"] += 1
+                continue
+            if frame.type is not FrameType.REQUEST:
+                self.counters["not_requests"] += 1
+                continue
+            if hops == 0 and self.port.rx != "ovs" and not self.port.accepts(frame.dst):
+                continue
+            try:
+                vk = self.backend.key_of(frame.payload)
+            except BadRequest as exc:
+                self.counters["bad_requests"] += 1
+                direct.append((frame, None, self.backend.error_reply(frame.payload, Refusal.BAD_REQUEST, str(exc))))
+                continue
+            role = self._role(vk, hops)
+            if role == "serve":
+                reqs.append(Request(frame.payload, vk, frame.src))
+                meta.append(frame)
+            elif role == "incoming":
+                next(i for i in self.incoming.values() if vk in i.range).buffered.append((raw, 0))
+                self.counters["held"] += 1
+            elif role == "paused":
+                next(h for rng, h in self.paused.values() if vk in rng).append((raw, 0))
+                self.counters["held"] += 1
+            elif role == "fenced":
+                self.fenced.append((raw, hops))
+                self.counters["fenced"] += 1
+            elif role == "ignore":
+                self.counters["mirror_ignored"] += 1
+            elif not self._forward(raw, vk, hops):
+                self.counters["unroutable"] += 1
+                direct.append((frame, vk, self.backend.error_reply(
+                    frame.payload, Refusal.WRONG_OWNER,
+                    f"{self.name} does not own key {vk:#08x} and cannot reach its owner")))
+        for frame, vk, payload in direct:
+            self._reply(frame, vk, payload)
+        if not reqs:
+            return
+        try:
+            replies, records = self.backend.handle_batch(reqs)
+        except BackendError as exc:
+            log.error("%s: batch of %d failed: %s", self.name, len(reqs), exc)
+            self.counters["batch_failed"] += 1
+            replies = [self.backend.error_reply(r.payload, Refusal.UNAVAILABLE, f"{self.name}: {exc}") for r in reqs]
+            records = []
+        for r in reqs:
+            rec = self.view.find(r.key)
+            if rec is not None:
+                self.rates[rec.lo] = self.rates.get(rec.lo, 0) + 1
+        written = {vk for vk, _ in records}
+        out = [(f, r.key, rep, r.key in written) for f, r, rep in zip(meta, reqs, replies) if rep is not None]
+        self._replicate(out, records)
+
+    def _reply(self, frame: Frame, vk: int | None, payload: bytes | None) -> None:
+        if payload is None:
+            return
+        src = codec.encode(self.service.id, vk, layout=self.layout).packed if vk is not None else self.port.mac
+        self.port.send(Frame(dst=frame.src, src=src, type=FrameType.REPLY, payload=payload, channel=frame.channel,
+                             seq=frame.seq, priority=frame.priority))
+
+    # -- replication ------------------------------------------------------------------------------------
+    def _replicate(self, out: list, records: list) -> None:
+        need: dict[str, tuple[list, bool]] = {}
+        for vk, blob in records:
+            rec = self.view.find(vk)
+            if rec is not None and rec.owner == self.name:
+                for m in rec.mirrors:
+                    need.setdefault(m, ([], True))[0].append(blob)
+            for peer, rngs in self.targets.items():
+                if any(vk in r for r in rngs):
+                    blobs, durable = need.setdefault(peer, ([], False))
+                    if not blobs or blobs[-1] is not blob:
+                        blobs.append(blob)
+        need.pop(self.name, None)
+        if not need:
+            for frame, vk, payload, _ in out:
+                self._reply(frame, vk, payload)
+            return
+        self.inflight = Inflight(out, {}, time.monotonic() + ACK_TIMEOUT)
+        for peer, (blobs, durable) in need.items():
+            sock = self._dealer(peer)
+            if sock is None:
+                self.inflight.failed[peer] = "has no control address (not a live endpoint)"
+                continue
+            rid = self._id()
+            sock.send_multipart(Envelope("REPL", self.name, id=rid, body={"durable": durable}, blobs=blobs).frames())
+            self.inflight.waiting[rid] = peer
+            self.counters["repl_sent"] += 1
+        if not self.inflight.waiting:
+            self._finish_inflight()
+
+    def _dealer_in(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                env = decode(sock.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            except EnvelopeError:
+                continue
+            fl = self.inflight
+            if fl is None or env.id not in fl.waiting:
+                continue
+            peer = fl.waiting.pop(env.id)
+            if env.type != "OK":
+                fl.failed[peer] = env.body.get("error", "refused the write")
+            if not fl.waiting:
+                self._finish_inflight()
+
+    def _finish_inflight(self, timed_out: bool = False) -> None:
+        fl, self.inflight = self.inflight, None
+        for peer in set(fl.waiting.values()):
+            fl.failed.setdefault(peer, f"did not acknowledge within {ACK_TIMEOUT:.0f} s")
+        safe = all([self._peer_failed(peer, why) for peer, why in fl.failed.items()])
+        for frame, vk, payload, wrote in fl.replies:
+            if wrote and not safe:
+                payload = self.backend.error_reply(frame.payload, Refusal.UNAVAILABLE,
+                                                   "a mirror could not be reached or fenced off: retry")
+            self._reply(frame, vk, payload)
+
+    def _peer_failed(self, peer: str, why: str) -> bool:
+        """A replication target failed: fail its copy, or fence it off as a mirror. True if still safe."""
+        self._drop_dealer(peer)
+        op = self.op
+        if op is not None and op.peer == peer and self.targets.get(peer):
+            op.failed = f"replication to {peer} failed ({why})"
+            self.targets.pop(peer, None)
+            log.warning("%s: copy to %s failed (%s): the operation aborts", self.name, peer, why)
+            if not any(peer in r.mirrors for r in self.view.owned_by(self.name)):
+                return True
+        log.warning("%s: mirror %s %s: removing it from the mirrors before acknowledging", self.name, peer, why)
+        try:
+            for rec, _ in self.registry.ranges(self.service.name):
+                if rec.owner == self.name and peer in rec.mirrors:
+                    mirrors = [m for m in rec.mirrors if m != peer]
+                    rev = self.registry.assign(self.service.name, rec.range, self.name, expect_epoch=rec.epoch,
+                                               mirrors=mirrors, helpers=rec.helpers)
+                    self._patch(schema.RangeRec(lo=rec.lo, hi=rec.hi, owner=self.name, mirrors=mirrors,
+                                                helpers=rec.helpers, epoch=rec.epoch + 1), rev)
+            return True
+        except RegistryError as exc:
+            log.error("%s: cannot fence off mirror %s (%s): writes stay unacknowledged", self.name, peer, exc)
+            return False
+
+    def _forward(self, raw: bytes, vk: int, hops: int) -> bool:
+        """Send a request to the range's owner over ZeroMQ (it answers the client itself)."""
+        rec = self.view.find(vk)
+        owner = rec.owner if rec is not None else ""
+        if not owner or owner == self.name or hops >= FWD_HOPS:
+            return False
+        sock = self._dealer(owner)
+        if sock is None:
+            return False
+        sock.send_multipart(Envelope("FWD", self.name, body={"hops": hops + 1}, blobs=[raw]).frames())
+        self.counters["forwarded"] += 1
+        return True
+
+    def _id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _dealer(self, peer: str) -> zmq.Socket | None:
+        sock = self.dealers.get(peer)
+        if sock is None:
+            ep = self.view.endpoints.get(peer)
+            if ep is None or not ep.ctl:
+                return None
+            sock = self.zctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(ep.ctl)
+            self.dealers[peer] = sock
+            for p in self._pollers:
+                p.register(sock, zmq.POLLIN)
+        return sock
+
+    def _drop_dealer(self, peer: str) -> None:
+        sock = self.dealers.pop(peer, None)
+        if sock is not None:
+            for p in self._pollers:
+                p.unregister(sock)
+            sock.close(0)
+
+    # -- control messages -------------------------------------------------------------------------------
+    def _serve_ctl(self) -> None:
+        while True:
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            ident, rest = frames[0], frames[1:]
+            try:
+                env = decode(rest)
+            except EnvelopeError as exc:
+                self.router.send_multipart([ident, *Envelope("ERR", self.name, body={"error": str(exc)}).frames()])
+                continue
+            try:
+                reply = self._control(env)
+            except (VfabError, ValueError, KeyError, TypeError) as exc:
+                reply = env.reply("ERR", self.name, error=str(exc))
+            except Exception as exc:  # a handler bug must not kill the endpoint
+                log.exception("%s: control message %s failed", self.name, env.type)
+                reply = env.reply("ERR", self.name, error=f"internal error: {exc!r}")
+            if reply is not None:
+                self.router.send_multipart([ident, *reply.frames()])
+
+    def _control(self, env: Envelope) -> Envelope | None:
+        t, b = env.type, env.body
+        if t in ("REPL", "CHUNK"):
+            durable = t == "REPL" and bool(b.get("durable", True))
+            try:
+                n = self.backend.apply(env.blobs, durable=durable)
+            except BackendError as exc:
+                return env.reply("ERR", self.name, error=str(exc))
+            self.counters["repl_applied" if t == "REPL" else "chunks_applied"] += 1
+            for inc in self.incoming.values():
+                if inc.source == env.sender:
+                    inc.seen = time.monotonic()
+            return env.reply("OK", self.name, applied=n)
+        if t == "SYNC":
+            try:
+                self.backend.sync()
+            except BackendError as exc:
+                return env.reply("ERR", self.name, error=str(exc))
+            for inc in self.incoming.values():
+                if inc.source == env.sender:
+                    inc.seen = time.monotonic()
+            return env.reply("OK", self.name)
+        if t == "FWD":
+            hops = int(b.get("hops", 1))
+            self.pending.extend((raw, hops) for raw in env.blobs)
+            return None
+        if t == "BEGIN":
+            return self._begin(env)
+        if t in ("COMMIT", "ABORT"):
+            lo = int(b["lo"])
+            rec = schema.RangeRec.from_json(b["rec"], "COMMIT") if t == "COMMIT" and b.get("rec") else None
+            self._finish_incoming(lo, commit=t == "COMMIT", rec=rec, revision=int(b.get("revision", 0)))
+            return env.reply("OK", self.name)
+        if t in ("SPLIT", "MOVE", "MIRROR"):
+            rng = Range(int(b["lo"]), int(b["hi"])) if "lo" in b else None
+            op = self.start_op(t.lower(), str(b.get("peer", "")), rng, float(b.get("throttle", 0)))
+            return env.reply("OK", self.name, op=op.id, ranges=[[r.lo, r.hi] for r in op.ranges])
+        if t == "CANCEL":
+            op = self.op
+            if op is None:
+                raise StateError(f"{self.name} runs no operation: nothing to cancel")
+            op.cancel.set()
+            return env.reply("OK", self.name, op=op.id)
+        if t == "PING":
+            return env.reply("OK", self.name)
+        if t == "STATS":
+            return env.reply("OK", self.name, counters=dict(self.counters), port=dict(self.port.counters))
+        raise StateError(f"unknown control message type {t!r}")
+
+    def _begin(self, env: Envelope) -> Envelope:
+        b = env.body
+        rng = Range(int(b["lo"]), int(b["hi"]))
+        mode = b.get("mode", "split")
+        if any(i.range.overlaps(rng) for i in self.incoming.values()):
+            raise StateError(f"{self.name} is already receiving a range overlapping {rng}")
+        rec = self.view.find(rng.lo)
+        if rec is not None and rec.owner == self.name:
+            raise StateError(f"{self.name} already owns {rng}")
+        # A fresh copy: nothing stale may survive, unless we mirror the range (then our copy is current
+        # and must stay whatever happens to this operation; version-gated records keep it right).
+        mirror = rec is not None and self.name in rec.mirrors
+        try:
+            dropped = 0 if mirror else self.backend.drop(rng)
+        except BackendError as exc:
+            raise StateError(f"{self.name} cannot clear its stale copy of {rng}: {exc}") from None
+        self.incoming[rng.lo] = Incoming(rng, env.sender, mode, time.monotonic())
+        self._refilter()
+        log.info("%s: receiving %s from %s (%s); dropped %d stale records", self.name, rng, env.sender, mode,
+                 dropped)
+        return env.reply("OK", self.name)
+
+    def _finish_incoming(self, lo: int, commit: bool, rec: schema.RangeRec | None = None,
+                         revision: int = 0) -> None:
+        inc = self.incoming.pop(lo, None)
+        if inc is None:
+            return
+        if commit:
+            if rec is not None:
+                self._patch(rec, revision)
+            log.info("%s: %s from %s committed (%s): serving %d held requests", self.name, inc.range, inc.source,
+                     inc.mode, len(inc.buffered))
+        else:
+            rec_now = self.view.find(inc.range.lo)
+            if not (rec_now is not None and self.name in rec_now.mirrors):
+                try:
+                    self.backend.drop(inc.range)
+                except BackendError as exc:
+                    log.warning("%s: aborted copy of %s not dropped yet (%s): retried in the background",
+                                self.name, inc.range, exc)
+                    self.pending_drops.append(inc.range)
+            log.info("%s: %s from %s aborted: copy dropped, %d held requests go to the owner", self.name,
+                     inc.range, inc.source, len(inc.buffered))
+        self._refilter()
+        self.pending.extend(inc.buffered)
+
+    def _silent_source(self, inc: Incoming) -> None:
+        try:
+            view = read_view(self.registry, self.service.name)
+        except RegistryError as exc:
+            log.warning("%s: source %s of %s silent and etcd unreachable (%s): still waiting", self.name,
+                        inc.source, inc.range, exc)
+            inc.seen = time.monotonic() - INCOMING_IDLE / 2
+            return
+        rec = view.find(inc.range.lo)
+        mine = rec is not None and (rec.owner == self.name if inc.mode == "split" else self.name in rec.mirrors)
+        log.warning("%s: source %s of %s silent for %.0f s; etcd says %s: %s", self.name, inc.source, inc.range,
+                    INCOMING_IDLE, rec.owner if rec else "-", "committing" if mine else "aborting")
+        self._set_view(view)
+        self._finish_incoming(inc.range.lo, commit=mine)
+
+    # -- operations (this endpoint is the source) ------------------------------------------------------------
+    def start_op(self, kind: str, peer: str, rng: Range | None, throttle: float = 0.0) -> OpRunner:
+        busy = f"a {self.op.kind} to {self.op.peer} ({self.op.id})" if self.op is not None else ""
+        view = self.view
+        if peer not in view.endpoints:
+            view = read_view(self.registry, self.service.name)  # the peer may have just started
+            self._set_view(view)
+        ranges = machine.validate(kind, self.name, peer, rng, self.view.ranges, self.view.endpoints, busy)
+        op = OpRunner(self, kind, peer, ranges, throttle, f"{self.name}.{secrets.token_hex(4)}")
+        self.op = op
+        op.start()
+        return op
+
+    def op_command(self, op: OpRunner, cmd: str, rng: Range, to: str, rec, revision: int = 0):
+        """(loop thread) What an operation asks at a batch boundary; None or a machine.Failure."""
+        if cmd == "target":
+            self.targets.setdefault(to, []).append(rng)
+            return None
+        if cmd == "pause":
+            if op.failed:
+                return machine.Failure("replication", op.failed)
+            self.paused[rng.lo] = (rng, [])
+            return None
+        self._untarget(op.peer, rng)
+        if rec is not None:
+            self._patch(rec, revision)
+        if cmd == "release":
+            _, held = self.paused.pop(rng.lo, (rng, []))
+            if to:
+                for raw, _ in held:
+                    if not self._forward(raw, rng.lo, 0):
+                        self.pending.append((raw, 0))
+            else:
+                self.pending.extend(held)
+        return None
+
+    def op_ended(self, op: OpRunner) -> None:
+        if self.op is op:
+            self.op = None
+        for rng in op.ranges:
+            self._untarget(op.peer, rng)
+
+    def _untarget(self, peer: str, rng: Range) -> None:
+        rngs = self.targets.get(peer, [])
+        if rng in rngs:
+            rngs.remove(rng)
+        if not rngs:
+            self.targets.pop(peer, None)
+
+    # -- the end --------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        self._stopping.set()
+        if self.op is not None:
+            self.op.cancel.set()
+        self.watcher.stop()
+        self.housekeeper.stop()
+        self.lease.revoke()
+        for peer in list(self.dealers):
+            self._drop_dealer(peer) if hasattr(self, "_pollers") else self.dealers.pop(peer).close(0)
+        self.router.close(0)
+        self.port.close()
+        os.close(self._wakefd)
+        log.info("%s: closed; counters %s, port %s", self.name, dict(self.counters), self.port.counters)

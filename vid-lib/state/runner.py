@@ -1,0 +1,259 @@
+"""Runs one state operation: performs the actions of :mod:`vfab.vid.state.machine` in its own thread.
+
+The runner owns the operation's I/O: a ZeroMQ DEALER to the peer, its own etcd
+connection, the operation's record in etcd (``/vfab/v1/ops/<service>/<op id>``)
+and the snapshot stream.  It talks to the endpoint's loop only through
+``loop.call`` (executed by the loop at a batch boundary), never by touching the
+loop's state.
+
+etcd blips are ridden out: reading the range map is retried for up to
+``RIDE_OUT`` s; progress records are best effort; the final record is retried
+until etcd takes it, so an operation never stays "running" in etcd after it
+ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import zmq
+
+from vfab.vid.envelope import Envelope, EnvelopeError, decode
+from vfab.vid.errors import Conflict, RegistryError, VfabError
+from vfab.vid.registry import Registry, schema
+from vfab.vid.state import machine as m
+
+if TYPE_CHECKING:
+    from vfab.vid.state.loop import EndpointLoop
+
+log = logging.getLogger("vfab.state.runner")
+
+ACK_TIMEOUT = 3.0        # s for the peer to answer a control message
+RIDE_OUT = 10.0          # s an operation waits for etcd to come back before giving up
+WINDOW = 4               # snapshot chunks in flight
+CHUNK_BYTES = 256 * 1024
+FINAL_RETRY = 120.0      # s the final record of an operation is retried
+KEEP_OPS = 3             # finished op records kept per endpoint
+
+
+class OpRunner:
+    def __init__(self, loop: "EndpointLoop", kind: str, peer: str, ranges: list, throttle: float, op_id: str):
+        self.loop = loop
+        self.kind, self.peer, self.ranges, self.throttle = kind, peer, ranges, throttle
+        self.id = op_id
+        self.cancel = threading.Event()
+        self.failed = ""          # set by the loop when a replication to the peer failed
+        self.rec = schema.OpRec(op=kind, source=loop.name, peer=peer, ranges=[[r.lo, r.hi] for r in ranges],
+                                id=op_id, started=time.time(), updated=time.time())
+        self._next_id = 0
+        self.reg: Registry | None = None
+        self.dealer: zmq.Socket | None = None
+
+    # -- the thread ---------------------------------------------------------------------------
+    def start(self) -> None:
+        threading.Thread(target=self._run, name=f"op-{self.id}", daemon=True).start()
+
+    def _run(self) -> None:
+        self.reg = Registry(self.loop.etcd)
+        self.dealer = self.loop.zctx.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.LINGER, 0)
+        self.dealer.connect(self.loop.view.endpoints[self.peer].ctl)
+        try:
+            self.rec.total = sum(self.loop.backend.count(r) for r in self.ranges)
+            self._prune_old_records()
+            self._publish(force=True)
+            gen = m.operation(self.kind, self.loop.name, self.peer, self.ranges, time.monotonic())
+            outcome = self._drive(gen)
+        except Exception as exc:  # a bug: still end the op visibly
+            log.exception("%s: %s %s crashed", self.loop.name, self.kind, self.id)
+            outcome = m.Outcome("failed", f"internal error: {exc!r}")
+        self.rec.phase, self.rec.error = outcome.phase, outcome.error
+        self.rec.notes = list(outcome.notes)
+        self.rec.timings.update(outcome.timings)
+        self.rec.total = max(self.rec.total, self.rec.done)
+        self.loop.call(lambda: self.loop.op_ended(self), wait=False)
+        self._publish_final()
+        log.info("%s: %s %s of %s to %s: %s in %.3f s %s %s", self.loop.name, self.kind, self.id, self.rec.ranges,
+                 self.peer, self.rec.phase, self.rec.timings.get("total_s", 0), self.rec.error,
+                 "; ".join(self.rec.notes))
+        self.dealer.close(0)
+        self.reg.close()
+
+    def _drive(self, gen: m.Gen) -> m.Outcome:
+        action = gen.send(None)
+        while True:
+            value = self._perform(action)
+            try:
+                action = gen.send(m.Result(time.monotonic(), value))
+            except StopIteration as stop:
+                return stop.value
+
+    def _perform(self, a):
+        if isinstance(a, m.Now):
+            return None
+        if isinstance(a, m.Publish):
+            if "phase" in a.fields:
+                self.rec.phase = a.fields["phase"]
+            self._publish(force=True)
+            return None
+        if isinstance(a, m.ReadRanges):
+            return self._read_ranges()
+        if isinstance(a, m.Ask):
+            return self._ask(a.type, a.body)
+        if isinstance(a, m.Copy):
+            return self._copy(a.rng)
+        if isinstance(a, m.LoopCmd):
+            return self.loop.call(lambda: self.loop.op_command(self, a.cmd, a.rng, a.to, a.rec, a.revision))
+        if isinstance(a, m.Assign):
+            return self._assign(a)
+        if isinstance(a, m.Drop):
+            try:
+                return self.loop.backend.drop(a.rng)
+            except VfabError as exc:
+                self.loop.call(lambda: self.loop.pending_drops.append(a.rng), wait=False)
+                return m.Failure("disk", str(exc))
+        if isinstance(a, m.Coalesce):
+            try:
+                self.reg.coalesce(self.loop.service.name)
+            except RegistryError as exc:
+                log.info("%s: joining ranges skipped: %s", self.loop.name, exc)
+            return None
+        raise TypeError(f"unknown action {a!r}")
+
+    # -- etcd -----------------------------------------------------------------------------------
+    def _read_ranges(self):
+        deadline = time.monotonic() + RIDE_OUT
+        while True:
+            try:
+                return [r for r, _ in self.reg.ranges(self.loop.service.name)]
+            except RegistryError as exc:
+                if time.monotonic() > deadline:
+                    return m.Failure("etcd", str(exc))
+                log.warning("%s: %s: etcd unreachable (%s); waiting up to %.0f s", self.loop.name, self.id, exc,
+                            RIDE_OUT)
+                if self.cancel.wait(0.25):
+                    return m.Failure("cancelled", "cancelled")
+
+    def _assign(self, a: m.Assign):
+        try:
+            return self.reg.assign(self.loop.service.name, a.rng, a.owner, expect_epoch=a.expect_epoch,
+                                   mirrors=a.mirrors, helpers=a.helpers)
+        except Conflict as exc:
+            return m.Failure("conflict", str(exc))
+        except RegistryError as exc:
+            return m.Failure("etcd", str(exc))
+
+    def _publish(self, force: bool = False) -> None:
+        self.rec.updated = time.time()
+        try:
+            self.reg.put(schema.op_key(self.loop.service.name, self.id), self.rec.to_json(),
+                         lease=self.loop.lease.id or None)
+        except RegistryError as exc:
+            log.debug("%s: progress of %s not published: %s", self.loop.name, self.id, exc)
+
+    def _publish_final(self) -> None:
+        deadline = time.monotonic() + FINAL_RETRY
+        delay = 0.1
+        while True:
+            self.rec.updated = time.time()
+            try:
+                self.reg.put(schema.op_key(self.loop.service.name, self.id), self.rec.to_json(),
+                             lease=self.loop.lease.id or None)
+                return
+            except RegistryError as exc:
+                if time.monotonic() > deadline:
+                    log.error("%s: the end of %s (%s) could not be written to etcd for %.0f s: %s", self.loop.name,
+                              self.id, self.rec.phase, FINAL_RETRY, exc)
+                    return
+                log.warning("%s: writing the end of %s: %s; retrying", self.loop.name, self.id, exc)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def _prune_old_records(self) -> None:
+        try:
+            mine = [o for o in self.reg.ops(self.loop.service.name) if o.source == self.loop.name and o.finished]
+            for old in sorted(mine, key=lambda o: o.started)[:-KEEP_OPS or None]:
+                self.reg.delete(schema.op_key(self.loop.service.name, old.id))
+        except RegistryError as exc:
+            log.debug("%s: old op records kept: %s", self.loop.name, exc)
+
+    # -- the peer -------------------------------------------------------------------------------
+    def _send(self, type: str, body: dict, blobs: list[bytes] = ()) -> int:
+        self._next_id += 1
+        env = Envelope(type, self.loop.name, id=self._next_id, body=body, blobs=list(blobs))
+        self.dealer.send_multipart(env.frames())
+        return self._next_id
+
+    def _recv(self, timeout: float) -> Envelope | None:
+        if not self.dealer.poll(timeout * 1000, zmq.POLLIN):
+            return None
+        try:
+            return decode(self.dealer.recv_multipart())
+        except EnvelopeError:
+            return None
+
+    def _ask(self, type: str, body: dict):
+        rid = self._send(type, body)
+        deadline = time.monotonic() + ACK_TIMEOUT
+        while (left := deadline - time.monotonic()) > 0:
+            got = self._recv(left)
+            if got is not None and got.id == rid:
+                if got.type != "OK":
+                    return m.Failure("peer", f"{self.peer} refused {type}: {got.body.get('error', '?')}")
+                return got.body
+        return m.Failure("peer", f"{self.peer} did not answer {type} within {ACK_TIMEOUT:.0f} s (dead or overloaded?)")
+
+    def _copy(self, rng):
+        """Stream the snapshot with up to WINDOW chunks in flight; returns records sent or a Failure."""
+        chunk = CHUNK_BYTES if self.throttle <= 0 else max(4096, int(self.throttle * 100))
+        waiting: dict[int, int] = {}
+        sent_at = time.monotonic()
+        last_pub = time.monotonic()
+        total = 0
+
+        def drain(block: bool):
+            while waiting:
+                got = self._recv(ACK_TIMEOUT if block else 0)
+                if got is None:
+                    if block:
+                        return m.Failure("peer", f"{self.peer} did not acknowledge a chunk within {ACK_TIMEOUT:.0f} s")
+                    return None
+                n = waiting.pop(got.id, None)
+                if n is None:
+                    continue
+                if got.type != "OK":
+                    return m.Failure("peer", f"{self.peer} could not store the copy: {got.body.get('error', '?')}")
+                self.rec.done += n
+                if not block:
+                    continue
+                if len(waiting) < WINDOW:
+                    return None
+            return None
+
+        for blob, n in self.loop.backend.snapshot(rng, chunk):
+            if self.cancel.is_set():
+                return m.Failure("cancelled", "cancelled")
+            if self.failed:
+                return m.Failure("replication", self.failed)
+            waiting[self._send("CHUNK", {"lo": rng.lo}, [blob])] = n
+            total += n
+            bad = drain(block=len(waiting) >= WINDOW)
+            if bad is not None:
+                return bad
+            if self.throttle > 0:  # records per second, so serving is not starved
+                if self.cancel.wait(max(0.0, sent_at + n / self.throttle - time.monotonic())):
+                    return m.Failure("cancelled", "cancelled")
+                sent_at = time.monotonic()
+            if time.monotonic() - last_pub > 0.2:
+                last_pub = time.monotonic()
+                self._publish()
+        while waiting:
+            bad = drain(block=True)
+            if bad is not None:
+                return bad
+        if self.failed:
+            return m.Failure("replication", self.failed)
+        return total
