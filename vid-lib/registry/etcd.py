@@ -180,7 +180,12 @@ class Registry:
 
     def keepalive_once(self, lease_id: int) -> int:
         """Refresh a lease once; its remaining TTL in s, 0 when etcd no longer has it (expired)."""
-        out = self._post("/lease/keepalive", {"ID": str(lease_id)})
+        try:
+            out = self._post("/lease/keepalive", {"ID": str(lease_id)})
+        except RegistryError as exc:
+            if "lease not found" in str(exc):
+                return 0
+            raise
         return int((out.get("result") or {}).get("TTL", 0) or 0)
 
     def keepalive(self, lease_id: int, ttl: int) -> threading.Event:

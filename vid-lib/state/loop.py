@@ -152,9 +152,14 @@ class EndpointLoop:
         """Run ``fn()`` on the loop's thread at the next batch boundary; its result (or exception)."""
         if threading.current_thread() is self._thread or self._thread is None:
             return fn()
+        if self._stopping.is_set():
+            return machine.Failure("loop", f"endpoint {self.name} is shutting down")
         box = _Call(fn)
         self.calls.append(box)
-        os.eventfd_write(self._wakefd, 1)
+        try:
+            os.eventfd_write(self._wakefd, 1)
+        except OSError:  # closed under us: shutting down
+            return machine.Failure("loop", f"endpoint {self.name} is shutting down")
         if not wait:
             return None
         if not box.done.wait(timeout):

@@ -1,0 +1,45 @@
+"""The history checker must catch what it exists to catch: fed known-bad histories, it fails them."""
+
+from __future__ import annotations
+
+from vfab.testbed import history
+
+
+def row(client, op, key, value, invoke, respond, status="OK", version=1):
+    return [client, op, key, value, invoke, respond, status, version]
+
+
+def test_a_clean_history_passes():
+    h = [row(1, "PUT", "k", "a", 0.0, 1.0), row(2, "GET", "k", "a", 2.0, 3.0), row(1, "PUT", "k", "b", 4.0, 5.0)]
+    report = history.check(h, {"k": "b"}, 10.0)
+    assert report["violations"] == [] and report["failed"] == [] and report["acked_puts"] == 2
+
+
+def test_a_lost_acknowledged_write_is_caught():
+    h = [row(1, "PUT", "k", "a", 0.0, 1.0), row(1, "PUT", "k", "b", 2.0, 3.0)]
+    report = history.check(h, {"k": "a"}, 10.0)   # the final read-back lost b
+    assert report["violations"] and "k" in report["violations"][0]
+
+
+def test_a_stale_read_is_caught():
+    h = [row(1, "PUT", "k", "a", 0.0, 1.0), row(1, "PUT", "k", "b", 2.0, 3.0), row(2, "GET", "k", "a", 4.0, 5.0)]
+    report = history.check(h, {"k": "b"}, 10.0)
+    assert any("returned 'a'" in v for v in report["violations"])
+
+
+def test_a_value_nobody_wrote_is_caught():
+    h = [row(1, "PUT", "k", "a", 0.0, 1.0), row(2, "GET", "k", "forged", 2.0, 3.0)]
+    report = history.check(h, {"k": "a"}, 10.0)
+    assert any("no put of this key wrote" in v for v in report["violations"])
+
+
+def test_a_read_of_nothing_after_an_acknowledged_put_is_caught():
+    h = [row(1, "PUT", "k", "a", 0.0, 1.0), row(2, "GET", "k", None, 2.0, 3.0, status="NOT_FOUND")]
+    report = history.check(h, {"k": "a"}, 10.0)
+    assert any("found nothing" in v for v in report["violations"])
+
+
+def test_failed_requests_are_reported():
+    h = [row(1, "PUT", "k", "a", 0.0, 1.0, status="TIMEOUT")]
+    report = history.check(h, {"k": None}, 10.0)
+    assert report["failed"] == [[1, "PUT", "k", "TIMEOUT"]] and report["violations"] == []

@@ -1,0 +1,181 @@
+"""The stateful-endpoint loop on a real veth pair and a real etcd, with a small in-memory backend.
+
+The loop runs on ``b`` of a private namespace (rx=bpf: no switch rewrites the
+VIDs here); the test plays the client on ``a`` with a raw port.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.unit.test_transport import ROOT, Netns
+from vfab.vid import codec
+from vfab.vid.frame import Frame, FrameType
+from vfab.vid.ranges import Range
+from vfab.vid.state.backend import BadRequest, Refusal
+from vfab.vid.state.loop import EndpointLoop
+
+LOW = Range(0, 0x7FFFFF)
+
+
+class MemBackend:
+    """Payload b"<6 hex digits key>:<r|w>:<value>"; a write's record is the payload itself."""
+
+    def __init__(self):
+        self.data: dict[int, bytes] = {}
+        self.batches = 0
+
+    def key_of(self, payload: bytes) -> int:
+        try:
+            return int(payload[:6], 16)
+        except ValueError:
+            raise BadRequest(f"no key in {payload[:10]!r}") from None
+
+    def handle_batch(self, requests):
+        self.batches += 1
+        replies, records = [], []
+        for r in requests:
+            _, op, value = r.payload.split(b":", 2)
+            if op == b"w":
+                self.data[r.key] = value
+                records.append((r.key, r.payload))
+            replies.append(b"ok:" + self.data.get(r.key, b"-"))
+        return replies, records
+
+    def error_reply(self, payload: bytes, refusal: Refusal, message: str) -> bytes:
+        return f"err:{refusal.value}:{message}".encode()
+
+    def count(self, rng):
+        return sum(1 for k in self.data if k in rng)
+
+    def snapshot(self, rng, chunk_bytes):
+        yield b"", 0
+
+    def apply(self, blobs, durable=True):
+        return 0
+
+    def sync(self):
+        pass
+
+    def drop(self, rng):
+        gone = [k for k in self.data if k in rng]
+        for k in gone:
+            del self.data[k]
+        return len(gone)
+
+    def keep_only(self, ranges):
+        return 0
+
+
+@pytest.fixture
+def ns():
+    if not ROOT:
+        pytest.fail("loop tests need root (raw sockets, network namespaces)")
+    n = Netns()
+    try:
+        n.create()
+        yield n
+    finally:
+        n.delete()
+
+
+@pytest.fixture
+def endpoint(ns, registry):
+    registry.create_service("t")
+    svc = registry.service("t")
+    backend = MemBackend()
+    loop = EndpointLoop(registry, "t", "e1", ns.b, backend, rx="bpf", netns=f"/var/run/netns/{ns.name}")
+    stop = threading.Event()
+    th = threading.Thread(target=loop.serve, args=(stop,), daemon=True)
+    th.start()
+    registry.assign("t", LOW, "e1")
+    deadline = time.monotonic() + 5
+    while not (loop.view.owned_by("e1") and loop.port.blocks) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the watcher brings the new map; the loop re-filters its port
+    assert loop.view.owned_by("e1"), "the loop never saw its range"
+    client = ns.port(ns.a, rx="promisc")
+    try:
+        yield loop, backend, client, svc
+    finally:
+        stop.set()
+        th.join(5)
+        loop.close()
+        client.close()
+
+
+def send(client, svc, key: int, payload: bytes, seq: int) -> bytes:
+    vid = codec.encode(svc.id, key).packed
+    client.send(Frame(dst=vid, src=client.mac, type=FrameType.REQUEST, payload=payload, seq=seq))
+    return vid
+
+
+def replies(client, timeout: float = 1.0) -> list[Frame]:
+    out, deadline = [], time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        f = client.recv(left)
+        if f is not None and f.type is FrameType.REPLY:
+            out.append(f)
+    return out
+
+
+def test_serves_from_the_vid_that_was_asked(endpoint):
+    loop, backend, client, svc = endpoint
+    vid = send(client, svc, 0x000123, b"000123:w:hello", 1)
+    got = replies(client, 0.5)
+    assert [(f.payload, f.seq) for f in got] == [(b"ok:hello", 1)]
+    assert got[0].src == vid            # the VID itself, not the endpoint's MAC: clients can check it
+    assert backend.data == {0x123: b"hello"}
+
+
+def test_bad_and_unowned_requests_get_the_backends_errors(endpoint):
+    loop, backend, client, svc = endpoint
+    send(client, svc, 0x000001, b"zz:w:x", 1)              # no key: BAD_REQUEST, from the endpoint's MAC
+    send(client, svc, 0x000001, b"900001:r:", 2)           # a key of nobody's range: WRONG_OWNER
+    got = {f.seq: f for f in replies(client, 0.5)}
+    assert got[1].payload.startswith(b"err:bad_request:no key") and got[1].src == loop.port.mac
+    assert got[2].payload.startswith(b"err:wrong_owner:e1 does not own key 0x900001")
+    assert backend.batches == 0
+
+
+def test_a_paused_range_holds_requests_until_released(endpoint):
+    loop, backend, client, svc = endpoint
+    loop.call(lambda: loop.paused.__setitem__(LOW.lo, (LOW, [])))
+    send(client, svc, 0x000042, b"000042:w:held", 7)
+    assert replies(client, 0.4) == []
+    assert backend.batches == 0
+    assert loop.call(lambda: len(loop.paused[LOW.lo][1])) == 1
+
+    def release():
+        _, held = loop.paused.pop(LOW.lo)
+        loop.pending.extend(held)
+    loop.call(release)
+    got = replies(client, 0.5)
+    assert [f.payload for f in got] == [b"ok:held"]
+
+
+def test_an_owner_past_its_lease_serves_nothing_until_it_is_valid_again(endpoint):
+    loop, backend, client, svc = endpoint
+    saved = loop.lease.valid_until
+    loop.lease.valid_until = 0.0          # as after SIGSTOP past the TTL
+    send(client, svc, 0x000077, b"000077:w:late", 3)
+    assert replies(client, 0.4) == []
+    assert loop.call(lambda: len(loop.fenced)) == 1
+    loop.lease.valid_until = saved
+    got = replies(client, 0.6)
+    assert [f.payload for f in got] == [b"ok:late"]
+
+
+def test_the_lease_is_registered_again_after_it_expired(endpoint, registry):
+    loop, backend, client, svc = endpoint
+    old = loop.lease.id
+    registry.revoke(old)                  # what etcd does to a lease whose owner was stopped past its TTL
+    assert not [e for e in registry.endpoints("t") if e.name == "e1"]
+    loop.lease.tick()                     # the next keepalive finds it gone
+    assert loop.lease.id != old and loop.lease.valid
+    assert [e.name for e in registry.endpoints("t")] == ["e1"]
+    send(client, svc, 0x000099, b"000099:w:back", 4)
+    got = replies(client, 1.0)
+    assert [f.payload for f in got] == [b"ok:back"]
