@@ -123,21 +123,48 @@ def resolve(c, service: str, key: int) -> None:
 @click.option("--wait/--no-wait", default=True, show_default=True,
               help="Wait until every switch has applied the change.")
 @click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds to wait.")
+@click.option("--force", is_flag=True,
+              help="Re-point the route even if a stateful endpoint owns or takes the keys (route moves no "
+                   "state: the data stays behind; use 'vfab split/move' to move it) or the ranges it joins "
+                   "carry different mirrors/helpers (the first range's are kept).")
 @pass_ctx
 @errors
-def route(c, service: str, keys, owner: str, epoch: int | None, wait: bool, timeout: float) -> None:
+def route(c, service: str, keys, owner: str, epoch: int | None, wait: bool, timeout: float, force: bool) -> None:
     """Reassign keys LO-HI of SERVICE to endpoint --to, in one epoch-checked transaction.
+
+    Only the route moves: no state goes with it, so for stateful services
+    (elastic-KVS, sdhcp) use 'vfab split' or 'vfab move' instead; route then
+    refuses unless --force. The range keeps its mirrors and helpers.
 
     Example: vfab route echo 0-0x7fffff --to s2
     """
     reg = c.registry
-    live = {e.name for e in reg.endpoints(service)}
-    if owner not in live:
-        known = ", ".join(sorted(live)) or "none"
+    eps = {e.name: e for e in reg.endpoints(service)}
+    if owner not in eps:
+        known = ", ".join(sorted(eps)) or "none"
         raise click.BadParameter(f"endpoint {owner!r} of {service!r} is not live (live: {known})",
                                  param_hint="--to")
-    rev = reg.assign(service, keys, owner, expect_epoch=epoch)
+    hit = [r for r, _ in reg.ranges(service) if r.range.overlaps(keys)]
+    stateful = sorted({n for n in {owner, *(r.owner for r in hit if r.owner)} if eps.get(n) and eps[n].ctl})
+    if stateful and not force:
+        raise click.BadParameter(
+            f"{', '.join(stateful)} {'is a stateful endpoint' if len(stateful) == 1 else 'are stateful endpoints'}"
+            f" of {service!r}: 'route' moves no state, so the keys' data would stay behind; use 'vfab split "
+            f"{service} {keys} --to {owner}' (or 'vfab move'), or --force to re-point the route anyway",
+            param_hint="--to")
+    if len({(tuple(r.mirrors), tuple(r.helpers)) for r in hit}) > 1 and not force:
+        shown = "; ".join(f"{r.range}: mirrors {','.join(r.mirrors) or '-'} helpers {','.join(r.helpers) or '-'}"
+                          for r in hit)
+        raise click.BadParameter(f"{keys} spans ranges with different mirrors/helpers ({shown}): route a range "
+                                 "inside one of them, or --force to keep the first one's", param_hint="LO-HI")
+    mirrors = [m for m in (hit[0].mirrors if hit else []) if m != owner]
+    helpers = list(hit[0].helpers) if hit else []
+    rev = reg.assign(service, keys, owner, expect_epoch=epoch, mirrors=mirrors, helpers=helpers)
     msg = f"{service} {keys} -> {owner} (etcd revision {rev})"
+    if mirrors or helpers:
+        msg += f"; kept mirrors {','.join(mirrors) or '-'}, helpers {','.join(helpers) or '-'}"
+    if stateful:
+        click.echo(f"warning: forced: no state moved with {keys}; {owner} serves it from what it holds", err=True)
     if wait:
         took = reg.wait_applied(rev, timeout=timeout)
         msg += f"; applied on all switches in {took * 1e3:.1f} ms"

@@ -128,6 +128,16 @@ class LocalEtcd:
             self._log_file.close()
             self._log_file = None
 
+    def kill9(self) -> None:
+        """SIGKILL our member by its PID (a crash); ``start`` brings it back on the same data and ports."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
     def log_tail(self, lines: int = 5) -> str:
         try:
             text = self.log_path.read_text(errors="replace").strip().splitlines()

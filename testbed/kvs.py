@@ -17,13 +17,13 @@ KVS = ["-m", "vfab.services.elastic_kvs"]
 
 
 def start_server(tb: Testbed, host: str, name: str, service: str, listen: str | None = None,
-                 rx: str = "ovs", ttl: int = 3) -> Proc:
+                 rx: str = "ovs", ttl: int = 3, data: str | None = None) -> Proc:
     out = os.path.join(tb.workdir, f"{service}-{name}.out")
     with open(out, "wb"):
         pass
     args = [*KVS, "server", "--etcd", tb.etcd_endpoint, "--service", service, "--name", name,
             "--iface", tb.hosts[host]["iface"], "--rx", rx, "--ttl", str(ttl),
-            "--data", os.path.join(tb.workdir, f"data-{service}")]
+            "--data", data or os.path.join(tb.workdir, f"data-{service}")]
     if listen:
         args += ["--listen", listen]
     proc = tb.run_on(host, f"{service}-{name}", args, stdout=open(out, "ab"))

@@ -83,3 +83,28 @@ def test_listing_commands(run, echo):
     assert echo.owner_of("echo", 0x900000).owner == "s2"
     res = run("flows")
     assert res.exit_code == 0  # no switches registered: prints nothing, fails nothing
+
+
+@pytest.fixture
+def stateful(registry):
+    registry.create_service("kv")
+    for name, mac in (("a", "00:00:00:00:00:0a"), ("b", "00:00:00:00:00:0b"), ("m", "00:00:00:00:00:0c")):
+        registry.announce(schema.Endpoint(service="kv", name=name, mac=mac, ctl=f"tcp://127.0.0.1:{9000 + ord(name)}"),
+                          ttl=30)
+    registry.assign("kv", Range(0, 0xFFFFFF), "a", mirrors=["m"])
+    return registry
+
+
+def test_route_refuses_to_move_a_stateful_range_without_force(run, stateful):
+    res = run("route", "kv", "0-0xff", "--to", "b", "--no-wait")
+    assert res.exit_code == 2, res.output
+    assert "stateful" in res.output and "vfab split kv" in res.output and "--force" in res.output
+    assert [r.owner for r, _ in stateful.ranges("kv")] == ["a"]
+
+
+def test_forced_route_keeps_the_mirrors(run, stateful):
+    res = run("route", "kv", "0-0xff", "--to", "b", "--no-wait", "--force")
+    assert res.exit_code == 0, res.output
+    assert "kept mirrors m" in res.output and "no state moved" in res.output
+    recs = [(r.range, r.owner, r.mirrors) for r, _ in stateful.ranges("kv")]
+    assert recs == [(Range(0, 0xFF), "b", ["m"]), (Range(0x100, 0xFFFFFF), "a", ["m"])]

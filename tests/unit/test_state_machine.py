@@ -72,7 +72,7 @@ def test_split_happy_path_order():
     s = Script(world([[rec(0, 0xFFFFFF, "a", 3)]]))
     out = s.run(m.operation("split", "a", "b", [HALF], 0.0))
     assert out.phase == "done" and not out.error and not out.notes
-    assert s.kinds() == ["ReadRanges", "BEGIN", "target>b", "Copy", "SYNC", "pause", "SYNC", "ReadRanges",
+    assert s.kinds() == ["ReadRanges", "BEGIN", "target>b", "Copy", "SYNC", "ReadRanges", "pause", "SYNC",
                          "Assign", "release>b", "COMMIT", "Drop", "Coalesce"]
     assign = next(a for a in s.actions if isinstance(a, m.Assign))
     assert (assign.owner, assign.expect_epoch, assign.rng) == ("b", 3, HALF)
@@ -107,13 +107,29 @@ def test_mirror_happy_path_adds_the_peer_without_pausing():
 
 
 def test_abort_after_the_pause_releases_held_requests_here():
-    # The epoch moved between the pause and the flip: abort; the held requests must be served here.
-    s = Script(world([[rec(0, 0xFFFFFF, "a", 1)], [rec(0, 0xFFFFFF, "a", 2)]]))
+    # The peer dies while the range is paused (its last SYNC is unanswered): the held requests are served here.
+    syncs = []
+
+    def ask(a):
+        if a.type == "SYNC":
+            syncs.append(a)
+            if len(syncs) == 2:
+                return m.Failure("peer", "b did not answer SYNC within 3 s")
+        return {}
+    s = Script(world([[rec(0, 0xFFFFFF, "a", 1)]], ask=ask))
     out = s.run(m.operation("split", "a", "b", [HALF], 0.0))
-    assert out.phase == "failed" and "changed while it was copied" in out.error
+    assert out.phase == "failed" and "last writes durable" in out.error
     release = [a for a in s.actions if isinstance(a, m.LoopCmd) and a.cmd == "release"]
     assert len(release) == 1 and release[0].to == "" and release[0].rec is None
     assert s.kinds()[-1] == "ABORT"
+    assert not any(isinstance(a, m.Assign) for a in s.actions)
+
+
+def test_an_epoch_change_seen_before_the_pause_aborts_without_pausing():
+    s = Script(world([[rec(0, 0xFFFFFF, "a", 1)], [rec(0, 0xFFFFFF, "a", 2)]]))
+    out = s.run(m.operation("split", "a", "b", [HALF], 0.0))
+    assert out.phase == "failed" and "changed while it was copied" in out.error
+    assert "pause" not in s.kinds() and s.kinds()[-2:] == ["untarget", "ABORT"]
 
 
 def test_commit_unanswered_after_the_flip_is_done_with_a_note():

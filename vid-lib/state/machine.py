@@ -14,9 +14,9 @@ Per range (the paper's Algorithm 1, DESIGN.md §5)::
     target                 from now on every write in the range is replicated to the peer
     copy                   snapshot chunks stream to the peer (pipelined)
     SYNC   → peer          the peer makes everything durable
+    read the range map     still ours at epoch E? (else: abort, nothing moved)
     pause                  (split/move) at a batch boundary: requests for the range are held
     SYNC   → peer          writes replicated since the first SYNC are durable too
-    read the range map     still ours at epoch E? (else: abort, nothing moved)
     assign                 one etcd transaction, compared on epoch E: the peer owns it (E+1)
     ---------------------- committed: from here nothing fails the operation ----------------
     release → peer         held requests are forwarded to the new owner
@@ -229,12 +229,14 @@ def _one_range(kind: str, source: str, peer: str, rng: Range, out: Outcome) -> G
         _need((yield Ask("SYNC", {"lo": rng.lo})), f"peer {peer} could not make the copy durable")
         t_flip = (yield Publish({"phase": "flip"})).now
         out.timings["copy_s"] = round(out.timings.get("copy_s", 0.0) + t_flip - t_copy, 4)
+        # Checked before the pause, so an etcd outage here is ridden out without holding requests; the
+        # flip's transaction compares the epoch again.
+        recs = _need((yield ReadRanges()), "reading the range map before the flip")
+        parent = _check_ours(recs, rng, source, epoch, "before the flip")
         if kind != "mirror":
             _need((yield LoopCmd("pause", rng)), "pausing the range")
             paused = True
             _need((yield Ask("SYNC", {"lo": rng.lo})), f"peer {peer} could not make the last writes durable")
-        recs = _need((yield ReadRanges()), "reading the range map before the flip")
-        parent = _check_ours(recs, rng, source, epoch, "before the flip")
         if kind == "mirror":
             owner, mirrors = source, sorted(set(parent.mirrors) | {peer})
         else:

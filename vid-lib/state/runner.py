@@ -125,15 +125,21 @@ class OpRunner:
 
     # -- etcd -----------------------------------------------------------------------------------
     def _read_ranges(self):
-        deadline = time.monotonic() + RIDE_OUT
+        t0 = time.monotonic()
+        down = False
         while True:
             try:
-                return [r for r, _ in self.reg.ranges(self.loop.service.name)]
+                recs = [r for r, _ in self.reg.ranges(self.loop.service.name)]
+                if down:
+                    log.warning("%s: %s: etcd is back after %.1f s; going on", self.loop.name, self.id,
+                                time.monotonic() - t0)
+                return recs
             except RegistryError as exc:
-                if time.monotonic() > deadline:
-                    return m.Failure("etcd", str(exc))
-                log.warning("%s: %s: etcd unreachable (%s); waiting up to %.0f s", self.loop.name, self.id, exc,
-                            RIDE_OUT)
+                if time.monotonic() - t0 > RIDE_OUT:
+                    return m.Failure("etcd", f"{exc} (for {RIDE_OUT:.0f} s)")
+                if not down:
+                    log.warning("%s: %s: %s; waiting up to %.0f s for it", self.loop.name, self.id, exc, RIDE_OUT)
+                    down = True
                 if self.cancel.wait(0.25):
                     return m.Failure("cancelled", "cancelled")
 

@@ -136,8 +136,8 @@ class ViewWatcher:
                     cancel()
                 continue  # idle: watch again from the next revision
             except RegistryError as exc:
-                if not self._stop.is_set():
-                    log.warning("%s: watch of %s: %s; retrying", self.service, prefix, exc)
+                if not self._stop.is_set() and rev:
+                    log.warning("%s: watch of %s: %s; retrying every %.1f s", self.service, prefix, exc, RETRY)
                 rev = 0  # reload: events may have been compacted away meanwhile
             self._stop.wait(RETRY)
         reg.close()

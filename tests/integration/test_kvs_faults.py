@@ -1,0 +1,183 @@
+"""elastic-KVS under the faults outside testers found: forged replies, a stopped owner, etcd dying, full disks.
+
+Topology line,2,3 (vfh1-3 on vfbs1, vfh4-6 on vfbs2).  Each test failed on the
+state layer before issue 7; each asserts what must hold now.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from vfab.services.elastic_kvs import proto
+from vfab.services.elastic_kvs.proto import Op, Status
+from vfab.testbed import kvs
+from vfab.testbed.procs import wait_for
+from vfab.vid import codec
+from vfab.vid.frame import Frame, FrameType
+from vfab.vid.ranges import Range
+from vfab.vid.state import ctl as statectl
+from vfab.vid.transport import RawPort
+
+HALF = Range(0x800000, 0xFFFFFF)
+LOW = Range(0, 0x7FFFFF)
+
+
+@pytest.fixture
+def servers(testbed):
+    started = []
+
+    def start(service: str, specs: list, **kw):
+        testbed.registry.create_service(service)
+        for host, name, listen, *data in specs:
+            started.append(kvs.start_server(testbed, host, name, service, listen, data=data[0] if data else None))
+        testbed.wait_revision(testbed.registry.state_revision())
+        return started
+
+    yield start
+    for proc in started:
+        if proc.alive():
+            os.kill(proc.pid, signal.SIGCONT)
+        testbed.sup.stop(proc)
+        assert "Traceback" not in open(proc.logpath).read(), f"{proc.name} raised:\n{proc.tail(40)}"
+
+
+def key_in(rng: Range, prefix: str = "q") -> bytes:
+    i = 0
+    while proto.vkey(f"{prefix}{i}".encode()) not in rng:
+        i += 1
+    return f"{prefix}{i}".encode()
+
+
+def test_forged_replies_are_refused(testbed, servers):
+    """A tenant on another host answers a client's requests with the right ids: the client must not believe it."""
+    servers("kvs-forge", [("vfh1", "a", "0-0x7fffff")])      # the upper half has no owner: nobody answers
+    svc = testbed.registry.service("kvs-forge")
+    owned, orphan = key_in(LOW), key_in(HALF)
+    with kvs.client(testbed, "vfh2", "kvs-forge", timeout=0.3) as cli, \
+            RawPort(testbed.hosts["vfh3"]["iface"], "ovs", netns=testbed.netns("vfh3")) as tenant:
+        cli.retries = 2
+        assert cli.put(owned, b"real") == 1 and cli.get(owned) == b"real"
+        victim = cli.api.mac
+        ps = [cli.submit(Op.GET, orphan) for _ in range(20)] + [cli.submit(Op.PUT, orphan, b"x") for _ in range(10)]
+        vid = codec.encode(svc.id, proto.vkey(orphan)).packed
+        for p in ps:
+            forged = proto.Reply(Status.OK, p.reqid, 9, b"forged", cli.client_id).serialize()
+            for src in (tenant.mac, vid):  # its own MAC (the client checks), the VID (the switch drops it)
+                for _ in range(3):
+                    tenant.send(Frame(dst=victim, src=src, type=FrameType.REPLY, payload=forged))
+        done = []
+        while cli.inflight:
+            done += cli.poll(0.5)
+        assert len(done) == 30
+        assert all(p.reply is None and p.error for p in done), [p.reply for p in done if p.reply][:3]
+        assert cli.counters["forged_replies"] >= 30, cli.counters
+        assert cli.get(owned) == b"real"
+
+
+def test_an_owner_stopped_past_its_lease_comes_back(testbed, servers):
+    procs = servers("kvs-stop", [("vfh1", "a", "0-0xffffff")])
+    keys = [f"s{i}".encode() for i in range(40)]
+    with kvs.client(testbed, "vfh2", "kvs-stop", timeout=0.3) as cli:
+        for k in keys:
+            cli.put(k, k + b"!")
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        wait_for(lambda: not testbed.registry.endpoints("kvs-stop"), 8, "a's lease to expire")
+        os.kill(procs[0].pid, signal.SIGCONT)
+        t0 = time.monotonic()
+        wait_for(lambda: [e.name for e in testbed.registry.endpoints("kvs-stop")] == ["a"], 5,
+                 "a to register again")
+        back = time.monotonic() - t0
+        assert back < 2.0, f"a took {back:.2f} s to register again (goal: within a second of resuming)"
+        cli.retries = 12
+        assert [cli.get(k) for k in keys] == [k + b"!" for k in keys]
+    assert "registered again" in open(procs[0].logpath).read()
+
+
+def test_etcd_dying_during_a_split_is_ridden_out_and_the_record_ends(testbed, servers):
+    servers("kvs-etcd", [("vfh1", "a", "0-0xffffff"), ("vfh4", "b", None)])
+    n = 2000
+    assert kvs.preload(testbed, "vfh3", "kvs-etcd", n, value_size=256) == n
+    started = statectl.split(testbed.registry, "kvs-etcd", HALF, "b", throttle=600)  # ~1.7 s of copying
+    wait_for(lambda: (op := testbed.registry.op("kvs-etcd", started.op)[0]) and op.phase == "copy"
+             and op.done > 100, 20, "the split to be copying")
+    testbed.etcd.kill9()
+    time.sleep(2.0)
+    testbed.etcd.start()
+    op = statectl.wait(testbed.registry, "kvs-etcd", started.op, timeout=60)
+    assert op.phase == "done", op                      # a short outage is ridden out
+    assert not [o for o in testbed.registry.ops("kvs-etcd") if not o.finished]
+    owners = [(r.range, r.owner) for r, _ in testbed.registry.ranges("kvs-etcd")]
+    assert owners == [(LOW, "a"), (HALF, "b")], owners
+    back = kvs.read_back(testbed, "vfh2", "kvs-etcd", [f"k{i}" for i in range(n)])
+    assert all(v == f"k{i}" for i, v in enumerate(back[f"k{i}"] for i in range(n)))
+
+
+@pytest.fixture
+def tmpfs(testbed):
+    mounts = []
+
+    def make(size: str) -> str:
+        path = os.path.join(testbed.workdir, f"vfx-disk-{uuid.uuid4().hex[:6]}")
+        os.makedirs(path)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], check=True)
+        mounts.append(path)
+        return path
+
+    yield make
+    for path in mounts:
+        subprocess.run(["umount", "-l", path], check=False)
+
+
+def fill(path: str, leave: int) -> str:
+    """Fill the file system of ``path`` but ``leave`` bytes; returns the filler's path."""
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    filler = os.path.join(path, "filler")
+    with open(filler, "wb") as fh:
+        fh.write(b"\0" * max(0, free - leave))
+    return filler
+
+
+def keys_in(db: str, rng: Range) -> int:
+    with sqlite3.connect(db) as conn:
+        return conn.execute("SELECT count(*) FROM kv WHERE vkey BETWEEN ? AND ?", (rng.lo, rng.hi)).fetchone()[0]
+
+
+def test_owner_disk_full_during_split_reports_done_and_cleans_up_later(testbed, servers, tmpfs):
+    disk = tmpfs("24m")
+    servers("kvs-fulla", [("vfh1", "a", "0-0xffffff", disk), ("vfh4", "b", None)])
+    n = 3000
+    assert kvs.preload(testbed, "vfh3", "kvs-fulla", n, value_size=1024) == n
+    filler = fill(disk, 16 * 1024)
+    started = statectl.split(testbed.registry, "kvs-fulla", HALF, "b")
+    op = statectl.wait(testbed.registry, "kvs-fulla", started.op, timeout=60)
+    assert op.phase == "done", op                       # the flip committed: etcd names b, and so does the op
+    assert [(r.range, r.owner) for r, _ in testbed.registry.ranges("kvs-fulla")] == [(LOW, "a"), (HALF, "b")]
+    assert any("disk is full" in note for note in op.notes), op.notes
+    os.unlink(filler)                                  # space again: the drop is retried in the background
+    db = os.path.join(disk, "a.sqlite")
+    wait_for(lambda: keys_in(db, HALF) == 0, 20, "a to drop its old copy once the disk has space")
+    back = kvs.read_back(testbed, "vfh2", "kvs-fulla", [f"k{i}" for i in range(n)])
+    assert all(back[f"k{i}"] == f"k{i}" for i in range(n))
+
+
+def test_peer_disk_full_fails_the_split_by_name_and_leaves_no_copy(testbed, servers, tmpfs):
+    disk = tmpfs("6m")
+    servers("kvs-fullb", [("vfh1", "a", "0-0xffffff"), ("vfh4", "b", None, disk)])
+    n = 3000
+    assert kvs.preload(testbed, "vfh3", "kvs-fullb", n, value_size=1024) == n
+    filler = fill(disk, 2 * 1024 * 1024)
+    started = statectl.split(testbed.registry, "kvs-fullb", HALF, "b")
+    op = statectl.wait(testbed.registry, "kvs-fullb", started.op, timeout=60)
+    assert op.phase == "failed" and "disk is full" in op.error, op
+    assert [(r.range, r.owner) for r, _ in testbed.registry.ranges("kvs-fullb")] == [(Range(0, 0xFFFFFF), "a")]
+    os.unlink(filler)
+    db = os.path.join(disk, "b.sqlite")
+    wait_for(lambda: keys_in(db, HALF) == 0, 20, "b to drop its partial copy")
