@@ -16,6 +16,7 @@ PACKAGE_DIR = {
     "vfab.services": "services",
     "vfab.services.echo": "services/echo",
     "vfab.services.elastic_kvs": "services/elastic-kvs",
+    "vfab.services.sdhcp": "services/sdhcp",
     "vfab.testbed": "testbed",
     "vfab.cli": "cli",
 }

@@ -1,0 +1,20 @@
+"""sdhcp: the scalable DHCP service of vfab (DESIGN.md §1, issue 9).
+
+Unmodified DHCPv4 clients (udhcpc, dhclient, dhcpcd) reach it through a front
+door that steers ``udp,tp_dst=67`` by the low 24 bits of the client MAC to the
+shard owning that key range.  What exists so far is the protocol layer:
+
+``wire``
+    the DHCP/BOOTP message format (RFC 2131/2132, overload, RFC 3396 long
+    options): ``parse``, ``Message``, ``Message.serialize``, typed accessors.
+``reply``
+    the server's reply rules: ``reply`` (OFFER/ACK/NAK builder),
+    ``destination`` (RFC 2131 §4.1 addressing), ``reply_limit`` (option 57).
+``ipudp``
+    Ethernet + IPv4 + UDP framing with checksums, for raw sockets.
+``errors``
+    ``DhcpError``, the one exception the above raise for bad input.
+
+The server, its shards, leases and the front door are still to be built
+(see README.md).
+"""

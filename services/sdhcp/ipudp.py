@@ -1,0 +1,145 @@
+"""Ethernet + IPv4 + UDP framing of DHCP on a raw socket: the only module that knows these headers.
+
+::
+
+    Ethernet (14 B)   dst MAC (6) | src MAC (6) | EtherType 0x0800
+    IPv4 (20 B sent; options accepted on receive, RFC 791)
+     0                   1                   2                   3
+     0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 0 1
+    +-------+-------+---------------+-------------------------------+
+    |Ver=4  |IHL>=5 |   DSCP/ECN    |          total length         |
+    +-------+-------+---------------+-----+-------------------------+
+    |        identification         |flags|     fragment offset     |
+    +---------------+---------------+-----+-------------------------+
+    |      TTL      | protocol = 17 |        header checksum        |
+    +---------------+---------------+-------------------------------+
+    |                         source address                        |
+    +---------------------------------------------------------------+
+    |                      destination address                      |
+    +-------------------------------+-------------------------------+
+    UDP (8 B, RFC 768)
+    |          source port          |       destination port        |
+    +-------------------------------+-------------------------------+
+    |     length (8 + payload)      |  checksum (over pseudo-header)|
+    +-------------------------------+-------------------------------+
+    |                  payload: one DHCP message ...                |
+
+Checksums are the Internet checksum (RFC 1071): the IP one over the IP
+header, the UDP one over the pseudo-header (source, destination, 0, 17, UDP
+length), the UDP header and the payload; a computed UDP checksum of 0 is sent
+as 0xFFFF, a received 0 means "none".  :func:`parse` drops IP fragments (DHCP
+is never fragmented and a raw socket gets no reassembly) and Ethernet padding.
+Frames sent by a namespace's own kernel through a veth may carry a partial
+UDP checksum (TESTBED-NOTES: ``ethtool -K IF tx off`` in that namespace fixes
+it); ``parse(frame, verify=False)`` reads such frames anyway.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from ipaddress import IPv4Address
+
+from vfab.services.sdhcp.errors import DhcpError
+
+ETH = struct.Struct("!6s6sH")
+IPV4 = struct.Struct("!BBHHHBBH4s4s")
+UDP = struct.Struct("!HHHH")
+ETH_P_IP = 0x0800
+IPPROTO_UDP = 17
+MIN_LEN = ETH.size + IPV4.size + UDP.size  # 42 B
+MAX_PAYLOAD = 0xFFFF - IPV4.size - UDP.size
+IP_MF = 0x2000
+IP_OFFSET = 0x1FFF
+DEFAULT_TTL = 64
+
+
+def checksum(data: bytes) -> int:
+    """The Internet checksum of ``data`` (RFC 1071): one's complement of the one's complement sum."""
+    if len(data) % 2:
+        data += b"\0"
+    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
+    while total > 0xFFFF:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
+def _pseudo(src: bytes, dst: bytes, udp_len: int) -> bytes:
+    return src + dst + struct.pack("!BBH", 0, IPPROTO_UDP, udp_len)
+
+
+@dataclass(frozen=True)
+class Datagram:
+    """One UDP datagram in one Ethernet frame."""
+
+    eth_dst: bytes
+    eth_src: bytes
+    src_ip: IPv4Address
+    dst_ip: IPv4Address
+    src_port: int
+    dst_port: int
+    payload: bytes
+    ttl: int = DEFAULT_TTL
+    ident: int = 0
+    tos: int = 0
+
+    def serialize(self) -> bytes:
+        for name in ("eth_dst", "eth_src"):
+            mac = getattr(self, name)
+            if not isinstance(mac, (bytes, bytearray)) or len(mac) != 6:
+                raise DhcpError(f"{name} {mac!r} is not a 6-byte MAC")
+        for name, bits in (("src_port", 16), ("dst_port", 16), ("ttl", 8), ("ident", 16), ("tos", 8)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 <= value < 1 << bits:
+                raise DhcpError(f"{name} {value!r} is out of range: it is an unsigned {bits}-bit field")
+        if len(self.payload) > MAX_PAYLOAD:
+            raise DhcpError(f"payload of {len(self.payload)} B does not fit one IPv4 datagram "
+                            f"(limit {MAX_PAYLOAD} B)")
+        try:
+            src, dst = IPv4Address(self.src_ip).packed, IPv4Address(self.dst_ip).packed
+        except ValueError:
+            raise DhcpError(f"{self.src_ip!r} -> {self.dst_ip!r}: both must be IPv4 addresses") from None
+        udp_len = UDP.size + len(self.payload)
+        ip = IPV4.pack(0x45, self.tos, IPV4.size + udp_len, self.ident, 0, self.ttl, IPPROTO_UDP, 0, src, dst)
+        ip = ip[:10] + struct.pack("!H", checksum(ip)) + ip[12:]
+        udp = UDP.pack(self.src_port, self.dst_port, udp_len, 0) + bytes(self.payload)
+        csum = checksum(_pseudo(src, dst, udp_len) + udp) or 0xFFFF
+        return ETH.pack(self.eth_dst, self.eth_src, ETH_P_IP) + ip + udp[:6] + struct.pack("!H", csum) + udp[8:]
+
+
+def parse(frame: bytes, verify: bool = True) -> Datagram:
+    """Parse an Ethernet frame carrying IPv4/UDP.  Raises DhcpError, and nothing else, for any other
+    frame; ``verify=False`` skips both checksums (for kernel frames with offloaded checksums)."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise DhcpError(f"parse() takes an Ethernet frame as bytes, not {type(frame).__name__}")
+    frame = bytes(frame)
+    if len(frame) < MIN_LEN:
+        raise DhcpError(f"frame of {len(frame)} B is too short for Ethernet+IPv4+UDP ({MIN_LEN} B)")
+    eth_dst, eth_src, eth_type = ETH.unpack_from(frame)
+    if eth_type != ETH_P_IP:
+        raise DhcpError(f"EtherType {eth_type:#06x} is not IPv4 (0x0800)")
+    vihl, tos, total, ident, frag, ttl, proto, _, src, dst = IPV4.unpack_from(frame, ETH.size)
+    ihl = (vihl & 0x0F) * 4
+    if vihl >> 4 != 4:
+        raise DhcpError(f"IP version {vihl >> 4} is not 4")
+    if ihl < IPV4.size:
+        raise DhcpError(f"IPv4 header length {ihl} B is below the minimum of {IPV4.size} B")
+    if total < ihl + UDP.size or ETH.size + total > len(frame):
+        raise DhcpError(f"IPv4 total length {total} B does not fit: header {ihl} B + UDP 8 B, frame carries "
+                        f"{len(frame) - ETH.size} B after Ethernet")
+    if frag & (IP_MF | IP_OFFSET):
+        raise DhcpError("IPv4 fragment: DHCP messages are never fragmented and a raw socket does not reassemble")
+    if proto != IPPROTO_UDP:
+        raise DhcpError(f"IP protocol {proto} is not UDP (17)")
+    ip_end = ETH.size + total
+    if verify and checksum(frame[ETH.size:ETH.size + ihl]) != 0:
+        raise DhcpError("bad IPv4 header checksum")
+    udp_off = ETH.size + ihl
+    sport, dport, udp_len, udp_csum = UDP.unpack_from(frame, udp_off)
+    if udp_len < UDP.size or udp_off + udp_len > ip_end:
+        raise DhcpError(f"UDP length {udp_len} B does not fit the {total - ihl} B of the IP payload")
+    udp = frame[udp_off:udp_off + udp_len]
+    if verify and udp_csum and checksum(_pseudo(src, dst, udp_len) + udp) != 0:
+        raise DhcpError("bad UDP checksum (a kernel sender behind checksum offload? see ethtool -K IF tx off)")
+    return Datagram(eth_dst=eth_dst, eth_src=eth_src, src_ip=IPv4Address(src), dst_ip=IPv4Address(dst),
+                    src_port=sport, dst_port=dport, payload=udp[UDP.size:], ttl=ttl, ident=ident, tos=tos)
