@@ -325,7 +325,7 @@ def main() -> int:
         rec = next(r for r, _ in reg.ranges(SERVICE) if r.lo == R.lo)
         cookie = make_cookie(Kind.VID_ROUTE, svc.id, R.lo, rec.epoch)
         s1, s2 = tb.switches["vfbs1"], tb.switches["vfbs2"]
-        _, links = reg.get_prefix(schema.ROOT + "links/")
+        _, links = reg.get_prefix(schema.folder("links"))
         trunk = next(lk.port for lk in (schema.Link.from_json(v, k) for k, (v, _) in links.items())
                      if lk.dpid == s1 and lk.peer_dpid == s2)
         have = [f for f in tb.dump_flows("vfbs1") if f"cookie={cookie:#x}," in f and "table=1" in f]

@@ -123,7 +123,7 @@ def status(c, as_json: bool) -> None:
     state = read_state()
     reg = c.registry
     try:
-        rev, _ = reg.get_prefix(schema.ROOT + "switches/")
+        rev, _ = reg.get_prefix(schema.folder("switches"))
     except RegistryError as exc:
         raise click.ClickException(str(exc)) from None
     applied = reg.applied()

@@ -2,28 +2,29 @@
 
 from __future__ import annotations
 
-import json
 
 import click
 
 from vfab.cli.cmd_state import fmt_rate, load_by_range, range_load
 from vfab.cli.common import KEY, RANGE, NameType, errors, pass_ctx, table
 from vfab.vid import codec
+from vfab.vid.errors import RegistryError
 from vfab.vid.registry import schema
 
 
 def _counters(reg) -> dict[str, list[int]]:
     """Packets/bytes per 'serviceid/lo' summed over switches (published by the controller)."""
-    _, items = reg.get_prefix(schema.ROOT + "counters/")
+    _, items = reg.get_prefix(schema.folder("counters"))
     out: dict[str, list[int]] = {}
-    for _, (raw, _) in items.items():
+    for key, (raw, _) in items.items():
         try:
-            for name, (pk, by) in json.loads(raw)["counters"].items():
-                acc = out.setdefault(name, [0, 0])
-                acc[0] += pk
-                acc[1] += by
-        except (ValueError, KeyError, TypeError):
-            continue
+            rec = schema.Counters.from_json(raw, key)
+        except RegistryError:
+            continue  # one malformed report must not hide the others
+        for name, (pk, by) in rec.counters.items():
+            acc = out.setdefault(name, [0, 0])
+            acc[0] += pk
+            acc[1] += by
     return out
 
 

@@ -39,10 +39,10 @@ def say(text: str) -> None:
 
 def counters_by_range(tb: Testbed, sid: int) -> dict[int, int]:
     """Packets per range lo, counted on the switch of the range's owner (each packet once)."""
-    _, items = tb.registry.get_prefix(schema.ROOT + "counters/")
+    _, items = tb.registry.get_prefix(schema.folder("counters"))
     per_switch = {}
     for key, (raw, _) in items.items():
-        per_switch[int(key.rsplit("/", 1)[1], 16)] = json.loads(raw)["counters"]
+        per_switch[int(key.rsplit("/", 1)[1], 16)] = schema.Counters.from_json(raw, key).counters
     eps = {e.name: e for e in tb.registry.endpoints("echo")}
     hosts = {h["mac"]: h for h in tb.hosts.values()}
     out = {}

@@ -510,3 +510,23 @@ def test_snapshot_while_another_thread_writes_is_consistent(st):
     assert errors == []
     assert gens[0] > 0
     assert len(seen) > 1 or gens[0] >= 2000, "the snapshots never overlapped a write"
+
+
+def test_a_store_of_the_previous_layout_is_converted_with_its_data(tmp_path):
+    import sqlite3
+
+    path = str(tmp_path / "old.sqlite")
+    with sqlite3.connect(path) as conn:
+        conn.executescript("""
+            CREATE TABLE kv (k BLOB PRIMARY KEY, vkey INTEGER NOT NULL, value BLOB,
+                             version INTEGER NOT NULL, recent BLOB NOT NULL) WITHOUT ROWID;
+            CREATE INDEX kv_vkey ON kv (vkey);""")
+        conn.execute("INSERT INTO kv VALUES (?,?,?,?,?)", (b"k", vkey(b"k"), b"v", 3, b""))
+        conn.execute("INSERT INTO kv VALUES (?,?,?,?,?)", (b"gone", vkey(b"gone"), None, 2, b""))
+    s = Store(path)
+    try:
+        assert s.row(b"k") == (b"v", 3, b"") and s.row(b"gone") == (None, 2, b"")
+        assert "WITHOUT ROWID" not in s.db.execute("SELECT sql FROM sqlite_master WHERE name='kv'").fetchone()[0]
+        assert s.count(Range(0, 0xFFFFFF)) == 1
+    finally:
+        s.close()

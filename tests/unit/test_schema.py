@@ -23,12 +23,18 @@ GOOD = {
     schema.Switch: {"dpid": 1, "name": "s1"},
     schema.Link: {"dpid": 1, "port": 10, "peer_dpid": 2, "peer_port": 11},
     schema.Applied: {"dpid": 1, "revision": 42, "flows": 17, "groups": 2, "at": 1.5},
+    schema.Counters: {"at": 2.5, "counters": {"7/000000": [10, 640], "deny/3": [1, 64]}},
+    schema.OpRec: {"op": "split", "source": "a", "peer": "b", "ranges": [[0, 9]], "phase": "done", "done": 3,
+                   "total": 3, "started": 1.0, "updated": 2.0, "error": "", "timings": {"total_s": 0.1},
+                   "id": "a.00ff", "notes": ["late COMMIT"]},
 }
 
 # (record type, field, bad value)
 WRONG_TYPES = [
     (schema.Service, "id", "7"), (schema.Service, "id", True), (schema.Service, "name", 7),
     (schema.Service, "layout", 1), (schema.Service, "frontdoors", {"kind": "dhcp4"}),
+    (schema.Counters, "counters", {"x": [1]}), (schema.Counters, "counters", {"x": [1, "2"]}),
+    (schema.OpRec, "notes", "x"), (schema.OpRec, "id", 5),
     (schema.Service, "frontdoors", [{"port": 67}]), (schema.Service, "frontdoors", [{"kind": "udp", "x": 1.5}]),
     (schema.Endpoint, "mac", 12.5), (schema.Endpoint, "rx", ["ovs"]), (schema.Endpoint, "service", 5),
     (schema.Endpoint, "host", 7), (schema.Endpoint, "name", None), (schema.Endpoint, "ctl", 5),
@@ -168,3 +174,9 @@ def test_parse_key():
     assert schema.parse_key("/other/v1/ranges") is None
     assert set(schema.RECORDS) == {"services", "endpoints", "ranges", "hosts", "switches", "links",
                                    "applied"}
+
+
+def test_folders_are_named_only_here():
+    assert schema.folder("counters") == "/vfab/v1/counters/"
+    with pytest.raises(VidError, match="unknown registry folder"):
+        schema.folder("countres")

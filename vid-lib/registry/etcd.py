@@ -212,7 +212,7 @@ class Registry:
 
     # -- services ---------------------------------------------------------
     def services(self) -> list[schema.Service]:
-        _, items = self.get_prefix(schema.ROOT + "services/")
+        _, items = self.get_prefix(schema.folder("services"))
         return sorted((schema.Service.from_json(v, k) for k, (v, _) in items.items()), key=lambda s: s.id)
 
     def service(self, name: str) -> schema.Service:
@@ -231,7 +231,7 @@ class Registry:
             got = self.get(schema.service_key(name))
             if got is not None:
                 return schema.Service.from_json(got[0], schema.service_key(name))
-            _, ids = self.get_prefix(schema.ROOT + "service-ids/")
+            _, ids = self.get_prefix(schema.folder("service-ids"))
             used = {int(k.rsplit("/", 1)[1]) for k in ids}
             if sid is None:
                 free = next((i for i in range(1, SERVICE_MAX + 1) if i not in used), None)
@@ -272,7 +272,7 @@ class Registry:
         on its port (the benchmarks' raw echo threads).
         """
         self.service(ep.service)
-        _, items = self.get_prefix(schema.ROOT + "endpoints/") if not allow_shared else (0, {})
+        _, items = self.get_prefix(schema.folder("endpoints")) if not allow_shared else (0, {})
         for key, (raw, _) in items.items():
             other = schema.Endpoint.from_json(raw, key)
             if other.mac == ep.mac and (other.service, other.name) != (ep.service, ep.name) \
@@ -415,12 +415,12 @@ class Registry:
         return self.put(schema.MISS_KEY, policy)
 
     def applied(self) -> dict[int, schema.Applied]:
-        _, items = self.get_prefix(schema.ROOT + "applied/")
+        _, items = self.get_prefix(schema.folder("applied"))
         recs = (schema.Applied.from_json(v, k) for k, (v, _) in items.items())
         return {a.dpid: a for a in recs}
 
     def switches(self) -> list[schema.Switch]:
-        _, items = self.get_prefix(schema.ROOT + "switches/")
+        _, items = self.get_prefix(schema.folder("switches"))
         return sorted((schema.Switch.from_json(v, k) for k, (v, _) in items.items()), key=lambda s: s.dpid)
 
     def state_revision(self) -> int:

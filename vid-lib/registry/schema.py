@@ -11,7 +11,8 @@
     /vfab/v1/links/<dpid:016x>/<port>      Link      {dpid, port, peer_dpid, peer_port}
     /vfab/v1/config/miss                   "drop" | "controller" | "flood"
     /vfab/v1/applied/<dpid:016x>           Applied   {revision, flows, groups, at}  written by the controller
-    /vfab/v1/counters/<dpid:016x>          {cookie-range: [packets, bytes]}      leased, by the controller
+    /vfab/v1/counters/<dpid:016x>          Counters  {at, counters: {name: [packets, bytes]}}  leased, by the
+                                                     controller
     /vfab/v1/ops/<service>/<op id>         OpRec     {id, op, source, ranges, peer, phase, done, total, ...}
                                                      a state op (one running per endpoint), leased by its source
     /vfab/v1/load/<service>/<endpoint>     Load      {at, ranges: [[lo, hi, keys, req/s]]}  leased, by it
@@ -42,6 +43,13 @@ def check_name(kind: str, name: str) -> str:
             "starting with a letter or digit"
         )
     return name
+
+
+def folder(name: str) -> str:
+    """The prefix of a top-level folder ("services", "switches", "counters", ...); see the table above."""
+    if name not in FOLDERS:
+        raise VidError(f"unknown registry folder {name!r}: one of {', '.join(FOLDERS)}")
+    return f"{ROOT}{name}/"
 
 
 def service_key(name: str) -> str:
@@ -81,6 +89,8 @@ def link_key(dpid: int, port: int) -> str:
 
 
 MISS_KEY = f"{ROOT}config/miss"
+FOLDERS = ("services", "service-ids", "endpoints", "ranges", "hosts", "switches", "links", "config", "applied",
+           "counters", "ops", "load")
 
 
 def op_key(service: str, op_id: str) -> str:
@@ -320,6 +330,23 @@ class Load(Record):
     at: float
     ranges: list = field(default_factory=list)
     role: dict = field(default_factory=dict)  # "lo" (hex) -> "owner" | "mirror"
+
+
+@dataclass
+class Counters(Record):
+    """Per-switch flow counters the controller publishes: {"<service id>/<lo:06x>" | "deny/<port>" |
+    "vid_miss/<n>": [packets, bytes]}."""
+
+    KIND: ClassVar[str] = "counters"
+    at: float
+    counters: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _need("counters", "at", self.at, (int, float))
+        _need("counters", "counters", self.counters, dict)
+        for name, pair in self.counters.items():
+            if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, int) for x in pair)):
+                raise VidError(f"counter {name!r} is not [packets, bytes]: {pair!r}")
 
 
 # Folders that never change what the controller compiles (its own reports, endpoints' ops and load).
