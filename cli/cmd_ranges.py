@@ -7,8 +7,8 @@ import click
 
 from vfab.cli.cmd_state import fmt_rate, load_by_range, range_load
 from vfab.cli.common import KEY, RANGE, NameType, errors, pass_ctx, table
-from vfab.vid import codec
-from vfab.vid.errors import RegistryError
+from vfab.vid import codec, plugin
+from vfab.vid.errors import RegistryError, VidError
 from vfab.vid.registry import schema
 
 
@@ -36,9 +36,10 @@ def services(c) -> None:
     reg = c.registry
     rows = []
     for s in reg.services():
-        rows.append([s.name, s.id, s.layout, len(reg.ranges(s.name)),
+        doors = ", ".join(str(d.get("kind")) for d in s.frontdoors) or "-"
+        rows.append([s.name, s.kind or "-", s.id, s.layout, len(reg.ranges(s.name)), doors,
                      ", ".join(e.name for e in reg.endpoints(s.name)) or "-"])
-    c.console.print(table("services", ["name", "id", "layout", "ranges", "endpoints"], rows))
+    c.console.print(table("services", ["name", "kind", "id", "layout", "ranges", "front doors", "endpoints"], rows))
 
 
 @click.group("service")
@@ -51,12 +52,35 @@ def service() -> None:
 @click.option("--layout", type=click.Choice(["prefix", "suffix"]), default="prefix", show_default=True,
               help="Where the service id sits in the VID (DESIGN.md §2).")
 @click.option("--id", "sid", type=click.IntRange(1, codec.SERVICE_MAX), help="Ask for this service id.")
+@click.option("--kind", metavar="KIND", default="",
+              help="Service type, from the plug-ins: " + ", ".join(sorted(plugin.load())) + ". It decides the "
+                   "front doors the service gets.")
+@click.option("--opt", "opts", multiple=True, metavar="NAME=VALUE",
+              help="An option of the kind (e.g. the address of a front door); repeatable.")
 @pass_ctx
 @errors
-def service_add(c, name: str, layout: str, sid: int | None) -> None:
-    """Register service NAME; all its keys start in one unassigned range."""
-    s = c.registry.create_service(name, layout, sid)
-    click.echo(f"service {s.name}: id {s.id}, {s.layout} layout, VIDs {codec.encode(s.id, 0, layout=codec.Layout(s.layout))}..")
+def service_add(c, name: str, layout: str, sid: int | None, kind: str, opts: tuple[str, ...]) -> None:
+    """Register service NAME; all its keys start in one unassigned range.
+
+    Example: vfab service add kvs --kind elastic-kvs
+    """
+    pairs = {}
+    for text in opts:
+        key, sep, value = text.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{text!r} is not NAME=VALUE", param_hint="--opt")
+        pairs[key] = value
+    doors = []
+    if kind:
+        try:
+            doors = plugin.get(kind).service_frontdoors(pairs)
+        except VidError as exc:
+            raise click.BadParameter(str(exc), param_hint="--kind/--opt") from None
+    elif pairs:
+        raise click.BadParameter("options need a --kind", param_hint="--opt")
+    s = c.registry.create_service(name, layout, sid, kind=kind, frontdoors=doors)
+    click.echo(f"service {s.name}: id {s.id}, {s.layout} layout, kind {s.kind or '-'}, "
+               f"VIDs {codec.encode(s.id, 0, layout=codec.Layout(s.layout))}..")
 
 
 @service.command("del")

@@ -16,8 +16,9 @@ import logging
 
 import click
 
-from vfab.cli import cmd_fabric, cmd_flows, cmd_kvs, cmd_ranges, cmd_state
+from vfab.cli import cmd_fabric, cmd_flows, cmd_ranges, cmd_state
 from vfab.cli.common import Ctx
+from vfab.vid import plugin
 
 
 @click.group(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
@@ -31,9 +32,12 @@ def cli(ctx: click.Context, etcd: str | None, verbose: bool) -> None:
     ctx.obj = Ctx(etcd)
 
 
-for module in (cmd_fabric, cmd_ranges, cmd_flows, cmd_state, cmd_kvs):
+for module in (cmd_fabric, cmd_ranges, cmd_flows, cmd_state):
     for command in module.COMMANDS:
         cli.add_command(command)
+for _plug in plugin.load().values():  # each service type brings its own command group
+    if _plug.cli:
+        cli.add_command(_plug.resolve("cli"))
 
 
 def main() -> None:

@@ -9,12 +9,18 @@ the loop can put it on every mirror before the reply leaves.
 from __future__ import annotations
 
 import collections
+import os
 
 from vfab.services.elastic_kvs import proto
 from vfab.services.elastic_kvs.proto import KvsError, Op, Status
 from vfab.services.elastic_kvs.store import Store
 from vfab.vid.ranges import Range
 from vfab.vid.state.backend import BackendError, BadRequest, Refusal, Request
+
+def open_backend(datadir: str, name: str) -> "KvsBackend":
+    """The backend of endpoint ``name``, its store at DATADIR/NAME.sqlite."""
+    return KvsBackend(Store(os.path.join(datadir, f"{name}.sqlite")))
+
 
 STATUS = {Refusal.BAD_REQUEST: Status.BAD_REQUEST, Refusal.WRONG_OWNER: Status.WRONG_OWNER,
           Refusal.UNAVAILABLE: Status.UNAVAILABLE}
@@ -27,11 +33,10 @@ class KvsBackend:
 
     # -- the data path --------------------------------------------------------------------------
     def key_of(self, payload: bytes) -> int:
-        _client, _reqid, key = proto.peek(payload)
-        if key is None:
-            raise BadRequest(f"request of {len(payload)} B has no readable key: the header is {proto.REQ_LEN} B, "
-                             f"then 1..{proto.MAX_KEY} B of key")
-        return proto.vkey(key)
+        try:
+            return proto.key_of(payload)
+        except KvsError as exc:
+            raise BadRequest(str(exc)) from None
 
     def error_reply(self, payload: bytes, refusal: Refusal, message: str) -> bytes:
         client, reqid, _key = proto.peek(payload)

@@ -171,6 +171,15 @@ def error_reply(reqid: int, status: Status, message: str, client: int = 0) -> by
     return Reply(status, reqid, 0, message.encode()[:MAX_VALUE], client).serialize()
 
 
+def key_of(payload: bytes) -> int:
+    """The VID key of a request payload; KvsError if it has no readable key."""
+    _client, _reqid, key = peek(payload)
+    if key is None:
+        raise KvsError(f"request of {len(payload)} B has no readable key: the header is {REQ_LEN} B, then "
+                       f"1..{MAX_KEY} B of key")
+    return vkey(key)
+
+
 def vkey(key: bytes) -> int:
     """The 24-bit VID key of a KVS key: the top bits of its BLAKE2b hash (spreads keys evenly)."""
     import hashlib

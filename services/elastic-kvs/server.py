@@ -13,8 +13,7 @@ import os
 import signal
 import threading
 
-from vfab.services.elastic_kvs.backend import KvsBackend
-from vfab.services.elastic_kvs.store import Store
+from vfab.services.elastic_kvs.backend import open_backend
 from vfab.vid.ranges import Range
 from vfab.vid.registry import Registry
 from vfab.vid.state.loop import EndpointLoop
@@ -27,11 +26,11 @@ log = logging.getLogger("vfab.kvs.server")
 def open_server(registry: Registry, service: str, name: str, iface: str, datadir: str, rx: str = "ovs",
                 netns: str | None = None, ttl: int = 3) -> EndpointLoop:
     """An announced elastic-KVS endpoint, ready to ``serve``."""
-    store = Store(os.path.join(datadir, f"{name}.sqlite"))
+    backend = open_backend(datadir, name)
     try:
-        return EndpointLoop(registry, service, name, iface, KvsBackend(store), rx=rx, netns=netns, ttl=ttl)
+        return EndpointLoop(registry, service, name, iface, backend, rx=rx, netns=netns, ttl=ttl)
     except BaseException:
-        store.close()
+        backend.store.close()
         raise
 
 

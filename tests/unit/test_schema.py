@@ -15,7 +15,7 @@ from vfab.vid.errors import RegistryError, VidError
 MAC = "02:00:00:00:00:01"
 
 GOOD = {
-    schema.Service: {"name": "echo", "id": 7, "layout": "suffix", "frontdoors": [{"kind": "dhcp4"}]},
+    schema.Service: {"name": "echo", "id": 7, "layout": "suffix", "kind": "echo", "frontdoors": [{"kind": "dhcp4"}]},
     schema.Endpoint: {"service": "echo", "name": "e1", "mac": MAC, "rx": "bpf", "host": "h1", "ctl": "tcp://127.0.0.1:5555"},
     schema.RangeRec: {"lo": 0, "hi": 99, "owner": "e1", "mirrors": ["e2"], "helpers": ["e3"],
                       "epoch": 4, "state": "moving"},
@@ -32,7 +32,7 @@ GOOD = {
 # (record type, field, bad value)
 WRONG_TYPES = [
     (schema.Service, "id", "7"), (schema.Service, "id", True), (schema.Service, "name", 7),
-    (schema.Service, "layout", 1), (schema.Service, "frontdoors", {"kind": "dhcp4"}),
+    (schema.Service, "layout", 1), (schema.Service, "frontdoors", {"kind": "dhcp4"}), (schema.Service, "kind", 3),
     (schema.Counters, "counters", {"x": [1]}), (schema.Counters, "counters", {"x": [1, "2"]}),
     (schema.OpRec, "notes", "x"), (schema.OpRec, "id", 5),
     (schema.Service, "frontdoors", [{"port": 67}]), (schema.Service, "frontdoors", [{"kind": "udp", "x": 1.5}]),

@@ -223,8 +223,12 @@ class Registry:
             raise NotFound(f"service {name!r} does not exist (known: {known}); create it with 'vfab service add {name}'")
         return schema.Service.from_json(got[0], schema.service_key(name))
 
-    def create_service(self, name: str, layout: str = "prefix", sid: int | None = None) -> schema.Service:
-        """Register a service with a fresh id and one unassigned range over all keys."""
+    def create_service(self, name: str, layout: str = "prefix", sid: int | None = None, kind: str = "",
+                       frontdoors: list | None = None) -> schema.Service:
+        """Register a service with a fresh id and one unassigned range over all keys.
+
+        ``kind`` names its plug-in (``vfab.vid.plugin``), ``frontdoors`` the table-0 classifiers it gets.
+        """
         schema.check_name("service", name)
         Layout.parse(layout)
         for _ in range(20):
@@ -239,7 +243,7 @@ class Registry:
                     raise RegistryError(f"no free service id: all {SERVICE_MAX} are in use")
             else:
                 free = sid
-            svc = schema.Service(name=name, id=free, layout=layout)
+            svc = schema.Service(name=name, id=free, layout=layout, kind=kind, frontdoors=list(frontdoors or []))
             full = schema.RangeRec(lo=0, hi=KEY_MAX, state="unassigned")
             ok, _ = self.txn(
                 [self.cmp_mod(schema.service_key(name), 0), self.cmp_mod(schema.service_id_key(free), 0)],

@@ -157,6 +157,7 @@ class Service(Record):
     name: str
     id: int
     layout: str = Layout.PREFIX.value
+    kind: str = ""   # the service type (a vfab.vid.plugin kind, e.g. "elastic-kvs"); "" = not declared
     # Front doors: table-0 classifiers that turn a real protocol into this service's VIDs, e.g.
     # {"kind": "dhcp4"} or {"kind": "udp", "ip": "10.0.0.100", "port": 11211, "key": "ip_src"}.
     # The kinds and their parameters are defined by vfab.fabric.frontdoor.
@@ -168,6 +169,9 @@ class Service(Record):
         if not 1 <= self.id <= SERVICE_MAX:
             raise VidError(f"service id {self.id} is out of range: 1..{SERVICE_MAX}")
         Layout.parse(self.layout)
+        _need("service", "kind", self.kind, str)
+        if self.kind:
+            check_name("service kind", self.kind)
         _need("service", "frontdoors", self.frontdoors, list)
         for door in self.frontdoors:
             if not isinstance(door, dict) or not isinstance(door.get("kind"), str):
