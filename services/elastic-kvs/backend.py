@@ -100,8 +100,8 @@ class KvsBackend:
     def sync(self) -> None:
         self.store.sync()
 
-    def drop(self, rng: Range) -> int:
-        return self.store.drop(rng)
+    def drop(self, rng: Range, limit: int | None = None) -> int:
+        return self.store.drop(rng, limit)
 
     def keep_only(self, ranges: list[Range]) -> int:
         return self.store.keep_only(ranges)

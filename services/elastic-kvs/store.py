@@ -42,7 +42,7 @@ log = logging.getLogger("vfab.kvs.store")
 REC = struct.Struct("!HIQHBB")
 PAIR = struct.Struct("!QQ")
 TOMBSTONE = 1
-DROP_CHUNK = 2000  # records deleted per transaction (a drop never holds the write lock for long)
+DROP_CHUNK = 4000  # records deleted per transaction (a drop never holds the write lock for long)
 
 
 class StoreError(KvsError, BackendError):
@@ -266,19 +266,23 @@ class Store:
             finally:
                 os.close(fd)
 
-    def drop(self, rng: Range) -> int:
-        """Forget every key of ``rng`` (after it moved away, or before a fresh copy arrives).
+    def drop(self, rng: Range, limit: int | None = None) -> int:
+        """Forget the keys of ``rng`` (about ``limit`` of them if given: fewer means none are left).
 
-        In transactions of DROP_CHUNK records, so the data path never waits long for the write lock.
+        In slices of about DROP_CHUNK records (one transaction each, found through the vkey index), so
+        the data path never waits long for the write lock.  Unsynced: a drop lost to a crash is redone
+        at the next start (``keep_only``).
         """
-        total = 0
-        while True:
-            n = self._txn(lambda db: db.execute(
-                "DELETE FROM kv WHERE id IN (SELECT id FROM kv WHERE vkey BETWEEN ? AND ? LIMIT ?)",
-                (rng.lo, rng.hi, DROP_CHUNK)).rowcount, durable=False)  # a lost drop is redone at the next start
-            total += n
-            if n < DROP_CHUNK:
-                return total
+        total, lo = 0, rng.lo
+        while lo <= rng.hi and (limit is None or total < limit):
+            step = DROP_CHUNK if limit is None else min(DROP_CHUNK, limit - total)
+            row = self._exec("SELECT vkey FROM kv WHERE vkey BETWEEN ? AND ? ORDER BY vkey LIMIT 1 OFFSET ?",
+                             (lo, rng.hi, step)).fetchone()
+            cut = rng.hi if row is None else (row[0] if row[0] == lo else row[0] - 1)
+            total += self._txn(lambda db, lo=lo, cut=cut: db.execute(
+                "DELETE FROM kv WHERE vkey BETWEEN ? AND ?", (lo, cut)).rowcount, durable=False)
+            lo = cut + 1
+        return total
 
     def keep_only(self, ranges: list[Range]) -> int:
         """Forget every key outside ``ranges`` (what a crash left behind); returns how many."""

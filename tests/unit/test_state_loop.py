@@ -60,8 +60,8 @@ class MemBackend:
     def sync(self):
         pass
 
-    def drop(self, rng):
-        gone = [k for k in self.data if k in rng]
+    def drop(self, rng, limit=None):
+        gone = [k for k in self.data if k in rng][:limit]
         for k in gone:
             del self.data[k]
         return len(gone)
@@ -179,3 +179,18 @@ def test_the_lease_is_registered_again_after_it_expired(endpoint, registry):
     send(client, svc, 0x000099, b"000099:w:back", 4)
     got = replies(client, 1.0)
     assert [f.payload for f in got] == [b"ok:back"]
+
+
+def test_an_old_copy_is_dropped_in_steps_between_batches_unless_it_is_ours_again(endpoint):
+    loop, backend, client, svc = endpoint
+    backend.data.update({0x800000 + i: b"old" for i in range(2500)})   # a copy of a range we gave away
+    backend.data[0x000005] = b"mine"
+    loop.call(lambda: loop.forget(Range(0x800000, 0xFFFFFF)))
+    deadline = time.monotonic() + 5
+    while len(backend.data) > 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert backend.data == {0x000005: b"mine"}
+    assert loop.call(lambda: loop.counters["dropped"]) == 2500
+    loop.call(lambda: loop.forget(LOW))                                  # ours: never dropped
+    time.sleep(0.3)
+    assert backend.data == {0x000005: b"mine"} and loop.call(lambda: loop.pending_drops) == []

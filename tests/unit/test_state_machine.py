@@ -142,7 +142,7 @@ def test_commit_unanswered_after_the_flip_is_done_with_a_note():
     assert "ABORT" not in s.kinds()
 
 
-def test_drop_failure_after_the_flip_is_done_with_a_note_naming_the_cause():
+def test_a_drop_failure_after_the_flip_is_done_with_a_note_naming_the_cause():
     s = Script(world([[rec(0, 0xFFFFFF, "a", 1)]], drop=lambda a: m.Failure("disk", "database or disk is full")))
     out = s.run(m.operation("split", "a", "b", [HALF], 0.0))
     assert out.phase == "done" and not out.error

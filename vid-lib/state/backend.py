@@ -76,8 +76,12 @@ class Backend(Protocol):
     def sync(self) -> None:
         """Make every earlier ``apply`` durable."""
 
-    def drop(self, rng: Range) -> int:
-        """Forget every record in ``rng``; returns how many."""
+    def drop(self, rng: Range, limit: int | None = None) -> int:
+        """Forget the records in ``rng`` (at most about ``limit`` of them when given); returns how many.
+
+        Fewer than ``limit`` dropped means none are left.  The loop drops old copies in such steps
+        between batches, so a large drop never stalls the data path for long.
+        """
 
     def keep_only(self, ranges: list[Range]) -> int:
         """Forget every record outside ``ranges`` (garbage left by a crash); returns how many."""

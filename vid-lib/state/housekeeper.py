@@ -6,7 +6,8 @@
   and this endpoint is the range's first live mirror, it takes the range over
   in one epoch-checked transaction (the old owner stopped serving before its
   lease could expire: see :mod:`.lease`);
-* old copies that could not be dropped (disk full, I/O error) are retried.
+* old copies of ranges that moved away are dropped a step at a time (each step on the loop's
+  thread, between batches); a step that fails (disk full, I/O error) is retried every ``DROP_RETRY`` s.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Housekeeper:
         self.loop = loop
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._last_error = ""
 
     def start(self) -> None:
         threading.Thread(target=self._run, name=f"housekeeper-{self.loop.name}", daemon=True).start()
@@ -58,8 +60,8 @@ class Housekeeper:
                     last_load = now
                     self._report_load(reg)
                 if self.loop.pending_drops and now - last_drop >= DROP_RETRY:
-                    last_drop = now
-                    self._retry_drops()
+                    if not self._drain_drops():
+                        last_drop = now  # it failed (disk full, I/O error): retry a while later
             except VfabError as exc:
                 log.warning("%s: housekeeping: %s", self.loop.name, exc)
         reg.close()
@@ -96,17 +98,20 @@ class Housekeeper:
         reg.put(schema.load_key(lp.service.name, lp.name), schema.Load(at=time.time(), ranges=rows, role=role).to_json(),
                 lease=lp.lease.id or None)
 
-    def _retry_drops(self) -> None:
-        lp = self.loop
-        held = [r.range for r in lp.view.held_by(lp.name)] + [i.range for i in list(lp.incoming.values())]
-        for rng in list(lp.pending_drops):
-            if any(rng.overlaps(h) for h in held):
-                lp.pending_drops.remove(rng)  # ours again: nothing to drop
-                continue
-            try:
-                n = lp.backend.drop(rng)
-            except VfabError as exc:
-                log.warning("%s: old copy of %s still not dropped: %s", lp.name, rng, exc)
-                continue
-            lp.pending_drops.remove(rng)
-            log.info("%s: old copy of %s dropped (%d records)", lp.name, rng, n)
+    def _drain_drops(self) -> bool:
+        """Drop old copies a step at a time (each step on the loop's thread); False if a step failed."""
+        while not self._stop.is_set():
+            got = self.loop.call(self.loop.drop_step)
+            if not isinstance(got, tuple):
+                return False  # the loop is shutting down
+            left, error = got
+            if error:
+                if error != self._last_error:
+                    log.warning("%s: old copy not dropped yet: %s; retried every %.0f s", self.loop.name, error,
+                                DROP_RETRY)
+                self._last_error = error
+                return False
+            self._last_error = ""
+            if not left:
+                return True
+        return True

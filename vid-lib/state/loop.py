@@ -59,6 +59,7 @@ BATCH = 64
 ACK_TIMEOUT = 3.0        # s for a mirror or copy target to acknowledge replicated writes
 INCOMING_IDLE = 6.0      # s a peer waits on a silent source before asking etcd how it ended
 FWD_HOPS = 4
+DROP_STEP = 1000         # records an old copy loses per step between batches (~10 ms of write lock)
 TICK = 0.05              # s between timer checks when idle
 
 
@@ -559,6 +560,9 @@ class EndpointLoop:
         mode = b.get("mode", "split")
         if any(i.range.overlaps(rng) for i in self.incoming.values()):
             raise StateError(f"{self.name} is already receiving a range overlapping {rng}")
+        if self.op is not None and any(r.overlaps(rng) for r in self.op.ranges):
+            # Its own operation may still be dropping its old copy of these keys: a new copy must wait.
+            raise StateError(f"{self.name} is still finishing {self.op.id} on {rng}: retry in a moment")
         rec = self.view.find(rng.lo)
         if rec is not None and rec.owner == self.name:
             raise StateError(f"{self.name} already owns {rng}")
@@ -593,7 +597,7 @@ class EndpointLoop:
                 except BackendError as exc:
                     log.warning("%s: aborted copy of %s not dropped yet (%s): retried in the background",
                                 self.name, inc.range, exc)
-                    self.pending_drops.append(inc.range)
+                    self.forget(inc.range)
             log.info("%s: %s from %s aborted: copy dropped, %d held requests go to the owner", self.name,
                      inc.range, inc.source, len(inc.buffered))
         self._refilter()
@@ -613,6 +617,33 @@ class EndpointLoop:
                     INCOMING_IDLE, rec.owner if rec else "-", "committing" if mine else "aborting")
         self._set_view(view)
         self._finish_incoming(inc.range.lo, commit=mine)
+
+    def forget(self, rng: Range) -> None:
+        """(loop thread) Drop our old copy of ``rng`` in the background, a step at a time."""
+        self.pending_drops.append(rng)
+        self.housekeeper.wake()
+
+    def drop_step(self) -> tuple[bool, str]:
+        """(loop thread) Drop up to DROP_STEP records of the first old copy; (anything left, error or "").
+
+        Run between batches, so no copy of an overlapping range can begin halfway through a step.
+        """
+        held = [r.range for r in self.view.held_by(self.name)] + [i.range for i in self.incoming.values()]
+        while self.pending_drops:
+            rng = self.pending_drops[0]
+            if any(rng.overlaps(h) for h in held):
+                self.pending_drops.pop(0)  # ours again (or being copied to us): nothing to drop
+                continue
+            try:
+                n = self.backend.drop(rng, DROP_STEP)
+            except BackendError as exc:
+                return True, str(exc)
+            self.counters["dropped"] += n
+            if n < DROP_STEP:
+                self.pending_drops.pop(0)
+                log.info("%s: old copy of %s dropped", self.name, rng)
+            return bool(self.pending_drops), ""
+        return False, ""
 
     # -- operations (this endpoint is the source) ------------------------------------------------------------
     def start_op(self, kind: str, peer: str, rng: Range | None, throttle: float = 0.0) -> OpRunner:

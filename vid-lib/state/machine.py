@@ -21,7 +21,7 @@ Per range (the paper's Algorithm 1, DESIGN.md §5)::
     ---------------------- committed: from here nothing fails the operation ----------------
     release → peer         held requests are forwarded to the new owner
     COMMIT → peer          it serves (it also finds out alone, from etcd, if this is lost)
-    drop                   the old copy goes (a failure is reported, retried later)
+    drop                   the old copy goes, in the background (a failure is logged and retried)
 
 A mirror op assigns the same owner with the peer added to ``mirrors``; there
 is no pause.  Any failure before the commit aborts: the hold is released to
@@ -129,7 +129,7 @@ class Publish:
 
 @dataclass
 class Drop:
-    """Forget the old copy of a range (result: records dropped, or a Failure)."""
+    """Forget the old copy of a range, now or in the background (result: None, or a Failure)."""
     rng: Range
 
 

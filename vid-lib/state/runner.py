@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from vfab.vid.envelope import Envelope, EnvelopeError, decode
-from vfab.vid.errors import Conflict, RegistryError, VfabError
+from vfab.vid.errors import Conflict, RegistryError
 from vfab.vid.registry import Registry, schema
 from vfab.vid.state import machine as m
 
@@ -74,7 +74,7 @@ class OpRunner:
         self.rec.notes = list(outcome.notes)
         self.rec.timings.update(outcome.timings)
         self.rec.total = max(self.rec.total, self.rec.done)
-        self.loop.call(lambda: self.loop.op_ended(self), wait=False)
+        self.loop.call(lambda: self.loop.op_ended(self))  # before anyone can see it ended (a BEGIN may follow)
         self._publish_final()
         log.info("%s: %s %s of %s to %s: %s in %.3f s %s %s", self.loop.name, self.kind, self.id, self.rec.ranges,
                  self.peer, self.rec.phase, self.rec.timings.get("total_s", 0), self.rec.error,
@@ -110,11 +110,7 @@ class OpRunner:
         if isinstance(a, m.Assign):
             return self._assign(a)
         if isinstance(a, m.Drop):
-            try:
-                return self.loop.backend.drop(a.rng)
-            except VfabError as exc:
-                self.loop.call(lambda: self.loop.pending_drops.append(a.rng), wait=False)
-                return m.Failure("disk", str(exc))
+            return self.loop.call(lambda: self.loop.forget(a.rng))  # dropped in the background, in steps
         if isinstance(a, m.Coalesce):
             try:
                 self.reg.coalesce(self.loop.service.name)
