@@ -4,8 +4,9 @@ The same data elastic-KVS moves (``keys`` keys of ``value_size`` bytes, ``round(
 of them changing owner) moved by Redis Cluster (Debian's redis-server 7.0) from one master
 to another while clients run, measured in the same run.
 
-Setup (``measure``): two cluster nodes A and B on 127.0.0.1 (masters, no replicas, no
-persistence) in a temp dir; A gets all 16384 slots (CLUSTER ADDSLOTSRANGE), B none;
+Setup (``measure``): two cluster nodes A and B on 127.0.0.1 (masters, no replicas) in a temp
+dir, with the durability elastic-KVS gives (``appendonly yes``, ``appendfsync always``: every
+write is fsync'd before it is acknowledged, MIGRATE's included); A gets all 16384 slots (CLUSTER ADDSLOTSRANGE), B none;
 CLUSTER MEET; wait for cluster_state:ok on both.  Keys have ordinary names (``key:N``, no
 hash tags), so CRC16 spreads them over the slots as an application's keys would be; the
 names are picked so that exactly ``round(share*keys)`` hash below slot ``share*16384``
@@ -67,7 +68,8 @@ def start_node(tmp: str) -> tuple[subprocess.Popen, int, int]:
     log = open(os.path.join(tmp, f"redis-{port}.log"), "w")
     proc = subprocess.Popen(
         ["redis-server", "--port", str(port), "--cluster-port", str(bus), "--cluster-enabled", "yes",
-         "--cluster-config-file", os.path.join(tmp, f"nodes-{port}.conf"), "--appendonly", "no", "--save", "",
+         "--cluster-config-file", os.path.join(tmp, f"nodes-{port}.conf"), "--appendonly", "yes",
+         "--appendfsync", "always", "--save", "",
          "--bind", "127.0.0.1", "--daemonize", "no", "--dir", tmp, "--protected-mode", "no"],
         stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
     log.close()
@@ -246,7 +248,7 @@ def measure(keys: int, value_size: int = 1024, share: float = 1.0, workdir: str 
         errors = [e for t in threads for e in t.errors]
         sd, sb = summary(during), summary(before)
         return {"keys": keys, "value_size": value_size, "share": share, "clients": clients,
-                "keys_moved": n, "slots_moved": len(slots), "move_s": round(t1 - t0, 4),
+                "durability": "appendonly yes, appendfsync always", "keys_moved": n, "slots_moved": len(slots), "move_s": round(t1 - t0, 4),
                 "redirects": {k: red.count(k) for k in ("moved", "ask", "tryagain")},
                 "redirects_during_move": {k: red_move.count(k) for k in ("moved", "ask", "tryagain")},
                 "errors": len(errors), "error_samples": sorted(set(errors))[:5],

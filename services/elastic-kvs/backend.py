@@ -22,6 +22,7 @@ def open_backend(datadir: str, name: str) -> "KvsBackend":
     return KvsBackend(Store(os.path.join(datadir, f"{name}.sqlite")))
 
 
+GET_OP = bytes([Op.GET])
 STATUS = {Refusal.BAD_REQUEST: Status.BAD_REQUEST, Refusal.WRONG_OWNER: Status.WRONG_OWNER,
           Refusal.UNAVAILABLE: Status.UNAVAILABLE}
 
@@ -45,6 +46,8 @@ class KvsBackend:
     def handle_batch(self, requests: list[Request]) -> tuple[list[bytes | None], list[tuple[int, bytes]]]:
         replies: list[bytes | None] = []
         records: list[tuple[int, bytes]] = []
+        if all(r.payload[:1] == GET_OP for r in requests):  # reads only: no write lock, no commit
+            return [self._one(r, records) for r in requests], records
         self.store.begin()
         try:
             for r in requests:
@@ -69,7 +72,7 @@ class KvsBackend:
             return proto.Reply(Status.OK, req.reqid, row[1], row[0], req.client).serialize()
         existed = self.store.row(req.key)
         version, applied, record = self.store.write(req.key, req.value if req.op is Op.PUT else None,
-                                                    req.client, req.reqid)
+                                                    req.client, req.reqid, row=existed)
         if not applied:
             # A retry of a write we already applied: its first reply may never have left (a mirror failed),
             # so the key's record goes to the mirrors again before this reply does.

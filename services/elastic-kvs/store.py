@@ -183,13 +183,16 @@ class Store:
         row = self.row(k)
         return pack_record(k, vkey(k), row[0], row[1], row[2]) if row else b""
 
-    def write(self, k: bytes, value: bytes | None, client: int, reqid: int) -> tuple[int, bool, bytes]:
+    def write(self, k: bytes, value: bytes | None, client: int, reqid: int,
+              row: tuple | None | bool = False) -> tuple[int, bool, bytes]:
         """Put (value) or delete (None) inside the open transaction.
 
         Returns (version, applied, record); applied is False when (client, reqid)
         already wrote this key (a retry): nothing changes, the old version is returned.
+        ``row``: the key's row as the caller just read it (saves reading it again).
         """
-        row = self.row(k)
+        if row is False:
+            row = self.row(k)
         version, recent = (row[1], row[2]) if row else (0, b"")
         if recent_has(recent, client, reqid):
             return version, False, b""
@@ -202,8 +205,11 @@ class Store:
         version += 1
         recent = recent_add(recent, client, reqid)
         vk = vkey(k)
-        self._exec("INSERT OR REPLACE INTO kv (k, vkey, value, version, recent) VALUES (?,?,?,?,?)",
-                   (k, vk, value, version, recent))
+        if row is None:
+            self._exec("INSERT INTO kv (k, vkey, value, version, recent) VALUES (?,?,?,?,?)",
+                       (k, vk, value, version, recent))
+        else:  # in place: the row keeps its id, its index entries stay unless it turns live or dead
+            self._exec("UPDATE kv SET value=?, version=?, recent=? WHERE k=?", (value, version, recent, k))
         return version, True, pack_record(k, vk, value, version, recent)
 
     # -- state transfer --------------------------------------------------------
