@@ -12,10 +12,10 @@ order, each on all N keys:
 - mirror a -> b (b becomes a mirror of a's range)
 - move   a -> b (b, a mirror, becomes the owner)
 
-Per operation: the OpRec's own timings (copy, flip, switches, total), the wall
-time from the statectl call to ``statectl.wait`` returning (it follows the op's record with an etcd watch;
-50 ms), keys moved (OpRec.done) and the load's latency for requests invoked in
-that window.  Failed client requests (status not OK/NOT_FOUND) are counted over
+Per operation: the OpRec's own timings (copy; flip = from the pause to the peer serving;
+etcd = the flip's transaction; total), the wall time from the statectl call to
+``statectl.wait`` returning (it follows the op's record with an etcd watch), keys
+moved (OpRec.done) and the load's latency for requests invoked in that window.  Failed client requests (status not OK/NOT_FOUND) are counted over
 the whole load run.  Then, in the same run, Redis Cluster resharding of the same
 N keys (``redis_reshard.measure``, share 1.0, 4 clients) beside elastic's split.
 
@@ -149,7 +149,7 @@ def main() -> int:
 
     print("\nelastic-KVS state operations under load (4 clients on vfh3), 1 KB values; times in s, latency in ms")
     print(f"{'keys':>6} {'place':>6} {'op':>6} {'moved':>6} {'wall':>7} {'total':>7} {'copy':>7} {'flip':>7} "
-          f"{'switch':>7} {'ld ops':>6} {'ld p50':>7} {'ld p99':>7} {'ld max':>7} {'paper':>6} {'x faster':>8}")
+          f"{'etcd':>7} {'ld ops':>6} {'ld p50':>7} {'ld p99':>7} {'ld max':>7} {'paper':>6} {'x faster':>8}")
     for c in configs:
         for o in c["ops"]:
             t = o["timings"]
@@ -159,7 +159,7 @@ def main() -> int:
             ld = o["load"]
             print(f"{c['keys']:>6} {c['placement']:>6} {o['op']:>6} {o['keys']:>6} {o['wall_s']:>7.3f} "
                   f"{t.get('total_s', float('nan')):>7.3f} {t.get('copy_s', float('nan')):>7.3f} "
-                  f"{t.get('flip_s', float('nan')):>7.3f} {t.get('switches_s', float('nan')):>7.3f} "
+                  f"{t.get('flip_s', float('nan')):>7.3f} {t.get('etcd_s', float('nan')):>7.3f} "
                   f"{ld['ops']:>6} {ld['median_ms'] or float('nan'):>7.3f} {ld['p99_ms'] or float('nan'):>7.3f} "
                   f"{ld['max_ms'] or float('nan'):>7.1f} {paper if paper else '-':>6} "
                   f"{o['speedup_vs_paper'] if o['speedup_vs_paper'] else '-':>8}")

@@ -227,12 +227,13 @@ def _one_range(kind: str, source: str, peer: str, rng: Range, out: Outcome) -> G
         t_copy = (yield Now()).now
         _need((yield Copy(rng)), f"copying to {peer}")
         _need((yield Ask("SYNC", {"lo": rng.lo})), f"peer {peer} could not make the copy durable")
-        t_flip = (yield Publish({"phase": "flip"})).now
-        out.timings["copy_s"] = round(out.timings.get("copy_s", 0.0) + t_flip - t_copy, 4)
+        t_copied = (yield Publish({"phase": "flip"})).now
+        out.timings["copy_s"] = round(out.timings.get("copy_s", 0.0) + t_copied - t_copy, 4)
         # Checked before the pause, so an etcd outage here is ridden out without holding requests; the
         # flip's transaction compares the epoch again.
         recs = _need((yield ReadRanges()), "reading the range map before the flip")
         parent = _check_ours(recs, rng, source, epoch, "before the flip")
+        t_pause = (yield Now()).now
         if kind != "mirror":
             _need((yield LoopCmd("pause", rng)), "pausing the range")
             paused = True
@@ -241,6 +242,7 @@ def _one_range(kind: str, source: str, peer: str, rng: Range, out: Outcome) -> G
             owner, mirrors = source, sorted(set(parent.mirrors) | {peer})
         else:
             owner, mirrors = peer, [m for m in parent.mirrors if m != peer]
+        t_assign = (yield Now()).now
         rev, res = yield from _assign(Assign(rng, owner, epoch, mirrors, list(parent.helpers)))
         committed = True
         new = schema.RangeRec(lo=rng.lo, hi=rng.hi, owner=owner, mirrors=mirrors, helpers=list(parent.helpers),
@@ -250,13 +252,14 @@ def _one_range(kind: str, source: str, peer: str, rng: Range, out: Outcome) -> G
         else:
             yield LoopCmd("release", rng, to=peer, rec=new, revision=rev)    # held requests go to the new owner
             paused = False
-        out.timings["flip_s"] = round(out.timings.get("flip_s", 0.0) + res.now - t_flip, 4)
         got = yield Ask("COMMIT", {"lo": rng.lo, "rec": new.to_json(), "revision": rev})
         if isinstance(got.value, Failure):
             out.notes.append(f"{peer} did not confirm the commit of {rng} ({got.value.why}); etcd names it "
                              f"{'a mirror' if kind == 'mirror' else 'the owner'} and it finds out by itself")
-        t_done = (yield Publish({"revision": rev})).now
-        out.timings["commit_s"] = round(out.timings.get("commit_s", 0.0) + t_done - res.now, 4)
+        # flip: pause -> last SYNC -> etcd transaction -> held requests forwarded -> the peer serves
+        out.timings["flip_s"] = round(out.timings.get("flip_s", 0.0) + got.now - t_pause, 4)
+        out.timings["etcd_s"] = round(out.timings.get("etcd_s", 0.0) + res.now - t_assign, 4)
+        yield Publish({"revision": rev})
         if kind != "mirror":
             dropped = yield Drop(rng)
             if isinstance(dropped.value, Failure):
