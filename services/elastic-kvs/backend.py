@@ -92,9 +92,12 @@ class KvsBackend:
     def snapshot(self, rng: Range, chunk_bytes: int):
         return self.store.snapshot(rng, chunk_bytes)
 
-    def apply(self, blobs: list[bytes], durable: bool = True) -> int:
+    def begin_copy(self) -> int:
+        return self.store.begin_copy()
+
+    def apply(self, blobs: list[bytes], durable: bool = True, gen: int | None = None) -> int:
         try:
-            return self.store.apply(blobs, durable)
+            return self.store.apply(blobs, durable, gen)
         except KvsError as exc:
             if isinstance(exc, BackendError):
                 raise
@@ -103,8 +106,8 @@ class KvsBackend:
     def sync(self) -> None:
         self.store.sync()
 
-    def drop(self, rng: Range, limit: int | None = None) -> int:
-        return self.store.drop(rng, limit)
+    def drop(self, rng: Range, limit: int | None = None, below_gen: int | None = None) -> int:
+        return self.store.drop(rng, limit, below_gen)
 
     def keep_only(self, ranges: list[Range]) -> int:
         return self.store.keep_only(ranges)

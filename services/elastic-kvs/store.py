@@ -59,11 +59,13 @@ def _why(exc: sqlite3.Error, path: str) -> str:
 
 # A rowid table: rows of ~1 KB in a WITHOUT ROWID table (the key's B-tree holding the whole row) made bulk
 # copies 3-4x slower.  kv_live counts live keys per range from the index alone (load reports, op totals).
+# ``gen``: the copy generation a row arrived with (0 = written here); see begin_copy.
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (id INTEGER PRIMARY KEY, k BLOB NOT NULL UNIQUE, vkey INTEGER NOT NULL, value BLOB,
-                               version INTEGER NOT NULL, recent BLOB NOT NULL);
+                               version INTEGER NOT NULL, recent BLOB NOT NULL, gen INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS kv_vkey ON kv (vkey);
 CREATE INDEX IF NOT EXISTS kv_live ON kv (vkey) WHERE value IS NOT NULL;
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
 MIGRATE_WITHOUT_ROWID = """
 ALTER TABLE kv RENAME TO kv_old;
@@ -118,6 +120,8 @@ class Store:
         if old is not None and "WITHOUT ROWID" in old[0]:
             log.warning("%s: converting the store to the current layout (one transaction)", path)
             self.db.executescript("BEGIN IMMEDIATE;" + MIGRATE_WITHOUT_ROWID + "COMMIT;")
+        elif old is not None and "gen INTEGER" not in old[0]:
+            self.db.execute("ALTER TABLE kv ADD COLUMN gen INTEGER NOT NULL DEFAULT 0")
         self.db.executescript(SCHEMA)
 
     @property
@@ -241,52 +245,78 @@ class Store:
         finally:
             db.execute("COMMIT")
 
-    def apply(self, blobs: list[bytes], durable: bool = True) -> int:
+    def begin_copy(self) -> int:
+        """A new copy generation: records applied with it win over every row an earlier copy or this
+        endpoint left in the range, whatever their versions (a stale copy can hold a version that was
+        never acknowledged and collides with a newer one); ``drop(..., below_gen=G)`` then removes what
+        the copy did not overwrite."""
+        def run(db: sqlite3.Connection) -> int:
+            row = db.execute("SELECT value FROM meta WHERE name='gen'").fetchone()
+            gen = (row[0] if row else 0) + 1
+            db.execute("INSERT INTO meta (name, value) VALUES ('gen', ?) "
+                       "ON CONFLICT(name) DO UPDATE SET value=excluded.value", (gen,))
+            return gen
+
+        return self._txn(run)
+
+    def apply(self, blobs: list[bytes], durable: bool = True, gen: int | None = None) -> int:
         """Apply record blobs in one transaction (fsync'd unless ``durable=False``); how many records won.
 
-        ``durable=False`` (a bulk copy) leaves the commit in the WAL unsynced until :meth:`sync`.
+        Without ``gen`` a record wins over an older version only (replication and copies may arrive in
+        any order).  With ``gen`` (a copy's generation) it also wins over any row of an earlier
+        generation.  ``durable=False`` (a bulk copy) leaves the commit unsynced until :meth:`sync`.
         """
         rows = [rec for blob in blobs for rec in unpack_records(blob)]
+        g = gen or 0
+        cond = "excluded.version > kv.version" + (" OR kv.gen < excluded.gen" if gen else "")
 
         def run(db: sqlite3.Connection) -> int:
             before = db.total_changes
             db.executemany(
-                "INSERT INTO kv (k, vkey, value, version, recent) VALUES (?,?,?,?,?) "
+                "INSERT INTO kv (k, vkey, value, version, recent, gen) VALUES (?,?,?,?,?,?) "
                 "ON CONFLICT(k) DO UPDATE SET value=excluded.value, version=excluded.version, "
-                "recent=excluded.recent WHERE excluded.version > kv.version", rows)
+                f"recent=excluded.recent, gen=excluded.gen WHERE {cond}",
+                [(k, vk, value, version, recent, g) for k, vk, value, version, recent in rows])
             return db.total_changes - before
 
         return self._txn(run, durable)
 
     def sync(self) -> None:
-        """Make every earlier commit durable (fsync the write-ahead log, or the database)."""
-        for path in (self.path + "-wal", self.path):
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                os.fsync(fd)
-            except OSError as exc:
-                raise StoreError(f"fsync of {path} failed: {exc.strerror}") from None
-            finally:
-                os.close(fd)
+        """Make every earlier commit durable: fsync the write-ahead log.
 
-    def drop(self, rng: Range, limit: int | None = None) -> int:
-        """Forget the keys of ``rng`` (about ``limit`` of them if given: fewer means none are left).
+        Only the WAL: what a checkpoint moved into the database file was fsync'd by that checkpoint
+        (synchronous=NORMAL does that).  Never open and close the database file itself here: closing
+        any descriptor of it drops every POSIX lock this process holds on it, and another process that
+        then closes its own connection believes it is the last one and deletes the live WAL.
+        """
+        try:
+            fd = os.open(self.path + "-wal", os.O_RDONLY)
+        except FileNotFoundError:
+            return  # no WAL: everything is in the database file, synced by the checkpoint that emptied it
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise StoreError(f"fsync of {self.path}-wal failed: {exc.strerror}") from None
+        finally:
+            os.close(fd)
+
+    def drop(self, rng: Range, limit: int | None = None, below_gen: int | None = None) -> int:
+        """Forget the keys of ``rng`` (about ``limit`` of them if given: fewer means none are left);
+        with ``below_gen`` only rows of earlier copy generations (what a new copy did not overwrite).
 
         In slices of about DROP_CHUNK records (one transaction each, found through the vkey index), so
         the data path never waits long for the write lock.  Unsynced: a drop lost to a crash is redone
         at the next start (``keep_only``).
         """
+        extra, args = ("", ()) if below_gen is None else (" AND gen < ?", (below_gen,))
         total, lo = 0, rng.lo
         while lo <= rng.hi and (limit is None or total < limit):
             step = DROP_CHUNK if limit is None else min(DROP_CHUNK, limit - total)
-            row = self._exec("SELECT vkey FROM kv WHERE vkey BETWEEN ? AND ? ORDER BY vkey LIMIT 1 OFFSET ?",
-                             (lo, rng.hi, step)).fetchone()
+            row = self._exec(f"SELECT vkey FROM kv WHERE vkey BETWEEN ? AND ?{extra} ORDER BY vkey LIMIT 1 OFFSET ?",
+                             (lo, rng.hi, *args, step)).fetchone()
             cut = rng.hi if row is None else (row[0] if row[0] == lo else row[0] - 1)
             total += self._txn(lambda db, lo=lo, cut=cut: db.execute(
-                "DELETE FROM kv WHERE vkey BETWEEN ? AND ?", (lo, cut)).rowcount, durable=False)
+                f"DELETE FROM kv WHERE vkey BETWEEN ? AND ?{extra}", (lo, cut, *args)).rowcount, durable=False)
             lo = cut + 1
         return total
 

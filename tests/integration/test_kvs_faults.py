@@ -150,8 +150,11 @@ def servers_log(testbed, service: str, name: str) -> str:
 
 
 def keys_in(db: str, rng: Range) -> int:
-    with sqlite3.connect(db) as conn:
+    conn = sqlite3.connect(db)  # closed at once: sqlite3's context manager only ends a transaction
+    try:
         return conn.execute("SELECT count(*) FROM kv WHERE vkey BETWEEN ? AND ?", (rng.lo, rng.hi)).fetchone()[0]
+    finally:
+        conn.close()
 
 
 def test_owner_disk_full_during_split_reports_done_and_cleans_up_later(testbed, servers, tmpfs):
@@ -169,7 +172,7 @@ def test_owner_disk_full_during_split_reports_done_and_cleans_up_later(testbed, 
              "a to say why its old copy stays")
     os.unlink(filler)                                  # space again: the drop is retried in the background
     db = os.path.join(disk, "a.sqlite")
-    wait_for(lambda: keys_in(db, HALF) == 0, 20, "a to drop its old copy once the disk has space")
+    wait_for(lambda: keys_in(db, HALF) == 0, 20, "a to drop its old copy once the disk has space", interval=0.5)
     back = kvs.read_back(testbed, "vfh2", "kvs-fulla", [f"k{i}" for i in range(n)])
     assert all(back[f"k{i}"] == f"k{i}" for i in range(n))
 
@@ -186,4 +189,4 @@ def test_peer_disk_full_fails_the_split_by_name_and_leaves_no_copy(testbed, serv
     assert [(r.range, r.owner) for r, _ in testbed.registry.ranges("kvs-fullb")] == [(Range(0, 0xFFFFFF), "a")]
     os.unlink(filler)
     db = os.path.join(disk, "b.sqlite")
-    wait_for(lambda: keys_in(db, HALF) == 0, 20, "b to drop its partial copy")
+    wait_for(lambda: keys_in(db, HALF) == 0, 20, "b to drop its partial copy", interval=0.5)

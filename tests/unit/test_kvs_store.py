@@ -530,3 +530,55 @@ def test_a_store_of_the_previous_layout_is_converted_with_its_data(tmp_path):
         assert s.count(Range(0, 0xFFFFFF)) == 1
     finally:
         s.close()
+
+
+def test_a_copy_generation_wins_over_stale_rows_whatever_their_versions(tmp_path):
+    """A stale copy can hold a version that was never acknowledged (an owner died before replicating it)
+    and collides with the acknowledged one: a new copy must replace it, and drop what it did not replace."""
+    s = Store(str(tmp_path / "g.sqlite"))
+    try:
+        s.begin()
+        s.write(b"k", b"unacked", 1, 1)
+        s.write(b"k", b"unacked-2", 1, 2)          # version 2, stale
+        s.write(b"gone", b"x", 1, 3)                # a key the new owner never had
+        s.commit()
+        theirs = pack_record(b"k", vkey(b"k"), b"acked", 2, b"")
+        assert s.apply([theirs]) == 0               # version-gated alone, the stale row would stay
+        gen = s.begin_copy()
+        assert s.begin_copy() == gen + 1            # generations grow
+        assert s.apply([theirs], durable=False, gen=gen) == 1
+        assert s.row(b"k")[0] == b"acked"
+        everything = Range(0, 0xFFFFFF)
+        assert s.drop(everything, below_gen=gen) == 1   # "gone" only: "k" came with the copy
+        assert s.row(b"gone") is None and s.row(b"k")[0] == b"acked"
+    finally:
+        s.close()
+
+
+def test_sync_keeps_the_locks_so_another_process_never_deletes_the_live_wal(tmp_path):
+    """Closing any descriptor of the database file drops this process's POSIX locks on it; another process
+    closing its connection then thinks it is the last one and deletes the WAL this store still writes to."""
+    import os
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "w.sqlite")
+    s = Store(path)
+    try:
+        s.begin()
+        s.write(b"k", b"v", 1, 1)
+        s.commit()
+        s.sync()
+        reader = "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); c.execute('SELECT count(*) FROM kv'); c.close()"
+        subprocess.run([sys.executable, "-c", reader, path], check=True)
+        assert os.path.exists(path + "-wal"), "another process deleted the live write-ahead log"
+        s.begin()
+        s.write(b"k2", b"v2", 1, 2)
+        s.commit()
+    finally:
+        s.close()
+    again = Store(path)
+    try:
+        assert again.row(b"k2") == (b"v2", 1, again.row(b"k2")[2])
+    finally:
+        again.close()

@@ -54,13 +54,16 @@ class MemBackend:
     def snapshot(self, rng, chunk_bytes):
         yield b"", 0
 
-    def apply(self, blobs, durable=True):
+    def begin_copy(self):
+        return 1
+
+    def apply(self, blobs, durable=True, gen=None):
         return 0
 
     def sync(self):
         pass
 
-    def drop(self, rng, limit=None):
+    def drop(self, rng, limit=None, below_gen=None):
         gone = [k for k in self.data if k in rng][:limit]
         for k in gone:
             del self.data[k]

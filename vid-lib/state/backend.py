@@ -70,14 +70,22 @@ class Backend(Protocol):
     def snapshot(self, rng: Range, chunk_bytes: int) -> Iterator[tuple[bytes, int]]:
         """(blob, records) chunks of every record in ``rng``, from one consistent read."""
 
-    def apply(self, blobs: list[bytes], durable: bool = True) -> int:
-        """Apply record blobs; ``durable=False`` may leave them unsynced until ``sync``."""
+    def begin_copy(self) -> int:
+        """A new copy generation (durable, growing): see ``apply`` and ``drop``."""
+
+    def apply(self, blobs: list[bytes], durable: bool = True, gen: int | None = None) -> int:
+        """Apply record blobs; ``durable=False`` may leave them unsynced until ``sync``.
+
+        With ``gen`` (a copy's generation) a record also wins over any record of an earlier generation,
+        whatever its version: a stale copy may hold versions that were never acknowledged.
+        """
 
     def sync(self) -> None:
         """Make every earlier ``apply`` durable."""
 
-    def drop(self, rng: Range, limit: int | None = None) -> int:
-        """Forget the records in ``rng`` (at most about ``limit`` of them when given); returns how many.
+    def drop(self, rng: Range, limit: int | None = None, below_gen: int | None = None) -> int:
+        """Forget the records in ``rng`` (at most about ``limit`` of them when given; with ``below_gen``
+        only those of earlier copy generations); returns how many.
 
         Fewer than ``limit`` dropped means none are left.  The loop drops old copies in such steps
         between batches, so a large drop never stalls the data path for long.

@@ -59,7 +59,7 @@ class Housekeeper:
                 if now - last_load >= LOAD_PERIOD:
                     last_load = now
                     self._report_load(reg)
-                if self.loop.pending_drops and now - last_drop >= DROP_RETRY:
+                if self.loop.drops_pending() and now - last_drop >= DROP_RETRY:
                     if not self._drain_drops():
                         last_drop = now  # it failed (disk full, I/O error): retry a while later
             except VfabError as exc:

@@ -72,6 +72,9 @@ class Incoming:
     mode: str                      # "split" or "mirror"
     seen: float
     buffered: list = field(default_factory=list)
+    gen: int | None = None         # the copy's generation (None: we mirror the range, our copy stays)
+    clearing: bool = False         # rows of earlier generations are still being dropped
+    sync_waiters: list = field(default_factory=list)   # (ident, SYNC envelope) answered once clear
 
 
 @dataclass
@@ -363,30 +366,33 @@ class EndpointLoop:
 
     # -- replication ------------------------------------------------------------------------------------
     def _replicate(self, out: list, records: list) -> None:
-        need: dict[str, tuple[list, bool]] = {}
+        # (peer, lo of the copy or None for a mirror) -> blobs; a mirror applies durably, a copy target
+        # under its copy's generation (made durable by the SYNC before the flip)
+        need: dict[tuple[str, int | None], list] = {}
         for vk, blob in records:
             rec = self.view.find(vk)
             if rec is not None and rec.owner == self.name:
                 for m in rec.mirrors:
-                    need.setdefault(m, ([], True))[0].append(blob)
+                    need.setdefault((m, None), []).append(blob)
             for peer, rngs in self.targets.items():
-                if any(vk in r for r in rngs):
-                    blobs, durable = need.setdefault(peer, ([], False))
-                    if not blobs or blobs[-1] is not blob:
-                        blobs.append(blob)
-        need.pop(self.name, None)
+                for r in rngs:
+                    if vk in r:
+                        need.setdefault((peer, r.lo), []).append(blob)
+        for key in [k for k in need if k[0] == self.name]:
+            del need[key]
         if not need:
             for frame, vk, payload, _ in out:
                 self._reply(frame, vk, payload)
             return
         self.inflight = Inflight(out, {}, time.monotonic() + ACK_TIMEOUT)
-        for peer, (blobs, durable) in need.items():
+        for (peer, lo), blobs in need.items():
             sock = self._dealer(peer)
             if sock is None:
                 self.inflight.failed[peer] = "has no control address (not a live endpoint)"
                 continue
             rid = self._id()
-            sock.send_multipart(Envelope("REPL", self.name, id=rid, body={"durable": durable}, blobs=blobs).frames())
+            body = {"durable": True} if lo is None else {"durable": False, "lo": lo}
+            sock.send_multipart(Envelope("REPL", self.name, id=rid, body=body, blobs=blobs).frames())
             self.inflight.waiting[rid] = peer
             self.counters["repl_sent"] += 1
         if not self.inflight.waiting:
@@ -496,7 +502,7 @@ class EndpointLoop:
                 self.router.send_multipart([ident, *Envelope("ERR", self.name, body={"error": str(exc)}).frames()])
                 continue
             try:
-                reply = self._control(env)
+                reply = self._control(env, ident)
             except (VfabError, ValueError, KeyError, TypeError) as exc:
                 reply = env.reply("ERR", self.name, error=str(exc))
             except Exception as exc:  # a handler bug must not kill the endpoint
@@ -505,27 +511,38 @@ class EndpointLoop:
             if reply is not None:
                 self.router.send_multipart([ident, *reply.frames()])
 
-    def _control(self, env: Envelope) -> Envelope | None:
+    def _control(self, env: Envelope, ident: bytes = b"") -> Envelope | None:
         t, b = env.type, env.body
         if t in ("REPL", "CHUNK"):
+            gen = None
+            if t == "CHUNK" or "lo" in b:  # part of a copy to us
+                inc = self.incoming.get(int(b.get("lo", -1)))
+                if inc is None or inc.source != env.sender:
+                    if t == "CHUNK":
+                        raise StateError(f"{self.name} is receiving no copy of {int(b.get('lo', -1)):#08x} from "
+                                         f"{env.sender} (aborted?)")
+                    return env.reply("OK", self.name, applied=0)  # the copy ended: nothing to keep
+                inc.seen = time.monotonic()
+                gen = inc.gen
             durable = t == "REPL" and bool(b.get("durable", True))
             try:
-                n = self.backend.apply(env.blobs, durable=durable)
+                n = self.backend.apply(env.blobs, durable=durable, gen=gen)
             except BackendError as exc:
                 return env.reply("ERR", self.name, error=str(exc))
             self.counters["repl_applied" if t == "REPL" else "chunks_applied"] += 1
-            for inc in self.incoming.values():
-                if inc.source == env.sender:
-                    inc.seen = time.monotonic()
             return env.reply("OK", self.name, applied=n)
         if t == "SYNC":
+            inc = self.incoming.get(int(b.get("lo", -1)))
+            if inc is not None:
+                inc.seen = time.monotonic()
+                if inc.clearing:  # answered once the rows of earlier copies are gone
+                    inc.sync_waiters.append((ident, env))
+                    self.housekeeper.wake()
+                    return None
             try:
                 self.backend.sync()
             except BackendError as exc:
                 return env.reply("ERR", self.name, error=str(exc))
-            for inc in self.incoming.values():
-                if inc.source == env.sender:
-                    inc.seen = time.monotonic()
             return env.reply("OK", self.name)
         if t == "FWD":
             hops = int(b.get("hops", 1))
@@ -567,16 +584,19 @@ class EndpointLoop:
         if rec is not None and rec.owner == self.name:
             raise StateError(f"{self.name} already owns {rng}")
         # A fresh copy: nothing stale may survive, unless we mirror the range (then our copy is current
-        # and must stay whatever happens to this operation; version-gated records keep it right).
+        # and must stay whatever happens to this operation; version-gated records keep it right).  The
+        # copy gets a new generation: its records win over older rows whatever their versions, and what
+        # it does not overwrite is dropped in steps meanwhile; SYNC is answered once that is done.
         mirror = rec is not None and self.name in rec.mirrors
         try:
-            dropped = 0 if mirror else self.backend.drop(rng)
+            gen = None if mirror else self.backend.begin_copy()
         except BackendError as exc:
-            raise StateError(f"{self.name} cannot clear its stale copy of {rng}: {exc}") from None
-        self.incoming[rng.lo] = Incoming(rng, env.sender, mode, time.monotonic())
+            raise StateError(f"{self.name} cannot start a copy of {rng}: {exc}") from None
+        self.incoming[rng.lo] = Incoming(rng, env.sender, mode, time.monotonic(), gen=gen, clearing=gen is not None)
         self._refilter()
-        log.info("%s: receiving %s from %s (%s); dropped %d stale records", self.name, rng, env.sender, mode,
-                 dropped)
+        self.housekeeper.wake()
+        log.info("%s: receiving %s from %s (%s, %s)", self.name, rng, env.sender, mode,
+                 "keeping our mirror copy" if mirror else f"generation {gen}")
         return env.reply("OK", self.name)
 
     def _finish_incoming(self, lo: int, commit: bool, rec: schema.RangeRec | None = None,
@@ -584,7 +604,11 @@ class EndpointLoop:
         inc = self.incoming.pop(lo, None)
         if inc is None:
             return
+        for ident, env in inc.sync_waiters:
+            self.router.send_multipart([ident, *env.reply("ERR", self.name, error="the copy ended").frames()])
         if commit:
+            if inc.clearing:  # (only if the source vanished before our SYNC): nothing stale may be served
+                self.backend.drop(inc.range, below_gen=inc.gen)
             if rec is not None:
                 self._patch(rec, revision)
             log.info("%s: %s from %s committed (%s): serving %d held requests", self.name, inc.range, inc.source,
@@ -592,13 +616,8 @@ class EndpointLoop:
         else:
             rec_now = self.view.find(inc.range.lo)
             if not (rec_now is not None and self.name in rec_now.mirrors):
-                try:
-                    self.backend.drop(inc.range)
-                except BackendError as exc:
-                    log.warning("%s: aborted copy of %s not dropped yet (%s): retried in the background",
-                                self.name, inc.range, exc)
-                    self.forget(inc.range)
-            log.info("%s: %s from %s aborted: copy dropped, %d held requests go to the owner", self.name,
+                self.forget(inc.range)  # the partial copy goes in the background
+            log.info("%s: %s from %s aborted: the copy is dropped, %d held requests go to the owner", self.name,
                      inc.range, inc.source, len(inc.buffered))
         self._refilter()
         self.pending.extend(inc.buffered)
@@ -623,11 +642,32 @@ class EndpointLoop:
         self.pending_drops.append(rng)
         self.housekeeper.wake()
 
+    def drops_pending(self) -> bool:
+        return bool(self.pending_drops) or any(i.clearing for i in self.incoming.values())
+
     def drop_step(self) -> tuple[bool, str]:
-        """(loop thread) Drop up to DROP_STEP records of the first old copy; (anything left, error or "").
+        """(loop thread) One step of dropping: rows of earlier generations under an incoming copy first,
+        then old copies of ranges that moved away.  Returns (anything left, error or "").
 
         Run between batches, so no copy of an overlapping range can begin halfway through a step.
         """
+        for inc in self.incoming.values():
+            if not inc.clearing:
+                continue
+            inc.seen = time.monotonic()  # clearing is progress: the source is waiting for our SYNC
+            try:
+                n = self.backend.drop(inc.range, DROP_STEP, below_gen=inc.gen)
+                self.counters["dropped"] += n
+                if n >= DROP_STEP:
+                    return True, ""
+                inc.clearing = False
+                self.backend.sync()
+            except BackendError as exc:
+                return True, str(exc)
+            for ident, env in inc.sync_waiters:
+                self.router.send_multipart([ident, *env.reply("OK", self.name).frames()])
+            inc.sync_waiters.clear()
+            return self.drops_pending(), ""
         held = [r.range for r in self.view.held_by(self.name)] + [i.range for i in self.incoming.values()]
         while self.pending_drops:
             rng = self.pending_drops[0]
@@ -642,7 +682,7 @@ class EndpointLoop:
             if n < DROP_STEP:
                 self.pending_drops.pop(0)
                 log.info("%s: old copy of %s dropped", self.name, rng)
-            return bool(self.pending_drops), ""
+            return self.drops_pending(), ""
         return False, ""
 
     # -- operations (this endpoint is the source) ------------------------------------------------------------

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("vfab.state.runner")
 
 ACK_TIMEOUT = 3.0        # s for the peer to answer a control message
+SYNC_TIMEOUT = 60.0      # s for the peer to finish a copy (drop what an earlier copy left, fsync)
 RIDE_OUT = 10.0          # s an operation waits for etcd to come back before giving up
 WINDOW = 4               # snapshot chunks in flight
 CHUNK_BYTES = 256 * 1024
@@ -199,14 +200,15 @@ class OpRunner:
 
     def _ask(self, type: str, body: dict):
         rid = self._send(type, body)
-        deadline = time.monotonic() + ACK_TIMEOUT
+        timeout = SYNC_TIMEOUT if type == "SYNC" else ACK_TIMEOUT
+        deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             got = self._recv(left)
             if got is not None and got.id == rid:
                 if got.type != "OK":
                     return m.Failure("peer", f"{self.peer} refused {type}: {got.body.get('error', '?')}")
                 return got.body
-        return m.Failure("peer", f"{self.peer} did not answer {type} within {ACK_TIMEOUT:.0f} s (dead or overloaded?)")
+        return m.Failure("peer", f"{self.peer} did not answer {type} within {timeout:.0f} s (dead or overloaded?)")
 
     def _copy(self, rng):
         """Stream the snapshot with up to WINDOW chunks in flight; returns records sent or a Failure."""
