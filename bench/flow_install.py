@@ -125,34 +125,17 @@ def ofctl_flow(f: FlowSpec, with_actions: bool = True) -> str:
     return ",".join(parts) + ",actions=" + (",".join(acts) or "drop")
 
 
-class _StubDatapath:
-    """Just enough of an os-ken Datapath to build and serialize messages without a switch."""
-
-    def __init__(self):
-        from os_ken.ofproto import ofproto_v1_4, ofproto_v1_4_parser
-        self.ofproto, self.ofproto_parser, self.id, self.xid = ofproto_v1_4, ofproto_v1_4_parser, 1, 0
-
-    def set_xid(self, msg):
-        self.xid += 1
-        msg.set_xid(self.xid)
-        return self.xid
-
-
-def encode_cost(flows: list[FlowSpec], sample: int = 3000) -> float:
-    """Seconds per flow the controller spends building + serializing one bundled flow_mod (os-ken, in-process)."""
+def encode_cost(flows: list[FlowSpec], sample: int = 20000) -> float:
+    """Seconds per flow the controller spends encoding one bundled ADD flow mod (in-process)."""
     from vfab.controller import ofmsg
+    from vfab.fabric.flows import gc_paused
 
-    dp = _StubDatapath()
-    ofp, parser = dp.ofproto, dp.ofproto_parser
     part = flows[:sample]
-    t0 = time.perf_counter()
-    for f in part:
-        m = ofmsg.flow_add(dp, f)
-        add = parser.OFPBundleAddMsg(dp, 1, ofp.OFPBF_ATOMIC | ofp.OFPBF_ORDERED, m, [])
-        dp.set_xid(add)
-        m.xid = add.xid
-        add.serialize()
-    return (time.perf_counter() - t0) / max(1, len(part))
+    with gc_paused():  # as the controller encodes
+        t0 = time.perf_counter()
+        for _ in ofmsg.bundled_adds(1, 3, part, 1):
+            pass
+        return (time.perf_counter() - t0) / max(1, len(part))
 
 
 def ovs_floor(tb: Testbed, name: str, sid: int, flows: list[FlowSpec]) -> dict:
@@ -181,16 +164,26 @@ def ovs_floor(tb: Testbed, name: str, sid: int, flows: list[FlowSpec]) -> dict:
     return out
 
 
-def commit_log(logpath: str, rev: int) -> list[tuple[str, float]]:
-    """(plan summary, bundle ms) the controller logged for revision ``rev``."""
-    pat = re.compile(rf"switch [0-9a-f]+: revision {rev}: (.*) in ([\d.]+) ms")
-    out = []
+def commit_log(logpath: str, rev: int, until: int | None = None) -> tuple[list[tuple[str, float]], list[float]]:
+    """(plan summary, bundle ms) of each commit the controller logged for revisions ``rev`` <= r < ``until``,
+    and the ms it logged for planning those rounds.
+
+    A round is labelled with the newest revision in the controller's mirror, which can be one of its own
+    later counter writes: hence a range of revisions, not ``rev`` alone.
+    """
+    commit = re.compile(r"switch [0-9a-f]+: revision (\d+): (.*) in ([\d.]+) ms$")
+    plan = re.compile(r"vfab.controller INFO revision (\d+): planned \d+ commit\(s\) in ([\d.]+) ms$")
+    commits, plans = [], []
     with open(logpath, errors="replace") as fh:
         for line in fh:
-            m = pat.search(line)
-            if m:
-                out.append((m.group(1), float(m.group(2))))
-    return out
+            line = line.rstrip("\n")
+            m = commit.search(line)
+            if m and rev <= int(m.group(1)) < (until or 1 << 62):
+                commits.append((m.group(2), float(m.group(3))))
+            m = plan.search(line)
+            if m and rev <= int(m.group(1)) < (until or 1 << 62):
+                plans.append(float(m.group(2)))
+    return commits, plans
 
 
 def settle(tb: Testbed) -> None:
@@ -264,11 +257,11 @@ def run_one(tb: Testbed, n: int, layout: str, compile_reps: int) -> tuple[dict, 
     ctl_at_del = max(a.at for a in reg.applied().values()) - w0
     t_remove_sw, at_applied_out = until_switch_holds("vfbs1", sid, 0, t0, t_remove)
     removed = switch_flows("vfbs1")
-    log_in = commit_log(tb.controller.logpath, rev)
-    log_out = commit_log(tb.controller.logpath, rev_del)
 
     # Tidy up (untimed): the service goes entirely.
-    reg.delete_prefix(schema.endpoint_prefix(name))
+    rev_tidy = reg.delete_prefix(schema.endpoint_prefix(name))
+    (log_in, plan_in), (log_out, plan_out) = (commit_log(tb.controller.logpath, rev, rev_del),
+                                              commit_log(tb.controller.logpath, rev_del, rev_tidy))
     reg.delete(schema.service_id_key(sid))
     # state_revision() cannot see deletions: wait for the last delete's own revision.
     reg.wait_applied(reg.delete(schema.service_key(name)), timeout=APPLY_TIMEOUT)
@@ -287,6 +280,7 @@ def run_one(tb: Testbed, n: int, layout: str, compile_reps: int) -> tuple[dict, 
         "remove_on_switch_ms": round(t_remove_sw * 1e3, 1), "service_flows_at_remove_applied": at_applied_out,
         "install_bundle": [{"plan": p, "ms": ms} for p, ms in log_in],
         "remove_bundle": [{"plan": p, "ms": ms} for p, ms in log_out],
+        "install_plan_ms": plan_in, "remove_plan_ms": plan_out,
     }
     problems = []
     if want_flows != svc_flows:
@@ -354,21 +348,23 @@ def main() -> int:
     print()
     print("N ranges, flows, compile, install (etcd write -> applied), removal; times in ms")
     print(f"{'layout':>7} {'N':>6} {'route':>7} {'svc flows':>9} {'state':>7} {'compile':>8} {'install':>8} "
-          f"{'on sw':>8} {'bundle':>8} {'encode':>8} {'removal':>8} {'on sw':>8} {'bundle':>8} "
-          f"{'ovs add':>8} {'ovs del':>8}")
+          f"{'on sw':>8} {'plan':>8} {'bundle':>8} {'encode':>8} {'removal':>8} {'on sw':>8} {'plan':>8} "
+          f"{'bundle':>8} {'ovs add':>8} {'ovs del':>8}")
     for r in rows:
         b_in = sum(b["ms"] for b in r["install_bundle"])
         b_out = sum(b["ms"] for b in r["remove_bundle"])
         print(f"{r['layout']:>7} {r['ranges']:>6} {r['route_flows']:>7} {r['service_flows']:>9} {r['state_ms']:>7.1f} "
-              f"{r['compile_ms']:>8.1f} {r['install_ms']:>8.1f} {r['install_on_switch_ms']:>8.1f} {b_in:>8.1f} "
-              f"{r['encode_ms_estimate']:>8.1f} {r['remove_ms']:>8.1f} {r['remove_on_switch_ms']:>8.1f} {b_out:>8.1f} "
+              f"{r['compile_ms']:>8.1f} {r['install_ms']:>8.1f} {r['install_on_switch_ms']:>8.1f} "
+              f"{sum(r['install_plan_ms']):>8.1f} {b_in:>8.1f} {r['encode_ms_estimate']:>8.1f} {r['remove_ms']:>8.1f} "
+              f"{r['remove_on_switch_ms']:>8.1f} {sum(r['remove_plan_ms']):>8.1f} {b_out:>8.1f} "
               f"{r.get('ovs_floor', {}).get('ofctl_bundle_add_ms', float('nan')):>8.1f} "
               f"{r.get('ovs_floor', {}).get('ofctl_bundle_del_strict_ms', float('nan')):>8.1f}")
     print("route = sum of to_masks over the ranges (table-1 flows); svc flows = everything the switch holds for "
           "the service (routes + the owners' port-security admits in table 0); state = FabricState.from_items, "
           "compile = compile_fabric (in-process, same snapshot); install/removal = etcd write -> wait_applied; "
-          "on sw = until ovs-ofctl dump-aggregate shows the final count; bundle = commit time the controller logged "
-          "(encode + send + commit reply); encode = os-ken flow_mod + bundle-add build/serialize for that many flows "
+          "on sw = until ovs-ofctl dump-aggregate shows the final count; plan = the controller's reconcile round before "
+          "its commits (parse the etcd mirror, compile, diff, order), as it logged it; bundle = commit time it logged "
+          "(encode + send + commit reply); encode = bundle-add + flow-mod bytes (controller/ofmsg.py) for that many flows "
           "(in-process, sampled); ovs add/del = the same flows via 'ovs-ofctl --bundle add-flows' / "
           "'--bundle --strict del-flows' with the controller dead (OVS's own share, ~20 ms of it ovs-ofctl start-up)")
     if ctl_problems:

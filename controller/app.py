@@ -1,19 +1,23 @@
-"""The os-ken route controller: a thin shell over state → compile → diff → bundle.
+"""The os-ken route controller: a thin shell — events in, ``engine`` out, ``ofconn`` to send.
 
 It holds nothing etcd does not: a mirror of the ``/vfab/v1/`` prefix kept by a
 watch, and per switch the flows last read from (or committed to) it.  On
 (re)connect a switch is dumped and diffed, so killing and restarting the
 controller reconciles; switches keep forwarding meanwhile (fail-mode secure).
 
-Environment: VFAB_ETCD (HOST:PORT), VFAB_POLL (s between counter polls).
+Its configuration is a ``ControllerConfig`` handed over by ``configure()``
+before os-ken instantiates the app (``main`` does that); without one the
+defaults apply.
+
+os-ken's hub runs real threads by default (``OSKEN_HUB_TYPE`` unset =
+native): the etcd watch, the reconcile loop, the counter polls and os-ken's
+receive loop run concurrently, so the mirror, each switch's tables and each
+connection's pending replies are guarded by locks.
 """
 
 from __future__ import annotations
 
-import itertools
-import json
 import logging
-import os
 import threading
 import time
 
@@ -23,30 +27,21 @@ from os_ken.controller.handler import DEAD_DISPATCHER, MAIN_DISPATCHER, set_ev_c
 from os_ken.lib import hub
 from os_ken.ofproto import ofproto_v1_4
 
-from vfab.controller import ofmsg
-from vfab.controller.reconcile import diff, update_order
-from vfab.fabric.compiler import compile_fabric, route_destinations
-from vfab.fabric.flows import Kind, split_cookie
-from vfab.fabric.state import FabricState
-from vfab.fabric.topology import distances, next_hops
-from vfab.vid.registry import schema
-from vfab.vid.registry import DEFAULT_ENDPOINT, Registry
+from vfab.controller import engine
+from vfab.controller.config import ControllerConfig
+from vfab.controller.ofconn import OFConn, OpError, install_raw_flow_stats
+from vfab.controller.report import COUNTED, Reporter, counters_from_stats
+from vfab.vid.registry import Registry, schema
 
 log = logging.getLogger("vfab.controller")
 
-
-AUDIT_EVERY = 10  # counter polls between full-table audits
-
-
-class OpError(Exception):
-    pass
+_config: ControllerConfig | None = None
 
 
-class _Waiter:
-    def __init__(self) -> None:
-        self.done = hub.Event()
-        self.body: list = []
-        self.error = None
+def configure(config: ControllerConfig) -> None:
+    """Set the configuration the next ``VfabController`` starts with (call before ``run_apps``)."""
+    global _config
+    _config = config
 
 
 class VfabController(app_manager.OSKenApp):
@@ -54,19 +49,21 @@ class VfabController(app_manager.OSKenApp):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.registry = Registry(os.environ.get("VFAB_ETCD", DEFAULT_ENDPOINT))
-        self.poll = float(os.environ.get("VFAB_POLL", "2"))
-        self.settle = float(os.environ.get("VFAB_SETTLE_MS", "5")) / 1e3
+        self.config = _config or ControllerConfig()
+        install_raw_flow_stats()
+        self.registry = Registry(self.config.etcd)
+        self.reporter = Reporter(self.registry, self.config.poll)
         self.items: dict[str, bytes] = {}
         self.revision = 0
-        self.dps: dict = {}
-        self.installed: dict[int, tuple[dict, dict]] = {}
-        self.reported: dict[int, int] = {}
+        self.mirror_lock = threading.Lock()   # items + revision change together (one etcd revision at a time)
+        self.conns: dict[int, OFConn] = {}
+        self.installed: dict[int, engine.Installed] = {}
         self.locks: dict[int, threading.Lock] = {}
-        self.waiters: dict[int, _Waiter] = {}
         self.dirty = hub.Event()
-        self.bundle_ids = itertools.count(1)
-        self.lease = None
+        self.problems: set[str] = set()   # logged already (each is logged when it first appears)
+        self.verified: set[int] = set()   # switches an audit found as committed since their last commit
+        self.parsed: dict = {}            # records parsed in earlier rounds (reconcile thread only)
+        self.generation: dict[int, int] = {}  # per switch, bumped whenever ``installed`` changes
         self.threads = [hub.spawn(self._watch_loop), hub.spawn(self._reconcile_loop),
                         hub.spawn(self._poll_loop)]
 
@@ -75,8 +72,9 @@ class VfabController(app_manager.OSKenApp):
         while True:
             try:
                 rev, items = self.registry.get_prefix(schema.ROOT)
-                self.items = {k: v for k, (v, _) in items.items()}
-                self.revision = rev
+                with self.mirror_lock:
+                    self.items = {k: v for k, (v, _) in items.items()}
+                    self.revision = rev
                 log.info("etcd %s: loaded %d keys at revision %d", self.registry.endpoint, len(items), rev)
                 self.dirty.set()
                 # Whole watch responses: a revision (one etcd txn) is applied to the mirror at
@@ -85,15 +83,16 @@ class VfabController(app_manager.OSKenApp):
                 try:
                     for batch in batches:
                         changed = False
-                        for ev in batch:
-                            if ev.value is None:
-                                self.items.pop(ev.key, None)
-                            else:
-                                self.items[ev.key] = ev.value
-                            self.revision = max(self.revision, ev.revision)
-                            parsed = schema.parse_key(ev.key)
-                            if not (parsed and parsed[0] in schema.PASSIVE):
-                                changed = True
+                        with self.mirror_lock:  # os-ken's hub runs real threads: the batch goes in whole
+                            for ev in batch:
+                                if ev.value is None:
+                                    self.items.pop(ev.key, None)
+                                else:
+                                    self.items[ev.key] = ev.value
+                                self.revision = max(self.revision, ev.revision)
+                                parsed = schema.parse_key(ev.key)
+                                if not (parsed and parsed[0] in schema.PASSIVE):
+                                    changed = True
                         if changed:
                             self.dirty.set()
                 finally:
@@ -108,204 +107,127 @@ class VfabController(app_manager.OSKenApp):
         while True:
             self.dirty.wait()
             self.dirty.clear()
-            rev = self.revision
             try:
-                state = FabricState.from_items(dict(self.items))
-                configs = compile_fabric(state)
-            except Exception:
-                log.exception("compile failed at revision %d; keeping the switches as they are", rev)
-                continue
-            plans = {}
-            for dpid in list(self.dps):
-                if dpid in configs and dpid in self.installed:
-                    flows, groups = self.installed[dpid]
-                    plans[dpid] = diff(configs[dpid], flows, groups)
-            dests = route_destinations(state)
-            links = [(lk.dpid, lk.port, lk.peer_dpid, lk.peer_port) for lk in state.links]
-            dist = distances(sorted(state.switches), next_hops(sorted(state.switches), links), links)
+                self._reconcile()
+            except Exception:  # a bug must not stop reconciling for good: log it, retry at the next change
+                log.exception("reconcile round failed; the switches keep what they hold")
 
-            def dest_of(cookie: int):
-                kind, sid, lo, _ = split_cookie(cookie)
-                return dests.get((sid, lo)) if kind == Kind.VID_ROUTE else None
+    def _reconcile(self) -> None:
+        """One round: plan with the engine, commit step by step, then report."""
+        t0 = time.monotonic()
+        snapshot = dict(self.installed)
+        with self.mirror_lock:
+            items, revision = dict(self.items), self.revision
+        rnd = engine.plan_round(items, revision, snapshot, settle=self.config.settle,
+                                reported=dict(self.reporter.reported), cache=self.parsed)
+        if rnd.error:
+            log.error("compile failed at revision %d (%s); keeping the switches as they are",
+                      rnd.revision, rnd.error)
+            return
+        if rnd.steps:
+            log.info("revision %d: planned %d commit(s) in %.1f ms", rnd.revision, len(rnd.commits),
+                     (time.monotonic() - t0) * 1e3)
+        for problem in rnd.problems:
+            if problem not in self.problems:
+                log.warning("revision %d: %s", rnd.revision, problem)
+        self.problems = set(rnd.problems)
+        failed = set()
+        for step in rnd.steps:
+            if isinstance(step, engine.Pause):
+                hub.sleep(step.seconds)
+            elif not self._apply(step, snapshot.get(step.dpid), rnd.revision):
+                failed.add(step.dpid)
+        # Reported only once every switch has its bundle: the reports must not delay a cut-over.
+        for rep in rnd.reports:
+            if rep.dpid not in failed and rep.dpid in self.installed:
+                self.reporter.applied(rep.dpid, rep.revision, rep.flows, rep.groups)
 
-            done = []
-            order = update_order(plans, dest_of, dist)
-            for i, dpid in enumerate(order):
-                if self._apply(dpid, configs[dpid], rev):
-                    done.append(dpid)
-                if i + 1 < len(order) and any(dest_of(f.cookie) is not None for f in plans[dpid].add_flows):
-                    # A committed bundle is in the OpenFlow tables at once, but OVS's datapath
-                    # keeps serving cached flows until its revalidators catch up (a few ms
-                    # here); the next switch on the path must not turn before that.
-                    hub.sleep(self.settle)
-            # Reported only once every switch has its bundle: the reports must not delay a cut-over.
-            for dpid in done:
-                if self.reported.get(dpid, -1) < rev:
-                    self._report(dpid, rev, len(configs[dpid].flows), len(configs[dpid].groups))
-
-    def _apply(self, dpid: int, want, rev: int) -> bool:
-        """Bring one switch to ``want`` in one bundle; True if it now holds it."""
-        dp = self.dps.get(dpid)
-        if dp is None:
+    def _apply(self, step: engine.Commit, seen, rev: int) -> bool:
+        """Bring one switch to ``step.want`` in one bundle; True if it now holds it."""
+        conn = self.conns.get(step.dpid)
+        if conn is None:
             return False
-        with self.locks[dpid]:
-            if dpid not in self.installed:
+        with self.locks[step.dpid]:
+            now = self.installed.get(step.dpid)
+            if now is None:
                 return False
-            flows, groups = self.installed[dpid]
-            plan = diff(want, flows, groups)  # again: a poll may have re-read the switch meanwhile
+            plan = step.plan if now is seen else engine.replan(step.want, now)  # re-read meanwhile
             try:
                 if plan:
                     t0 = time.monotonic()
-                    self._commit(dp, plan)
-                    log.info("switch %016x: revision %d: %s in %.1f ms", dpid, rev,
-                             plan.summary(), (time.monotonic() - t0) * 1e3)
-                self.installed[dpid] = (dict(want.flows), dict(want.groups))
+                    conn.commit(plan)
+                    self.verified.discard(step.dpid)
+                    log.info("switch %016x: revision %d: %s in %.1f ms", step.dpid, rev, plan.summary(),
+                             (time.monotonic() - t0) * 1e3)
+                self._set_installed(step.dpid, (step.want.flows, step.want.groups))
             except OpError as exc:
-                log.error("switch %016x: bundle failed (%s); re-reading its tables", dpid, exc)
-                self.installed.pop(dpid, None)
-                hub.spawn(self._sync, dp)
+                log.error("switch %016x: bundle failed (%s); re-reading its tables", step.dpid, exc)
+                self.installed.pop(step.dpid, None)
+                hub.spawn(self._sync, conn)
                 return False
         return True
 
-    def _report(self, dpid: int, rev: int, nflows: int, ngroups: int) -> None:
-        try:
-            rec = schema.Applied(dpid=dpid, revision=rev, flows=nflows, groups=ngroups, at=time.time())
-            self.registry.put(schema.applied_key(dpid), rec.to_json())
-            self.reported[dpid] = rev
-        except Exception as exc:
-            log.warning("switch %016x: could not report applied revision: %s", dpid, exc)
-
-    def _commit(self, dp, plan) -> None:
-        ofp, parser = dp.ofproto, dp.ofproto_parser
-        msgs = [ofmsg.group_mod(dp, g, "add") for g in plan.add_groups]
-        msgs += [ofmsg.group_mod(dp, g, "modify") for g in plan.mod_groups]
-        msgs += [ofmsg.flow_delete(dp, f) for f in plan.del_flows]
-        msgs += [ofmsg.flow_add(dp, f) for f in plan.add_flows]
-        msgs += [ofmsg.group_mod(dp, None, "delete", gid) for gid in plan.del_groups]
-        bid = next(self.bundle_ids) & 0xFFFFFFFF
-        flags = ofp.OFPBF_ATOMIC | ofp.OFPBF_ORDERED
-        waiter = _Waiter()
-        xids = []
-        dp.send_msg(parser.OFPBundleCtrlMsg(dp, bid, ofp.OFPBCT_OPEN_REQUEST, flags, []))
-        for m in msgs:
-            add = parser.OFPBundleAddMsg(dp, bid, flags, m, [])
-            dp.set_xid(add)
-            m.xid = add.xid
-            xids.append(add.xid)
-            self.waiters[add.xid] = waiter
-            dp.send_msg(add)
-        commit = parser.OFPBundleCtrlMsg(dp, bid, ofp.OFPBCT_COMMIT_REQUEST, flags, [])
-        xids.append(dp.set_xid(commit))
-        self.waiters[commit.xid] = waiter
-        dp.send_msg(commit)
-        try:
-            if not waiter.done.wait(timeout=10):
-                raise OpError(f"no commit reply for bundle {bid} in 10 s")
-            if waiter.error is not None:
-                raise OpError(waiter.error)
-        finally:
-            for x in xids:
-                self.waiters.pop(x, None)
-
-    def _request(self, dp, req, timeout: float = 10.0) -> list:
-        waiter = _Waiter()
-        self.waiters[dp.set_xid(req)] = waiter
-        try:
-            dp.send_msg(req)
-            if not waiter.done.wait(timeout=timeout):
-                raise OpError(f"no reply to {type(req).__name__} in {timeout:.0f} s")
-            if waiter.error is not None:
-                raise OpError(waiter.error)
-            return waiter.body
-        finally:
-            self.waiters.pop(req.xid, None)
-
-    def _dump(self, dp) -> tuple[dict, dict, list]:
-        ofp, parser = dp.ofproto, dp.ofproto_parser
-        stats = self._request(dp, parser.OFPFlowStatsRequest(dp, 0, ofp.OFPTT_ALL, ofp.OFPP_ANY, ofp.OFPG_ANY,
-                                                             0, 0, parser.OFPMatch()))
-        descs = self._request(dp, parser.OFPGroupDescStatsRequest(dp, 0))
-        flows = {}
-        for st in stats:
-            f = ofmsg.flow_from_stats(ofp, st)
-            flows[f.key] = f
-        groups = {g.group_id: g for g in (ofmsg.group_from_desc(ofp, d) for d in descs)}
-        return flows, groups, stats
-
-    def _sync(self, dp) -> None:
-        dpid = dp.id
+    def _sync(self, conn: OFConn) -> None:
+        dpid = conn.dpid
         try:
             with self.locks[dpid]:
-                flows, groups, _ = self._dump(dp)
-                self.installed[dpid] = (flows, groups)
+                flows, groups = conn.dump()
+                if self.conns.get(dpid) is conn:
+                    self._set_installed(dpid, (flows, groups))
             log.info("switch %016x: read %d flows, %d groups", dpid, len(flows), len(groups))
             self.dirty.set()
         except (OpError, KeyError) as exc:
             log.error("switch %016x: could not read its tables: %s", dpid, exc)
 
-    # -- counters ---------------------------------------------------------
+    # -- counters and audits ----------------------------------------------------
     def _poll_loop(self) -> None:
-        """Publish counters every ``poll`` s; every AUDIT_EVERY polls also audit the whole tables.
+        """Publish counters every ``poll`` s; every ``audit_polls`` polls also audit the whole tables.
 
         Counter polls ask the switch only for the flows whose counters are published
         (by cookie kind), without the switch's lock, so they never hold up a cut-over.
         """
         n = 0
+        selectors = [(table, int(kind) << 56, 0xFF << 56) for kind, table in COUNTED]
         while True:
-            hub.sleep(self.poll)
+            hub.sleep(self.config.poll)
             n += 1
-            for dpid, dp in list(self.dps.items()):
+            for dpid, conn in list(self.conns.items()):
                 if dpid not in self.installed:
                     continue
                 try:
-                    if n % AUDIT_EVERY == 0:
-                        self._audit(dpid, dp)
-                    self._publish(dpid, self._counter_stats(dp))
+                    if n % self.config.audit_polls == 0:
+                        self._audit(conn)
+                    self.reporter.counters(dpid, counters_from_stats(conn.counter_stats(selectors)))
                 except Exception as exc:
                     log.warning("switch %016x: counter poll failed: %s", dpid, exc)
 
-    def _counter_stats(self, dp) -> list:
-        ofp, parser = dp.ofproto, dp.ofproto_parser
-        stats = []
-        for kind, table in ((Kind.VID_ROUTE, 1), (Kind.VID_MISS, 1), (Kind.DENY, 0)):
-            stats += self._request(dp, parser.OFPFlowStatsRequest(
-                dp, 0, table, ofp.OFPP_ANY, ofp.OFPG_ANY, int(kind) << 56, 0xFF << 56, parser.OFPMatch()))
-        return stats
+    def _set_installed(self, dpid: int, tables: engine.Installed) -> None:
+        """What ``dpid`` holds now (caller holds its lock)."""
+        self.installed[dpid] = tables
+        self.generation[dpid] = self.generation.get(dpid, 0) + 1
 
-    def _audit(self, dpid: int, dp) -> None:
-        """Re-read the switch; if its tables drifted from what was committed, reconcile."""
+    def _audit(self, conn: OFConn) -> None:
+        """Re-read the switch; if its tables drifted from what was committed, reconcile.
+
+        The dump runs without the switch's lock (a big table takes a second to read, and a cut-over
+        must not wait for it); if anything was committed meanwhile, this audit is void.
+        """
+        dpid = conn.dpid
+        gen = self.generation.get(dpid)
+        dumped = conn.dump()
         with self.locks[dpid]:
-            flows, groups, _ = self._dump(dp)
-            known_f, known_g = self.installed.get(dpid, ({}, {}))
-            if flows != known_f or groups != known_g:
+            if self.generation.get(dpid) != gen:
+                return
+            known = self.installed.get(dpid)
+            if known is not None and engine.drifted(dumped, known):
                 log.warning("switch %016x: tables differ from what was committed; reconciling", dpid)
-                self.installed[dpid] = (flows, groups)
+                self._set_installed(dpid, dumped)
+                self.verified.discard(dpid)
                 self.dirty.set()
-
-    def _publish(self, dpid: int, stats: list) -> None:
-        per: dict[str, list[int]] = {}
-        for st in stats:
-            kind, service, lo, _ = split_cookie(st.cookie)
-            if kind == Kind.VID_ROUTE and st.table_id == 1:
-                name = f"{service}/{lo:06x}"
-            elif kind in (Kind.DENY, Kind.VID_MISS):
-                name = f"{Kind(kind).name.lower()}/{lo}"
-            else:
-                continue
-            acc = per.setdefault(name, [0, 0])
-            acc[0] += st.packet_count
-            acc[1] += st.byte_count
-        if self.lease is None:
-            ttl = max(int(self.poll * 10), 10)
-            self.lease = self.registry.lease(ttl)
-            self.lease_stop = self.registry.keepalive(self.lease, ttl)
-        try:
-            self.registry.put(schema.counters_key(dpid), json.dumps({"at": time.time(), "counters": per}),
-                              lease=self.lease)
-        except Exception:
-            self.lease_stop.set()  # lease lost (e.g. etcd restarted): take a new one next time
-            self.lease = None
-            raise
+            elif known is not None and dpid not in self.verified:
+                log.info("switch %016x: audit: its %d flows and %d groups are as committed", dpid,
+                         len(dumped[0]), len(dumped[1]))
+                self.verified.add(dpid)
 
     # -- OpenFlow events ----------------------------------------------------
     @set_ev_cls(ofp_event.EventOFPStateChange, [MAIN_DISPATCHER, DEAD_DISPATCHER])
@@ -313,29 +235,24 @@ class VfabController(app_manager.OSKenApp):
         dp = ev.datapath
         if ev.state == MAIN_DISPATCHER:
             log.info("switch %016x: connected", dp.id)
-            self.dps[dp.id] = dp
+            conn = OFConn(dp, timeout=self.config.bundle_timeout)
+            self.conns[dp.id] = conn
             self.locks.setdefault(dp.id, threading.Lock())
             self.installed.pop(dp.id, None)
-            self.reported.pop(dp.id, None)
-            hub.spawn(self._sync, dp)
+            self.reporter.forget(dp.id)
+            hub.spawn(self._sync, conn)
         elif ev.state == DEAD_DISPATCHER and dp.id is not None:
-            if self.dps.get(dp.id) is dp:
+            conn = self.conns.get(dp.id)
+            if conn is not None and conn.dp is dp:
                 log.warning("switch %016x: disconnected (it keeps its flows)", dp.id)
-                self.dps.pop(dp.id, None)
+                conn.close("the switch disconnected")
+                self.conns.pop(dp.id, None)
                 self.installed.pop(dp.id, None)
 
-    def _reply(self, msg, body=None, error=None, more=False) -> None:
-        waiter = self.waiters.get(msg.xid)
-        if waiter is None:
-            if error:
-                log.error("switch %016x: unsolicited error: %s", msg.datapath.id, error)
-            return
-        if body:
-            waiter.body.extend(body)
-        if error is not None and waiter.error is None:
-            waiter.error = error
-        if not more or error is not None:
-            waiter.done.set()
+    def _reply(self, msg, body=(), error=None, more=False) -> None:
+        conn = self.conns.get(msg.datapath.id)
+        if (conn is None or not conn.on_reply(msg.xid, body, more, error)) and error:
+            log.error("switch %016x: unsolicited error: %s", msg.datapath.id, error)
 
     @set_ev_cls(ofp_event.EventOFPFlowStatsReply, MAIN_DISPATCHER)
     def _flow_stats(self, ev):

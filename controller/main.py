@@ -1,40 +1,76 @@
-"""Run the route controller: ``python -m vfab.controller --etcd HOST:PORT --port 6653``."""
+"""Run the route controller: ``python -m vfab.controller --etcd HOST:PORT --port 6653``.
+
+Settings come from the defaults, then ``--config FILE`` (a JSON object of
+``ControllerConfig`` settings), then the options given; ``--check`` validates
+them, prints the result and exits.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
+import sys
+
+from vfab.controller.config import ConfigError, ControllerConfig
+
+
+def parse_config(argv: list[str] | None = None) -> tuple[ControllerConfig, bool]:
+    """(validated config, --check given); argparse exits with status 2 on a bad setting."""
+    d = ControllerConfig()
+    ap = argparse.ArgumentParser(prog="vfab-controller", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", metavar="FILE", help="JSON file of settings (command-line options win)")
+    ap.add_argument("--etcd", help=f"etcd HOST:PORT (default {d.etcd})")
+    ap.add_argument("--listen", help=f"OpenFlow listen address (default {d.listen})")
+    ap.add_argument("--port", type=int, help=f"OpenFlow TCP port (default {d.port})")
+    ap.add_argument("--poll", type=float, help=f"seconds between counter polls (default {d.poll})")
+    ap.add_argument("--settle-ms", type=float,
+                    help=f"pause between switches when a route moves (OVS datapath revalidation lag; "
+                         f"default {d.settle_ms})")
+    ap.add_argument("--audit-polls", type=int, help=f"counter polls between full-table audits (default {d.audit_polls})")
+    ap.add_argument("--bundle-timeout", type=float,
+                    help=f"seconds to wait for a bundle commit or a table dump (default {d.bundle_timeout})")
+    ap.add_argument("-v", "--verbose", action="store_true", default=None, help="debug logging")
+    ap.add_argument("--check", action="store_true", help="validate the settings, print them and exit")
+    args = ap.parse_args(argv)
+    try:
+        cfg = d
+        if args.config:
+            try:
+                with open(args.config) as fh:
+                    cfg = ControllerConfig.from_json(fh.read(), where=args.config)
+            except OSError as exc:
+                raise ConfigError(f"cannot read {args.config}: {exc.strerror}") from None
+        cfg = cfg.merged(etcd=args.etcd, listen=args.listen, port=args.port, poll=args.poll,
+                         settle_ms=args.settle_ms, audit_polls=args.audit_polls,
+                         bundle_timeout=args.bundle_timeout, verbose=args.verbose)
+    except ConfigError as exc:
+        ap.error(str(exc))
+    return cfg, args.check
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="vfab-controller", description=__doc__)
-    ap.add_argument("--etcd", default=os.environ.get("VFAB_ETCD", "127.0.0.1:2379"), help="etcd HOST:PORT")
-    ap.add_argument("--listen", default="127.0.0.1", help="OpenFlow listen address")
-    ap.add_argument("--port", type=int, default=6653, help="OpenFlow TCP port")
-    ap.add_argument("--poll", type=float, default=2.0, help="seconds between counter polls")
-    ap.add_argument("--settle-ms", type=float, default=5.0,
-                    help="pause between switches when a route moves (OVS datapath revalidation lag)")
-    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    args = ap.parse_args(argv)
-    os.environ["VFAB_ETCD"] = args.etcd
-    os.environ["VFAB_POLL"] = str(args.poll)
-    os.environ["VFAB_SETTLE_MS"] = str(args.settle_ms)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+    cfg, check = parse_config(argv)
+    if check:
+        print(cfg.to_json())
+        return
+    logging.basicConfig(level=logging.DEBUG if cfg.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for noisy in ("os_ken", "urllib3", "etcd3gw"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from os_ken.lib import hub
 
     hub.patch()
-    from os_ken import cfg
+    from os_ken import cfg as oscfg
     from os_ken.base.app_manager import AppManager
 
-    cfg.CONF(args=[f"--ofp-listen-host={args.listen}", f"--ofp-tcp-listen-port={args.port}"],
-             project="os_ken")
-    logging.getLogger("vfab.controller").info("listening on %s:%d, etcd %s", args.listen, args.port, args.etcd)
+    from vfab.controller import app
+
+    oscfg.CONF(args=[f"--ofp-listen-host={cfg.listen}", f"--ofp-tcp-listen-port={cfg.port}"], project="os_ken")
+    app.configure(cfg)
+    logging.getLogger("vfab.controller").info("listening on %s:%d, etcd %s", cfg.listen, cfg.port, cfg.etcd)
     AppManager.run_apps(["vfab.controller.app"])
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -14,13 +14,21 @@ owner's port with ``eth_dst`` rewritten to its MAC on the last hop (for
 never duplicates); helpers → group ``select`` at the first switch, one bucket
 per helper, rewritten to the helper's MAC.  Known host MACs (500) → their port.  VIDs of no
 live range (10) → the miss policy.  Everything else (0) → NORMAL.
+
+Front doors (``fabric/frontdoor.py``): per service, per registered host (its
+port and MAC; never a trunk), a 400 flow that rewrites a real protocol's frames to the service's VIDs and goes on to
+table 1.  A bad or clashing front door is a line in ``problems`` (by default
+the state's own ``FabricState.problems``) and is skipped.
 """
 
 from __future__ import annotations
 
+import functools
+
 from vfab.fabric import frontdoor
 from vfab.fabric.flows import (TABLE_ADMIT, TABLE_ROUTE, Bucket, FlowSpec, GroupSpec, Kind,
-                               SwitchConfig, make_cookie, match)
+                               SwitchConfig, gc_paused, make_cookie, match)
+from vfab.fabric.frontdoor import FrontDoorError
 from vfab.fabric.state import FabricState
 from vfab.fabric.topology import next_hops
 from vfab.vid import codec
@@ -36,13 +44,16 @@ PRIO_BASE = 0
 GROUP_BASE = 1
 
 
+_mac = functools.lru_cache(maxsize=65536)(codec.mac_to_int)  # endpoint MACs recur once per range and switch
+
+
 def _deliver(sw: int, ep_hosts: list, hops: dict) -> list[tuple]:
     """Distinct action lists reaching each (endpoint, host) from switch sw."""
     outs: dict[tuple, None] = {}
     for ep, host in ep_hosts:
         if host.dpid == sw:
             acts = (("output", host.port),) if ep.rx != "ovs" else (
-                ("set_eth_dst", codec.mac_to_int(ep.mac)), ("output", host.port))
+                ("set_eth_dst", _mac(ep.mac)), ("output", host.port))
         elif (sw, host.dpid) in hops:
             acts = (("output", hops[(sw, host.dpid)]),)
         else:
@@ -62,13 +73,35 @@ def _select(sw: int, ep_hosts: list, hops: dict) -> list[tuple]:
     for ep, host in ep_hosts:
         port = host.port if host.dpid == sw else hops.get((sw, host.dpid))
         if port is not None:
-            outs.append((("set_eth_dst", codec.mac_to_int(ep.mac)), ("output", port)))
+            outs.append((("set_eth_dst", _mac(ep.mac)), ("output", port)))
     return outs
 
 
-def compile_fabric(st: FabricState) -> dict[int, SwitchConfig]:
+def block_matcher(service: int, layout: codec.Layout | str):
+    """A fast ``codec.block_match`` for one service: (key value, key mask) → (MAC value, MAC mask).
+
+    The service's bits and the key's position are taken from the codec once; a
+    range of many blocks then costs two shifts per block instead of a Vid object.
+    """
+    base_v, base_m = codec.service_match(service, layout=layout)
+    key_ofs = (codec.encode(service, 1, layout=layout).value ^ base_v).bit_length() - 1
+
+    def block(key_value: int, key_mask: int) -> tuple[int, int]:
+        return base_v | (key_value & key_mask) << key_ofs, base_m | key_mask << key_ofs
+    return block
+
+
+def compile_fabric(st: FabricState, hops: dict[tuple[int, int], int] | None = None,
+                   problems: list[str] | None = None) -> dict[int, SwitchConfig]:
+    """Every switch's flows and groups.  ``hops``: ``topology.next_hops`` of ``st`` if the caller has it."""
+    with gc_paused():
+        return _compile(st, hops, st.problems if problems is None else problems)
+
+
+def _compile(st: FabricState, hops: dict[tuple[int, int], int] | None, problems: list[str]) -> dict[int, SwitchConfig]:
     dpids = sorted(st.switches)
-    hops = next_hops(dpids, [(lk.dpid, lk.port, lk.peer_dpid, lk.peer_port) for lk in st.links])
+    if hops is None:
+        hops = next_hops(dpids, [(lk.dpid, lk.port, lk.peer_dpid, lk.peer_port) for lk in st.links])
     trunks = {(lk.dpid, lk.port) for lk in st.links}
     out = {d: SwitchConfig(d) for d in dpids}
 
@@ -89,8 +122,11 @@ def compile_fabric(st: FabricState) -> dict[int, SwitchConfig]:
                                    (("goto", TABLE_ROUTE),), make_cookie(Kind.ADMIT, lo=port)))
 
     # Host ports: own MAC in, everything else not owned dropped; host MAC routes everywhere.
+    host_ports = []  # (dpid, port, mac) of every registered host port (front doors sit on these)
     for mac, host in st.hosts.items():
         mac_i = codec.mac_to_int(mac)
+        if host.dpid in out and (host.dpid, host.port) not in trunks:
+            host_ports.append((host.dpid, host.port, mac_i))
         if host.dpid in out:
             cfg = out[host.dpid]
             cfg.add(FlowSpec(TABLE_ADMIT, PRIO_ADMIT, match(in_port=host.port, eth_src=mac_i),
@@ -108,23 +144,26 @@ def compile_fabric(st: FabricState) -> dict[int, SwitchConfig]:
                              make_cookie(Kind.HOST_ROUTE)))
 
     next_group = {d: GROUP_BASE for d in dpids}
+    claimed: list = []  # front doors compiled so far (a frame may be claimed by one service only)
     for sname, svc in sorted(st.services.items()):
         layout = codec.Layout.parse(svc.layout)
+        block = block_matcher(svc.id, layout)
         for rec in st.ranges.get(sname, []):
             if not rec.owner or rec.state == "unassigned":
                 continue
             cookie = make_cookie(Kind.VID_ROUTE, svc.id, rec.lo, rec.epoch)
-            blocks = [codec.block_match(svc.id, v, m, layout=layout) for v, m in to_masks(Range(rec.lo, rec.hi))]
+            blocks = [block(v, m) for v, m in to_masks(Range(rec.lo, rec.hi))]
             owner = live(sname, rec.owner)
             helpers = [h for h in (live(sname, n) for n in rec.helpers) if h]
             mirrors = [m for m in (live(sname, n) for n in rec.mirrors) if m]
             # Sources: the owner's (and mirrors', helpers') host port may send from these VIDs.
             for ep_host in [owner, *mirrors, *helpers]:
                 if ep_host and ep_host[1].dpid in out:
+                    port, cfg = ep_host[1].port, out[ep_host[1].dpid]
                     for v, m in blocks:
-                        out[ep_host[1].dpid].add(FlowSpec(
-                            TABLE_ADMIT, PRIO_ADMIT, match(in_port=ep_host[1].port, eth_src=(v, m)),
-                            (("goto", TABLE_ROUTE),), cookie))
+                        cfg.add(FlowSpec(TABLE_ADMIT, PRIO_ADMIT, match(in_port=port, eth_src=(v, m)),
+                                         (("goto", TABLE_ROUTE),), cookie))
+            dst_matches = None
             for sw, cfg in out.items():
                 if helpers:
                     targets, gtype = helpers, "select"
@@ -142,14 +181,20 @@ def compile_fabric(st: FabricState) -> dict[int, SwitchConfig]:
                     next_group[sw] += 1
                     cfg.groups[gid] = GroupSpec(gid, gtype, tuple(Bucket(1, a) for a in outs))
                     acts = (("group", gid),)
-                for v, m in blocks:
-                    cfg.add(FlowSpec(TABLE_ROUTE, PRIO_VID, match(eth_dst=(v, m)), acts, cookie))
-        for name in getattr(svc, "frontdoors", []) or []:
-            door = frontdoor.REGISTRY.get(name)
-            if door:
-                for sw, cfg in out.items():
-                    for flow in door(state=st, service=svc, dpid=sw, hops=hops):
-                        cfg.add(flow)
+                if dst_matches is None:  # the same matches on every switch: build them once
+                    dst_matches = [match(eth_dst=b) for b in blocks]
+                for m in dst_matches:
+                    cfg.add(FlowSpec(TABLE_ROUTE, PRIO_VID, m, acts, cookie))
+        for door in frontdoor.service_doors(svc, problems):
+            clash = next((c for c in claimed if frontdoor.overlap(c, door)), None)
+            if clash is not None:
+                problems.append(str(FrontDoorError(
+                    f"{door.label} is skipped: its frames are already claimed by {clash.label}; "
+                    "give one of them another port or address")))
+                continue
+            claimed.append(door)
+            for dpid, flow in frontdoor.door_flows(door, svc.id, layout, host_ports, PRIO_FRONTDOOR):
+                out[dpid].add(flow)
     return out
 
 

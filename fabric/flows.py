@@ -13,16 +13,24 @@ ints (MACs as 48-bit ints); a mask equal to all ones is dropped and the value
 is pre-masked, so two equal matches compare equal however they were written.
 Actions are tuples: ``("output", port)``, ``("set_eth_dst", mac_int)``,
 ``("group", gid)``, ``("goto", table)``, ``("normal",)``, ``("controller",)``,
-``("flood",)``; an empty action tuple drops.
+``("flood",)``, ``("move", src_field, src_ofs, dst_field, dst_ofs, n_bits)``
+(copy ``n_bits`` bits of one header field into another, bit 0 = the field's
+least significant bit: OVS's Nicira ``move``; build it with ``move()``); an
+empty action tuple drops.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import gc
 from dataclasses import dataclass, field
+from typing import Iterator
 
 FIELD_BITS = {"in_port": 32, "eth_dst": 48, "eth_src": 48, "eth_type": 16, "ip_proto": 8,
-              "udp_dst": 16, "udp_src": 16}
+              "ipv4_src": 32, "ipv4_dst": 32, "udp_dst": 16, "udp_src": 16}
+# Header fields a ``move`` may read or write (no in_port: it is metadata, not a header).
+MOVE_FIELDS = ("eth_dst", "eth_src", "ipv4_src", "ipv4_dst")
 TABLE_ADMIT = 0
 TABLE_ROUTE = 1
 
@@ -35,6 +43,22 @@ class Kind(enum.IntEnum):
     VID_ROUTE = 5   # masked VID → owner
     HOST_ROUTE = 6  # plain MAC → host
     VID_MISS = 7    # VID of no live range
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Hold Python's cyclic GC while building or reading hundreds of thousands of flows.
+
+    Specs are acyclic (reference counting frees them); without this, repeated
+    full collections over the growing heap cost three times the work itself.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def make_cookie(kind: Kind, service: int = 0, lo: int = 0, epoch: int = 0) -> int:
@@ -61,6 +85,18 @@ def match(**fields: int | tuple[int, int]) -> Match:
             continue
         out.append((name, value & mask, None if mask == full else mask))
     return tuple(sorted(out))
+
+
+def move(src: str, src_ofs: int, dst: str, dst_ofs: int, n_bits: int) -> tuple:
+    """The ``move`` action, checked: both bit ranges must lie inside their fields."""
+    for name, ofs in ((src, src_ofs), (dst, dst_ofs)):
+        if name not in MOVE_FIELDS:
+            raise ValueError(f"move: field {name!r} is not movable: use one of {', '.join(MOVE_FIELDS)}")
+        if not (isinstance(ofs, int) and isinstance(n_bits, int) and ofs >= 0 and n_bits >= 1
+                and ofs + n_bits <= FIELD_BITS[name]):
+            raise ValueError(f"move: bits {ofs}..{ofs + n_bits - 1} are outside {name} "
+                             f"({FIELD_BITS[name]} bits: 0..{FIELD_BITS[name] - 1})")
+    return ("move", src, src_ofs, dst, dst_ofs, n_bits)
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,226 @@
-"""Front doors: table-0 classifiers that turn a real protocol into a service's VIDs.
+"""Front doors: table-0 classifiers that turn a real protocol into a service's VIDs (DESIGN.md §3).
 
-A front door is a function ``(ctx) -> list[FlowSpec]`` registered under a name;
-a service opts in by naming it in its record.  Services of later issues
-(sdhcp: DHCP → VID from the client MAC; memcached UDP → VID) plug in here.
+A service opts in through its record's ``frontdoors`` list; each entry is an
+object with a ``"kind"`` and scalar parameters::
+
+    {"kind": "dhcp4"}
+    {"kind": "udp", "ip": "10.0.0.100", "port": 11211, "key": "ip_src"}
+
+Every kind is registered here with its parameters (type, required or default,
+check).  An entry naming an unknown kind, missing a parameter, carrying an
+unknown one or a bad value is a ``FrontDoorError``; so is a door whose frames
+another service's door already claims.  The compiler records the error in
+``FabricState.problems`` and skips that door, never the fabric.
+
+A door compiles to one flow per registered host (its port and MAC; never a
+trunk: a frame that crossed a trunk was classified at its ingress switch), in
+table 0 at the priority the compiler reserves (400), cookie kind FRONTDOOR::
+
+    match    in_port=P, eth_src=<that host's own MAC>, <the kind's protocol match>
+    actions  set eth_dst = VID(service, key 0)              (vfab.vid.codec)
+             move <key source>[0..23] -> eth_dst[<key bits>] (Nicira move)
+             goto table 1                                  (normal VID routing)
+
+Matching ``eth_src`` keeps port security: a host speaks only for its own MAC,
+a forged source falls through to the port's deny flow.  Where the key sits in
+the MAC comes from the codec: the prefix layout's key is the MAC's low 24 bits,
+the suffix layout's bits 16..39; both layouts work.
+
+Kinds:
+
+- ``dhcp4`` (no parameters): ``udp, udp_dst=67``; key = the low 24 bits of the
+  client MAC (``eth_src``).
+- ``udp``: ``ip`` (IPv4 address, required), ``port`` (1..65535, required),
+  ``key`` (``ip_src`` (default): the low 24 bits of the client's IPv4 source
+  address, or ``eth_src``): ``udp, ipv4_dst=ip, udp_dst=port``.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import ipaddress
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
-from vfab.fabric.flows import FlowSpec
+from vfab.fabric.flows import TABLE_ADMIT, TABLE_ROUTE, FlowSpec, Kind, make_cookie, match, move
+from vfab.vid import codec
+from vfab.vid.errors import VidError
 
-FrontDoor = Callable[..., list[FlowSpec]]
-REGISTRY: dict[str, FrontDoor] = {}
+ETH_IPV4 = 0x0800
+IPPROTO_UDP = 17
+DHCP_SERVER_PORT = 67
 
 
-def register(name: str) -> Callable[[FrontDoor], FrontDoor]:
-    def deco(fn: FrontDoor) -> FrontDoor:
-        REGISTRY[name] = fn
-        return fn
-    return deco
+class FrontDoorError(VidError):
+    """A front-door entry that cannot be compiled: unknown kind, bad parameter, clash."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a kind: ``check`` turns the raw value into the normalized one or raises ValueError."""
+
+    check: Callable[[Any], Any]
+    required: bool = True
+    default: Any = None
+    help: str = ""
+
+
+@dataclass(frozen=True)
+class Door:
+    """A validated front door of one service."""
+
+    service: str
+    index: int                 # position in the service's list (names it in errors and its cookie)
+    kind: str
+    protocol: tuple            # match fields beyond in_port/eth_src, as (name, value) pairs
+    key_field: str             # where the 24-bit key comes from (bits 0..23)
+    params: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def label(self) -> str:
+        return f"front door #{self.index} ({self.kind}) of service {self.service!r}"
+
+    def claims(self) -> tuple[int, int | None]:
+        """(udp port, IPv4 destination or None = any): which frames the door takes."""
+        fields = dict(self.protocol)
+        return fields["udp_dst"], fields.get("ipv4_dst")
+
+
+@dataclass(frozen=True)
+class DoorKind:
+    name: str
+    params: dict[str, Param]
+    build: Callable[[str, int, dict], Door]   # (service, index, checked params) -> Door
+    help: str = ""
+
+
+KINDS: dict[str, DoorKind] = {}
+
+
+def register(kind: DoorKind) -> DoorKind:
+    if kind.name in KINDS:
+        raise ValueError(f"front-door kind {kind.name!r} is registered twice")
+    KINDS[kind.name] = kind
+    return kind
+
+
+# -- parameter checks ----------------------------------------------------------------
+def _udp_port(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 0xFFFF:
+        raise ValueError(f"must be a UDP port, an integer in 1..65535, got {value!r}")
+    return value
+
+
+def _ipv4(value: Any) -> int:
+    try:
+        addr = ipaddress.IPv4Address(value) if isinstance(value, str) else None
+    except ValueError:
+        addr = None
+    if addr is None:
+        raise ValueError(f"must be an IPv4 address written like \"10.0.0.100\", got {value!r}")
+    if addr.is_multicast or addr.is_unspecified:
+        raise ValueError(f"must be a unicast IPv4 address, got {value!r}")
+    return int(addr)
+
+
+def _one_of(*choices: str) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, got {value!r}")
+        return value
+    return check
+
+
+def _udp_protocol(port: int, ip: int | None = None) -> tuple:
+    proto = [("eth_type", ETH_IPV4), ("ip_proto", IPPROTO_UDP), ("udp_dst", port)]
+    if ip is not None:
+        proto.append(("ipv4_dst", ip))
+    return tuple(proto)
+
+
+KEY_FIELDS = {"ip_src": "ipv4_src", "eth_src": "eth_src"}  # the udp kind's "key" → the header field
+
+register(DoorKind(
+    "dhcp4", {},
+    lambda svc, i, p: Door(svc, i, "dhcp4", _udp_protocol(DHCP_SERVER_PORT), "eth_src", p),
+    help="DHCPv4 (udp_dst=67) from host ports; key = low 24 bits of the client MAC",
+))
+
+register(DoorKind(
+    "udp",
+    {"ip": Param(_ipv4, help="the service's IPv4 address"),
+     "port": Param(_udp_port, help="the service's UDP port"),
+     "key": Param(_one_of(*KEY_FIELDS), required=False, default="ip_src",
+                  help="client field whose low 24 bits are the key")},
+    lambda svc, i, p: Door(svc, i, "udp", _udp_protocol(p["port"], p["ip"]), KEY_FIELDS[p["key"]], p),
+    help="UDP to ip:port from host ports; key = low 24 bits of the client's IPv4 source (or MAC)",
+))
+
+
+# -- validation -----------------------------------------------------------------------
+def parse(service: str, index: int, entry: Any) -> Door:
+    """One entry of a service's ``frontdoors`` list → a Door, or FrontDoorError saying what and how to fix."""
+    where = f"front door #{index} of service {service!r}"
+    if not isinstance(entry, dict) or not isinstance(entry.get("kind"), str):
+        raise FrontDoorError(f"{where} is {entry!r}: each front door is an object with a \"kind\", "
+                             f"one of {', '.join(sorted(KINDS))}")
+    kind = KINDS.get(entry["kind"])
+    if kind is None:
+        raise FrontDoorError(f"{where}: kind {entry['kind']!r} is unknown: known kinds are "
+                             f"{', '.join(sorted(KINDS))}")
+    given = {k: v for k, v in entry.items() if k != "kind"}
+    unknown = sorted(set(given) - set(kind.params))
+    if unknown:
+        known = ", ".join(sorted(kind.params)) or "none"
+        raise FrontDoorError(f"{where} ({kind.name}): unknown parameter(s) {', '.join(map(repr, unknown))}: "
+                             f"{kind.name} takes {known}")
+    checked = {}
+    for name, param in kind.params.items():
+        if name not in given:
+            if param.required:
+                raise FrontDoorError(f"{where} ({kind.name}): parameter {name!r} is missing ({param.help})")
+            checked[name] = param.default
+            continue
+        try:
+            checked[name] = param.check(given[name])
+        except ValueError as exc:
+            raise FrontDoorError(f"{where} ({kind.name}): parameter {name!r} {exc}") from None
+    return kind.build(service, index, checked)
+
+
+def service_doors(svc, problems: list[str]) -> list[Door]:
+    """The valid doors of a Service record; each bad one is a line in ``problems`` and is left out."""
+    doors = []
+    for i, entry in enumerate(getattr(svc, "frontdoors", None) or []):
+        try:
+            doors.append(parse(svc.name, i, entry))
+        except FrontDoorError as exc:
+            problems.append(str(exc))
+    return doors
+
+
+def overlap(a: Door, b: Door) -> bool:
+    """True if some frame would match both doors (the same port, and the same or an unrestricted address)."""
+    (pa, ia), (pb, ib) = a.claims(), b.claims()
+    return pa == pb and (ia is None or ib is None or ia == ib)
+
+
+# -- flows ------------------------------------------------------------------------------
+def key_rewrite(service_id: int, layout: codec.Layout | str, key_field: str) -> tuple[tuple, ...]:
+    """Actions turning a frame into a VID of the service whose key is ``key_field``'s low 24 bits.
+
+    The base VID (key 0) and the key's bit position in the MAC come from the codec,
+    so both layouts work and no MAC is built by hand.
+    """
+    base = codec.encode(service_id, 0, layout=layout).value
+    key_ofs = (codec.encode(service_id, 1, layout=layout).value ^ base).bit_length() - 1
+    return (("set_eth_dst", base), move(key_field, 0, "eth_dst", key_ofs, codec.KEY_BITS))
+
+
+def door_flows(door: Door, service_id: int, layout: codec.Layout | str,
+               host_ports: list[tuple[int, int, int]], priority: int) -> list[tuple[int, FlowSpec]]:
+    """(dpid, flow) for every host port ``(dpid, port, host MAC as int)``."""
+    actions = (*key_rewrite(service_id, layout, door.key_field), ("goto", TABLE_ROUTE))
+    cookie = make_cookie(Kind.FRONTDOOR, service_id, lo=door.index)
+    proto = dict(door.protocol)
+    return [(dpid, FlowSpec(TABLE_ADMIT, priority, match(in_port=port, eth_src=mac, **proto), actions, cookie))
+            for dpid, port, mac in host_ports]

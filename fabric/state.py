@@ -27,8 +27,12 @@ class FabricState:
     problems: list = field(default_factory=list)
 
     @classmethod
-    def from_items(cls, items: dict[str, bytes]) -> "FabricState":
+    def from_items(cls, items: dict[str, bytes], cache: dict | None = None) -> "FabricState":
+        """Parse the ``/vfab/v1/`` items.  ``cache``: a dict the caller keeps between calls (key → (bytes,
+        record)); a record whose bytes did not change is not parsed again.  It is pruned to the keys seen.
+        Records are shared between the states built from one cache: treat them as read-only."""
         st = cls()
+        seen: dict = {}
         for key, value in sorted(items.items()):
             parsed = schema.parse_key(key)
             if parsed is None:
@@ -44,7 +48,13 @@ class FabricState:
                 rec_type = schema.RECORDS.get(top)
                 if rec_type is None or top == "applied":
                     continue
-                rec = rec_type.from_json(value, key)
+                hit = cache.get(key) if cache is not None else None
+                if hit is not None and hit[0] == value:
+                    rec = hit[1]
+                else:
+                    rec = rec_type.from_json(value, key)
+                if cache is not None:
+                    seen[key] = (value, rec)
                 if top == "services":
                     st.services[rec.name] = rec
                 elif top == "endpoints":
@@ -62,4 +72,7 @@ class FabricState:
                 log.warning("skipping %s: %s", key, exc)
         for recs in st.ranges.values():
             recs.sort(key=lambda r: r.lo)
+        if cache is not None:
+            cache.clear()
+            cache.update(seen)
         return st

@@ -7,12 +7,17 @@ It runs packets through the ``SwitchConfig``s the compiler emits
   priority that both match are ambiguous in OpenFlow: with ``strict`` that is
   an error, since it means the compiler emitted overlapping rules);
 - actions run in order on the packet (``set_eth_dst`` changes what later
-  ``output``s send); ``goto`` continues in a later table afterwards;
+  ``output``s send; ``move`` copies bits between header fields as OVS's
+  Nicira move does, and fails if either field is absent from the packet);
+  ``goto`` continues in a later table afterwards;
 - groups: ``all`` runs every bucket on its own copy, ``select`` runs one
   bucket picked by a stable hash of ``eth_src`` (weighted);
 - ``output`` to a trunk port continues at the peer switch's table 0 with
   ``in_port`` = the peer port; output to the packet's own ``in_port`` is
   dropped as OVS does (it needs the IN_PORT port);
+- packets are dicts of header fields (``in_port``, ``eth_*``, ``ip_proto``,
+  ``ipv4_src``/``ipv4_dst``, ``udp_src``/``udp_dst``, ...); a flow matching a
+  field the packet lacks does not match (as OpenFlow prerequisites would);
 - ``normal``/``controller``/``flood`` are recorded as deliveries to the pseudo
   ports ``"NORMAL"``/``"CONTROLLER"``/``"FLOOD"``;
 - a flow without actions drops: counted in ``drops`` per (dpid, flow key);
@@ -132,6 +137,12 @@ class FakeFabric:
                 self._output(dpid, act[1], dict(pkt), out, hops)
             elif op == "set_eth_dst":
                 pkt["eth_dst"] = act[1]
+            elif op == "move":
+                _, src, src_ofs, dst, dst_ofs, n_bits = act
+                if src not in pkt or dst not in pkt:
+                    raise FakeTableError(f"switch {dpid:#x}: {act!r} on a packet without {src} or {dst}")
+                bits = (1 << n_bits) - 1
+                pkt[dst] = pkt[dst] & ~(bits << dst_ofs) | ((pkt[src] >> src_ofs) & bits) << dst_ofs
             elif op == "group":
                 self._group(dpid, act[1], pkt, out, hops)
             elif op == "goto":

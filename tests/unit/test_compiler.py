@@ -341,3 +341,28 @@ def test_update_order_commits_nearest_to_the_new_owner_first():
                      make_cookie(Kind.VID_ROUTE, 1, 0, 2))
     plans = {1: Plan(add_flows=[route]), 2: Plan(add_flows=[route]), 3: Plan(add_flows=[route]), 4: Plan()}
     assert update_order(plans, lambda cookie: 3, dist) == [4, 3, 2, 1]
+
+
+@pytest.mark.parametrize("layout", ["prefix", "suffix"])
+def test_block_matcher_agrees_with_the_codec(layout):
+    from vfab.fabric.compiler import block_matcher
+
+    rng = random.Random(9)
+    for sid in (1, SID, codec.SERVICE_MAX):
+        block = block_matcher(sid, layout)
+        for _ in range(300):
+            mask = KEY_MAX ^ ((1 << rng.randrange(25)) - 1)
+            value = rng.randrange(KEY_MAX + 1)
+            assert block(value, mask) == codec.block_match(sid, value, mask, layout=Layout(layout))
+
+
+def test_next_hops_may_be_handed_in():
+    from vfab.fabric.topology import next_hops
+
+    st = FabricState.from_items(make_items())
+    hops = next_hops(sorted(st.switches), [(lk.dpid, lk.port, lk.peer_dpid, lk.peer_port) for lk in st.links])
+    assert compile_fabric(st, hops=hops) == compile_fabric(st)
+    # No paths handed in: nothing is routed over the trunk.
+    cut = compile_fabric(st, hops={})
+    assert not any(("output", 10) in f.actions for f in cut[S1].flows.values())
+    assert any(("output", 10) in f.actions for f in compile_fabric(st)[S1].flows.values())

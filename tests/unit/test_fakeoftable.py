@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vfab.fabric.flows import Bucket, FlowSpec, GroupSpec, Kind, SwitchConfig, make_cookie, match
+from vfab.fabric.flows import Bucket, FlowSpec, GroupSpec, Kind, SwitchConfig, make_cookie, match, move
 from vfab.testbed.fakeoftable import FakeFabric, FakeTableError
 
 A, B = 0x020000000001, 0x020000000002
@@ -84,3 +84,24 @@ def test_pipeline_errors_are_reported():
     links = [(1, 2, 2, 1), (2, 1, 1, 2), (1, 3, 2, 4), (2, 4, 1, 3)]
     with pytest.raises(FakeTableError, match="forwarding loop"):
         FakeFabric(loop, links).inject(1, 5, A, B, 0)
+
+
+def test_move_copies_bits_between_fields():
+    rewrite = FlowSpec(0, 400, match(eth_type=0x0800, ip_proto=17, udp_dst=67),
+                       (("set_eth_dst", 0x0E0007000000), move("eth_src", 0, "eth_dst", 0, 24), ("goto", 1)))
+    to_ip = FlowSpec(0, 300, match(eth_type=0x0800, udp_dst=53),
+                     (("set_eth_dst", 0x0E0000000000), move("ipv4_src", 0, "eth_dst", 16, 24), ("goto", 1)))
+    fab = FakeFabric({1: cfg(1, goto1(), rewrite, to_ip, FlowSpec(1, 0, match(), (("normal",),)))})
+    assert fab.inject(1, 1, 0x02AABBCCDDEE, 0xFFFFFFFFFFFF, 0x0800, ip_proto=17, udp_dst=67) == \
+        [(1, "NORMAL", 0x0E0007CCDDEE)]
+    assert fab.inject(1, 1, A, B, 0x0800, ip_proto=17, udp_dst=53, ipv4_src=0x0A010203) == \
+        [(1, "NORMAL", 0x0E0102030000)]
+    # A field the packet lacks: the flow does not match (no udp_dst) ...
+    assert fab.inject(1, 1, A, B, 0x0800) == [(1, "NORMAL", B)]
+    # ... and a move from an absent field is a pipeline error.
+    with pytest.raises(FakeTableError, match="without ipv4_src"):
+        fab.inject(1, 1, A, B, 0x0800, udp_dst=53)
+    with pytest.raises(ValueError, match="outside eth_dst"):
+        move("eth_src", 0, "eth_dst", 40, 24)
+    with pytest.raises(ValueError, match="not movable"):
+        move("in_port", 0, "eth_dst", 0, 8)

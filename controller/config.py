@@ -1,0 +1,88 @@
+"""The controller's configuration: one validated record, handed to the os-ken app by ``main``.
+
+Like the registry's records (``vfab.vid.registry.schema``), unknown keys and
+wrong types are rejected with a message naming the key, the limit and the fix.
+Sources, later ones winning: the defaults below, a JSON file (``--config``),
+command-line options.  No environment variables.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A controller setting that cannot be used."""
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    etcd: str = "127.0.0.1:2379"       # etcd HOST:PORT (its JSON gateway)
+    listen: str = "127.0.0.1"          # OpenFlow listen address
+    port: int = 6653                   # OpenFlow TCP port
+    poll: float = 2.0                  # seconds between counter polls
+    settle_ms: float = 5.0             # pause between switches when a route moves (OVS revalidation lag)
+    audit_polls: int = 10              # counter polls between full-table audits
+    bundle_timeout: float = 30.0       # seconds to wait for a bundle commit or a dump
+    verbose: bool = False              # debug logging
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            want = {"str": str, "int": int, "float": (int, float), "bool": bool}[str(f.type)]
+            if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
+                kind = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false"}
+                raise ConfigError(f"controller setting {f.name!r} must be {kind[str(f.type)]}, got {value!r}")
+        host, _, port = self.etcd.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"etcd endpoint {self.etcd!r} is malformed: write HOST:PORT, e.g. 127.0.0.1:2379")
+        try:
+            ipaddress.ip_address(self.listen)
+        except ValueError:
+            raise ConfigError(f"listen address {self.listen!r} is not an IP address: e.g. 127.0.0.1 "
+                              "(0.0.0.0 for every interface)") from None
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"OpenFlow port {self.port} is out of range: 1..65535 (6653 is the IANA port)")
+        if not 0.05 <= self.poll <= 3600:
+            raise ConfigError(f"poll period {self.poll} s is out of range: 0.05..3600 s")
+        if not 0 <= self.settle_ms <= 1000:
+            raise ConfigError(f"settle pause {self.settle_ms} ms is out of range: 0..1000 ms")
+        if not 1 <= self.audit_polls <= 100000:
+            raise ConfigError(f"audit_polls {self.audit_polls} is out of range: 1..100000 counter polls")
+        if not 1 <= self.bundle_timeout <= 3600:
+            raise ConfigError(f"bundle_timeout {self.bundle_timeout} s is out of range: 1..3600 s")
+
+    @property
+    def settle(self) -> float:
+        """The settle pause in seconds."""
+        return self.settle_ms / 1e3
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "controller config") -> "ControllerConfig":
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where} must be a JSON object of settings, got {type(data).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ConfigError(f"{where} has unknown settings {unknown}: known settings are {known}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "controller config") -> "ControllerConfig":
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"{where} is not JSON: {exc}") from None
+        return cls.from_dict(data, where)
+
+    def merged(self, **changes: Any) -> "ControllerConfig":
+        """A copy with ``changes`` applied (None values ignored), validated again."""
+        data = asdict(self)
+        data.update({k: v for k, v in changes.items() if v is not None})
+        return self.from_dict(data)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)

@@ -1,0 +1,213 @@
+"""fabric/frontdoor.py: kinds and their validation, and front doors through the compiler on a fake pipeline.
+
+    clients c0..c15 ─p30..45─┐              ┌─p30..45─ clients c16..c31
+    owner e1 (ovs)  ─p20────┤ s1 ─p10══p20─ s2 ├─p21──── owner e3 (ovs)
+                            └                └─p22──── owner e2 (bpf)
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from vfab.fabric import frontdoor
+from vfab.fabric.compiler import PRIO_FRONTDOOR, compile_fabric
+from vfab.fabric.flows import TABLE_ADMIT, Kind, split_cookie
+from vfab.fabric.frontdoor import FrontDoorError
+from vfab.fabric.state import FabricState
+from vfab.testbed.fakeoftable import FakeFabric
+from vfab.vid import codec
+from vfab.vid.registry import schema
+
+SID = 21
+S1, S2 = 1, 2
+TRUNK = [(S1, 10, S2, 20), (S2, 20, S1, 10)]
+BCAST = 0xFFFFFFFFFFFF
+IPV4, UDP = 0x0800, 17
+rng = random.Random(5)
+CLIENTS = {f"c{i}": (rng.randrange(1 << 24) | 0x020000000000 | rng.randrange(256) << 24, S1 if i < 16 else S2,
+                     30 + i % 16) for i in range(32)}
+OWNERS = {"e1": (0x02EE00000001, S1, 20, "ovs"), "e3": (0x02EE00000003, S2, 21, "ovs"),
+          "e2": (0x02EE00000002, S2, 22, "bpf")}
+RANGES = [(0, 0x3FFFFF, "e1"), (0x400000, 0x9FFFFF, "e2"), (0xA00000, codec.KEY_MAX, "e3")]
+SVC_IP = 0x0A000064  # 10.0.0.100
+
+
+def make_items(doors=({"kind": "dhcp4"},), layout="prefix", ranges=RANGES, others=()) -> dict[str, bytes]:
+    recs: list[tuple[str, schema.Record]] = [
+        (schema.service_key("dhcp"), schema.Service(name="dhcp", id=SID, layout=layout, frontdoors=list(doors))),
+        (schema.switch_key(S1), schema.Switch(dpid=S1)), (schema.switch_key(S2), schema.Switch(dpid=S2))]
+    for name, sid, svc_doors in others:
+        recs.append((schema.service_key(name), schema.Service(name=name, id=sid, frontdoors=list(svc_doors))))
+    recs += [(schema.link_key(d, p), schema.Link(d, p, pd, pp)) for d, p, pd, pp in TRUNK]
+    for name, (mac, dpid, port, *_) in {**CLIENTS, **OWNERS}.items():
+        recs.append((schema.host_key(codec.int_to_mac(mac)),
+                     schema.Host(mac=codec.int_to_mac(mac), dpid=dpid, port=port, name=name)))
+    for ep, (mac, _, _, rx) in OWNERS.items():
+        recs.append((schema.endpoint_key("dhcp", ep),
+                     schema.Endpoint(service="dhcp", name=ep, mac=codec.int_to_mac(mac), rx=rx)))
+    for e, (lo, hi, owner) in enumerate(ranges):
+        recs.append((schema.range_key("dhcp", lo), schema.RangeRec(lo=lo, hi=hi, owner=owner, epoch=e + 1)))
+    return {k: v.to_json().encode() for k, v in recs}
+
+
+def build(**kw) -> tuple[FabricState, dict, FakeFabric]:
+    st = FabricState.from_items(make_items(**kw))
+    cfg = compile_fabric(st)
+    return st, cfg, FakeFabric(cfg, TRUNK)
+
+
+def owner_delivery(key: int, layout: str = "prefix"):
+    owner = next(o for lo, hi, o in RANGES if lo <= key <= hi)
+    mac, dpid, port, rx = OWNERS[owner]
+    return dpid, port, mac if rx == "ovs" else codec.encode(SID, key, layout=layout).value
+
+
+def dhcp_from(fab: FakeFabric, client: str, src: int | None = None, **fields):
+    mac, dpid, port = CLIENTS[client]
+    pkt = dict(ip_proto=UDP, udp_src=68, udp_dst=67, ipv4_src=0, ipv4_dst=0xFFFFFFFF)
+    pkt.update(fields)
+    return fab.inject(dpid, port, mac if src is None else src, BCAST, IPV4, **pkt)
+
+
+# -- DHCP ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["prefix", "suffix"])
+def test_dhcp_reaches_the_owner_of_the_client_mac_key(layout):
+    st, _, fab = build(layout=layout)
+    assert st.problems == []
+    owners = set()
+    for client, (mac, _, _) in CLIENTS.items():
+        want = owner_delivery(mac & 0xFFFFFF, layout)
+        assert dhcp_from(fab, client) == [want], f"{client} ({codec.int_to_mac(mac)})"
+        owners.add(want[:2])
+    assert len(owners) == 3  # the clients' keys spread over all three owners, on both switches
+    assert fab.drop_count() == 0
+
+
+def test_cutover_moves_dhcp_with_the_range():
+    _, _, fab = build(ranges=[(0, codec.KEY_MAX, "e3")])
+    for client in CLIENTS:
+        assert dhcp_from(fab, client) == [(S2, 21, OWNERS["e3"][0])]
+
+
+def test_forged_source_is_dropped_by_port_security():
+    _, cfg, fab = build()
+    other = CLIENTS["c5"][0]
+    assert dhcp_from(fab, "c1", src=other) == []
+    assert dhcp_from(fab, "c1", src=0x02DEADBEEF01) == []
+    assert fab.drop_count(Kind.DENY) == 2 and fab.drop_count() == 2
+
+
+def test_trunk_frames_are_not_classified_again():
+    _, _, fab = build()
+    mac = CLIENTS["c3"][0]
+    # A DHCP broadcast arriving over the trunk is not rewritten: it goes on as it came.
+    got = fab.inject(S2, 20, mac, BCAST, IPV4, ip_proto=UDP, udp_dst=67, ipv4_src=0, ipv4_dst=0xFFFFFFFF)
+    assert got == [(S2, "NORMAL", BCAST)]
+    # One classified at s1 crosses the trunk once, as a VID, to its owner on s2.
+    key = 0x700000
+    vid = codec.encode(SID, key).value
+    assert fab.inject(S2, 20, mac, vid, IPV4, ip_proto=UDP, udp_dst=67) == [owner_delivery(key)]
+
+
+def test_other_udp_and_other_frames_are_untouched():
+    _, _, fab = build()
+    assert dhcp_from(fab, "c2", udp_dst=68) == [(S1, "NORMAL", BCAST)]
+    mac, dpid, port = CLIENTS["c2"]
+    assert fab.inject(dpid, port, mac, BCAST, 0x0806) == [(S1, "NORMAL", BCAST)]
+
+
+def test_door_flows_sit_on_host_ports_only():
+    st, cfg, _ = build()
+    for sw in (S1, S2):
+        doors = [f for f in cfg[sw].flows.values() if split_cookie(f.cookie)[0] == Kind.FRONTDOOR]
+        host_ports = {h.port for h in st.hosts.values() if h.dpid == sw}
+        assert {dict((n, v) for n, v, _ in f.match)["in_port"] for f in doors} == host_ports
+        assert all(f.table == TABLE_ADMIT and f.priority == PRIO_FRONTDOOR for f in doors)
+        assert all(split_cookie(f.cookie)[:3] == (Kind.FRONTDOOR, SID, 0) for f in doors)
+        trunk = {S1: 10, S2: 20}[sw]
+        assert not any(dict((n, v) for n, v, _ in f.match)["in_port"] == trunk for f in doors)
+    # No front door: no such flow.
+    _, cfg, _ = build(doors=())
+    assert not any(split_cookie(f.cookie)[0] == Kind.FRONTDOOR for c in cfg.values() for f in c.flows.values())
+
+
+# -- UDP ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["prefix", "suffix"])
+def test_udp_door_keys_on_the_client_address(layout):
+    _, _, fab = build(doors=[{"kind": "udp", "ip": "10.0.0.100", "port": 11211}], layout=layout)
+    for i, client in enumerate(CLIENTS):
+        src_ip = rng.randrange(1 << 32)
+        want = owner_delivery(src_ip & 0xFFFFFF, layout)
+        assert dhcp_from(fab, client, udp_dst=11211, ipv4_src=src_ip, ipv4_dst=SVC_IP) == [want]
+    # Another address or port: not this door's.
+    assert dhcp_from(fab, "c1", udp_dst=11211, ipv4_src=5, ipv4_dst=SVC_IP + 1) == [(S1, "NORMAL", BCAST)]
+    assert dhcp_from(fab, "c1", udp_dst=11212, ipv4_src=5, ipv4_dst=SVC_IP) == [(S1, "NORMAL", BCAST)]
+    # DHCP is not this service's door.
+    assert dhcp_from(fab, "c1") == [(S1, "NORMAL", BCAST)]
+
+
+def test_udp_door_may_key_on_the_client_mac():
+    _, _, fab = build(doors=[{"kind": "udp", "ip": "10.0.0.100", "port": 53, "key": "eth_src"}])
+    mac = CLIENTS["c20"][0]
+    assert dhcp_from(fab, "c20", udp_dst=53, ipv4_src=7, ipv4_dst=SVC_IP) == [owner_delivery(mac & 0xFFFFFF)]
+
+
+# -- validation -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("entry, says", [
+    ({"kind": "tftp"}, "kind 'tftp' is unknown: known kinds are dhcp4, udp"),
+    ({"kind": "dhcp4", "port": 67}, "unknown parameter(s) 'port': dhcp4 takes none"),
+    ({"kind": "udp", "port": 11211}, "parameter 'ip' is missing"),
+    ({"kind": "udp", "ip": "10.0.0.300", "port": 1}, "parameter 'ip' must be an IPv4 address"),
+    ({"kind": "udp", "ip": "224.0.0.1", "port": 1}, "must be a unicast IPv4 address"),
+    ({"kind": "udp", "ip": 167772260, "port": 1}, "must be an IPv4 address"),
+    ({"kind": "udp", "ip": "10.0.0.1", "port": 0}, "parameter 'port' must be a UDP port, an integer in 1..65535"),
+    ({"kind": "udp", "ip": "10.0.0.1", "port": "53"}, "got '53'"),
+    ({"kind": "udp", "ip": "10.0.0.1", "port": 53, "key": "ip_dst"}, "'key' must be one of ip_src, eth_src"),
+    ({"kind": "udp", "ip": "10.0.0.1", "port": 53, "ttl": 5}, "unknown parameter(s) 'ttl': udp takes ip, key, port"),
+    ({"port": 53}, "each front door is an object with a \"kind\""),
+    ("dhcp4", "each front door is an object with a \"kind\""),
+])
+def test_bad_doors_are_clear_errors(entry, says):
+    with pytest.raises(FrontDoorError) as exc:
+        frontdoor.parse("dhcp", 3, entry)
+    assert says in str(exc.value) and "front door #3 of service 'dhcp'" in str(exc.value)
+
+
+def test_bad_door_is_a_problem_and_the_rest_still_compiles():
+    doors = [{"kind": "udp", "ip": "10.0.0.100"}, {"kind": "dhcp4"}]
+    st, cfg, fab = build(doors=doors)
+    assert len(st.problems) == 1 and "parameter 'port' is missing" in st.problems[0]
+    mac = CLIENTS["c7"][0]
+    assert dhcp_from(fab, "c7") == [owner_delivery(mac & 0xFFFFFF)]
+    # The record level: a Service the schema rejects never reaches the compiler, and nothing crashes.
+    items = make_items()
+    items[schema.service_key("junk")] = b'{"name": "junk", "id": 99, "frontdoors": [{"kind": 5}]}'
+    st = FabricState.from_items(items)
+    compile_fabric(st)
+    assert len(st.problems) == 1 and "malformed" in st.problems[0]
+
+
+def test_two_services_cannot_claim_the_same_frames():
+    others = [("zdhcp", 40, [{"kind": "dhcp4"}]),                                     # dhcp again: clash
+              ("zmc", 41, [{"kind": "udp", "ip": "10.0.0.100", "port": 67}]),          # overlaps dhcp4
+              ("zdns", 42, [{"kind": "udp", "ip": "10.0.0.53", "port": 53}]),          # fine
+              ("zdns2", 43, [{"kind": "udp", "ip": "10.0.0.54", "port": 53}])]         # other address: fine
+    st, cfg, fab = build(others=others)
+    assert len(st.problems) == 2, st.problems
+    assert all("already claimed by front door #0 (dhcp4) of service 'dhcp'" in p for p in st.problems)
+    sids = {split_cookie(f.cookie)[1] for f in cfg[S1].flows.values() if split_cookie(f.cookie)[0] == Kind.FRONTDOOR}
+    assert sids == {SID, 42, 43}
+    mac = CLIENTS["c9"][0]
+    assert dhcp_from(fab, "c9") == [owner_delivery(mac & 0xFFFFFF)]
+
+
+def test_key_rewrite_uses_the_codec_for_both_layouts():
+    for layout in ("prefix", "suffix"):
+        set_dst, mv = frontdoor.key_rewrite(SID, layout, "eth_src")
+        assert set_dst == ("set_eth_dst", codec.encode(SID, 0, layout=layout).value)
+        key = 0xABCDEF
+        vid = set_dst[1] | key << mv[4]
+        assert codec.decode(vid, layout=layout) == codec.encode(SID, key, layout=layout)
+        assert mv[5] == codec.KEY_BITS
