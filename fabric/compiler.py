@@ -148,6 +148,15 @@ def _compile(st: FabricState, hops: dict[tuple[int, int], int] | None, problems:
     for sname, svc in sorted(st.services.items()):
         layout = codec.Layout.parse(svc.layout)
         block = block_matcher(svc.id, layout)
+        # Sources: a host port carrying a live endpoint of the service may send from any of its VIDs (the
+        # endpoints of a service are its servers; a range's new owner can answer from the range's VIDs
+        # the moment it takes the range over, before its route reaches the switches).
+        every_key = block(0, 0)
+        for (s_name, _), ep in sorted(st.endpoints.items()):
+            host = st.hosts.get(ep.mac) if s_name == sname else None
+            if host is not None and host.dpid in out:
+                out[host.dpid].add(FlowSpec(TABLE_ADMIT, PRIO_ADMIT, match(in_port=host.port, eth_src=every_key),
+                                            (("goto", TABLE_ROUTE),), make_cookie(Kind.ADMIT, svc.id, host.port)))
         for rec in st.ranges.get(sname, []):
             if not rec.owner or rec.state == "unassigned":
                 continue
@@ -156,13 +165,6 @@ def _compile(st: FabricState, hops: dict[tuple[int, int], int] | None, problems:
             owner = live(sname, rec.owner)
             helpers = [h for h in (live(sname, n) for n in rec.helpers) if h]
             mirrors = [m for m in (live(sname, n) for n in rec.mirrors) if m]
-            # Sources: the owner's (and mirrors', helpers') host port may send from these VIDs.
-            for ep_host in [owner, *mirrors, *helpers]:
-                if ep_host and ep_host[1].dpid in out:
-                    port, cfg = ep_host[1].port, out[ep_host[1].dpid]
-                    for v, m in blocks:
-                        cfg.add(FlowSpec(TABLE_ADMIT, PRIO_ADMIT, match(in_port=port, eth_src=(v, m)),
-                                         (("goto", TABLE_ROUTE),), cookie))
             dst_matches = None
             for sw, cfg in out.items():
                 if helpers:

@@ -200,18 +200,22 @@ def test_foreign_source_mac_is_denied_and_counted():
     assert fab.drop_count(Kind.DENY) == 1
 
 
-def test_vid_sources_only_for_owned_ranges():
+def test_vid_sources_only_from_the_services_endpoints():
+    """A host carrying an endpoint of the service may source any of its VIDs (a new owner answers at once);
+    a client may not, nor may an endpoint source another service's VIDs."""
     _, _, fab = build()
     own = codec.encode(SID, 0x123).value  # e1 (h2) owns it
     foreign = codec.encode(SID, 0x500000).value  # e2 (h3) owns it
     unowned = codec.encode(SID, 0xF90000).value  # nobody
+    other_service = codec.encode(SID + 1, 0x123).value
     assert send(fab, "h2", mac_i("h1"), src=own) == [(S1, 1, mac_i("h1"))]
-    assert send(fab, "h2", mac_i("h1"), src=foreign) == []
-    assert send(fab, "h2", mac_i("h1"), src=unowned) == []
+    assert send(fab, "h2", mac_i("h1"), src=foreign) == [(S1, 1, mac_i("h1"))]
+    assert send(fab, "h2", mac_i("h1"), src=unowned) == [(S1, 1, mac_i("h1"))]
+    assert send(fab, "h2", mac_i("h1"), src=other_service) == []
     assert send(fab, "h1", mac_i("h4"), src=own) == []  # a client may not source a VID
     assert send(fab, "h3", mac_i("h1"), src=foreign) == [(S1, 1, mac_i("h1"))]
-    assert fab.drop_count(Kind.DENY) == 3
-    assert fab.drop_count(Kind.DENY, dpid=S1) == 3
+    assert fab.drop_count(Kind.DENY) == 2
+    assert fab.drop_count(Kind.DENY, dpid=S1) == 2
 
 
 def test_trunk_and_unregistered_ports_are_admitted():
@@ -289,10 +293,13 @@ def test_vid_route_flow_count_is_the_sum_of_mask_covers():
                   and f.table == TABLE_ROUTE]
         assert len(routes) == want
         assert all(f.priority == 1000 and len(f.match) == 1 and f.match[0][0] == "eth_dst" for f in routes)
-    # Source admission: one masked eth_src flow per block, on the owner's switch only.
-    admits = [f for f in cfg[S1].flows.values() if split_cookie(f.cookie)[0] == Kind.VID_ROUTE
-              and f.table == TABLE_ADMIT]
-    assert len(admits) == len(to_masks(Range(0, 0x3FFFFF)))
+    # Source admission: one flow per endpoint port and service (whatever its ranges), on its switch only.
+    for sw in (S1, S2):
+        admits = [f for f in cfg[sw].flows.values() if split_cookie(f.cookie)[:2] == (Kind.ADMIT, SID)]
+        ports = {st.hosts[e.mac].port for e in st.endpoints.values() if st.hosts[e.mac].dpid == sw}
+        assert sorted(next(v for n, v, _ in f.match if n == "in_port") for f in admits) == sorted(ports)
+    assert not [f for f in cfg[S1].flows.values() if split_cookie(f.cookie)[0] == Kind.VID_ROUTE
+                and f.table == TABLE_ADMIT]
 
 
 def test_compile_is_deterministic():
