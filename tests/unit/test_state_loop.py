@@ -11,7 +11,6 @@ import time
 
 import pytest
 
-from tests.unit.test_transport import ROOT, Netns
 from vfab.vid import codec
 from vfab.vid.frame import Frame, FrameType
 from vfab.vid.ranges import Range
@@ -71,18 +70,6 @@ class MemBackend:
 
     def keep_only(self, ranges):
         return 0
-
-
-@pytest.fixture
-def ns():
-    if not ROOT:
-        pytest.fail("loop tests need root (raw sockets, network namespaces)")
-    n = Netns()
-    try:
-        n.create()
-        yield n
-    finally:
-        n.delete()
 
 
 @pytest.fixture

@@ -8,14 +8,12 @@ in teardown (the veth pair lives inside it and goes with it).
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import socket
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -26,8 +24,9 @@ from vfab.vid.frame import ETH_TYPE, MIN_LEN, Frame, FrameType, parse
 from vfab.vid.ranges import Range, to_masks
 from vfab.vid.transport import RawPort
 
+from tests.unit.conftest import ROOT, Netns  # noqa: F401 - Netns for type hints; `ns` is the fixture
+
 PY = sys.executable
-ROOT = os.geteuid() == 0 and shutil.which("ip") is not None
 needs_root = pytest.mark.skipif(not ROOT, reason="needs root and iproute2 (veth in a private netns)")
 
 SERVICE = 5
@@ -178,46 +177,6 @@ def test_bad_rx_mode_and_iface_name() -> None:
 
 
 # ----------------------------------------------------------------------------- veth fixture
-
-class Netns:
-    """A private network namespace with a veth pair ``a`` <-> ``b`` inside."""
-
-    def __init__(self) -> None:
-        tag = uuid.uuid4().hex[:6]
-        self.name = f"vfx{tag}"
-        self.a, self.b = f"vfx{tag}a", f"vfx{tag}b"
-
-    def sh(self, *cmd: str) -> None:
-        subprocess.run(["ip", "netns", "exec", self.name, *cmd], check=True, capture_output=True)
-
-    def create(self) -> None:
-        subprocess.run(["ip", "netns", "add", self.name], check=True, capture_output=True)
-        self.sh("sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
-        self.sh("sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1")
-        self.sh("ip", "link", "add", self.a, "type", "veth", "peer", "name", self.b)
-        for dev in ("lo", self.a, self.b):
-            self.sh("ip", "link", "set", dev, "up")
-
-    def delete(self) -> None:
-        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
-
-    def port(self, iface: str, rx: str = "ovs", **kw) -> RawPort:
-        return RawPort(iface, rx, netns=f"/var/run/netns/{self.name}", **kw)
-
-
-@pytest.fixture
-def ns():
-    if not ROOT:
-        pytest.fail("transport tests need root and iproute2 (raw sockets, network namespaces)")
-    n = Netns()
-    try:
-        n.create()
-        yield n
-    finally:
-        n.delete()
-        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        assert n.name not in left, f"namespace {n.name} was not removed"
-
 
 def drain(port: RawPort, timeout: float = 0.2) -> list[Frame]:
     out = []
