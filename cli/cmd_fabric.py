@@ -173,10 +173,11 @@ def status(c, as_json: bool) -> None:
                                 "-" if r["keys"] is None else r["keys"], fmt_rate(r["req_s"])]
                                for r in s["range_map"]]))
         if s["ops"]:
-            c.console.print(table(f"{s['name']}: state operations (running or last, per endpoint)",
-                                  ["op", "source -> peer", "ranges", "phase", "done/total", "error"],
-                                  [[o["op"], f"{o['source']} -> {o['peer']}", fmt_ranges(o["ranges"]), o["phase"],
-                                    f"{o['done']}/{o['total']}", o["error"] or "-"] for o in s["ops"]]))
+            c.console.print(table(f"{s['name']}: state operations (running, and the last 3 per endpoint)",
+                                  ["id", "op", "source -> peer", "ranges", "phase", "done/total", "error / notes"],
+                                  [[o["id"] or "-", o["op"], f"{o['source']} -> {o['peer']}", fmt_ranges(o["ranges"]),
+                                    o["phase"], f"{o['done']}/{o['total']}",
+                                    "; ".join([o["error"], *o["notes"]]).strip("; ") or "-"] for o in s["ops"]]))
 
 
 COMMANDS = [up, down, exec_, netns, status]

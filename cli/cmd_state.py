@@ -64,9 +64,10 @@ def fmt_rate(rate: float | None) -> str:
 
 
 def op_json(rec: schema.OpRec) -> dict:
-    return {"op": rec.op, "source": rec.source, "peer": rec.peer, "ranges": [list(r) for r in rec.ranges],
-            "phase": rec.phase, "done": rec.done, "total": rec.total, "started": rec.started,
-            "updated": rec.updated, "error": rec.error, "timings": dict(rec.timings)}
+    return {"id": rec.id, "op": rec.op, "source": rec.source, "peer": rec.peer,
+            "ranges": [list(r) for r in rec.ranges], "phase": rec.phase, "done": rec.done, "total": rec.total,
+            "started": rec.started, "updated": rec.updated, "error": rec.error, "notes": list(rec.notes),
+            "timings": dict(rec.timings)}
 
 
 def ops_of(reg, service: str) -> list[schema.OpRec]:

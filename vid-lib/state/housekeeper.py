@@ -92,7 +92,9 @@ class Housekeeper:
     def _report_load(self, reg: Registry) -> None:
         lp = self.loop
         mine = lp.view.held_by(lp.name)
-        rates, lp.rates = lp.rates, {}
+        rates = lp.call(lp.take_rates)
+        if not isinstance(rates, dict):
+            return  # the loop is shutting down
         rows = [[r.lo, r.hi, lp.backend.count(r.range), rates.get(r.lo, 0) / LOAD_PERIOD] for r in mine]
         role = {f"{r.lo:06x}": "owner" if r.owner == lp.name else "mirror" for r in mine}
         reg.put(schema.load_key(lp.service.name, lp.name), schema.Load(at=time.time(), ranges=rows, role=role).to_json(),

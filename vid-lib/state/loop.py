@@ -637,6 +637,11 @@ class EndpointLoop:
         self._set_view(view)
         self._finish_incoming(inc.range.lo, commit=mine)
 
+    def take_rates(self) -> dict[int, int]:
+        """(loop thread) Requests served per range since the last call."""
+        rates, self.rates = self.rates, {}
+        return rates
+
     def forget(self, rng: Range) -> None:
         """(loop thread) Drop our old copy of ``rng`` in the background, a step at a time."""
         self.pending_drops.append(rng)
