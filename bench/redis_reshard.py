@@ -69,7 +69,7 @@ def start_node(tmp: str) -> tuple[subprocess.Popen, int, int]:
     proc = subprocess.Popen(
         ["redis-server", "--port", str(port), "--cluster-port", str(bus), "--cluster-enabled", "yes",
          "--cluster-config-file", os.path.join(tmp, f"nodes-{port}.conf"), "--appendonly", "yes",
-         "--appendfsync", "always", "--save", "",
+         "--appendfsync", "always", "--appenddirname", f"aof-{port}", "--save", "",
          "--bind", "127.0.0.1", "--daemonize", "no", "--dir", tmp, "--protected-mode", "no"],
         stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
     log.close()

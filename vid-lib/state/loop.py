@@ -586,7 +586,7 @@ class EndpointLoop:
         # A fresh copy: nothing stale may survive, unless we mirror the range (then our copy is current
         # and must stay whatever happens to this operation; version-gated records keep it right).  The
         # copy gets a new generation: its records win over older rows whatever their versions, and what
-        # it does not overwrite is dropped in steps meanwhile; SYNC is answered once that is done.
+        # it did not overwrite is dropped in steps after it (at its first SYNC, answered once that is done).
         mirror = rec is not None and self.name in rec.mirrors
         try:
             gen = None if mirror else self.backend.begin_copy()
@@ -648,7 +648,7 @@ class EndpointLoop:
         self.housekeeper.wake()
 
     def drops_pending(self) -> bool:
-        return bool(self.pending_drops) or any(i.clearing for i in self.incoming.values())
+        return bool(self.pending_drops) or any(i.clearing and i.sync_waiters for i in self.incoming.values())
 
     def drop_step(self) -> tuple[bool, str]:
         """(loop thread) One step of dropping: rows of earlier generations under an incoming copy first,
@@ -657,8 +657,8 @@ class EndpointLoop:
         Run between batches, so no copy of an overlapping range can begin halfway through a step.
         """
         for inc in self.incoming.values():
-            if not inc.clearing:
-                continue
+            if not inc.clearing or not inc.sync_waiters:
+                continue  # cleared once the copy is in (its first SYNC): before, it would race the copy
             inc.seen = time.monotonic()  # clearing is progress: the source is waiting for our SYNC
             try:
                 n = self.backend.drop(inc.range, DROP_STEP, below_gen=inc.gen)
