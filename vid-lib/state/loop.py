@@ -34,14 +34,13 @@ import secrets
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 
 import zmq
 
 from vfab.vid import codec
 from vfab.vid.api import service_blocks
 from vfab.vid.envelope import Envelope, EnvelopeError, decode
-from vfab.vid.errors import FrameError, RegistryError, StateError, VfabError
+from vfab.vid.errors import FrameError, StateError, VfabError
 from vfab.vid.frame import Frame, FrameType, parse
 from vfab.vid.ranges import Range
 from vfab.vid.registry import Registry, schema
@@ -49,6 +48,8 @@ from vfab.vid.state import machine
 from vfab.vid.state.backend import Backend, BackendError, BadRequest, Refusal, Request
 from vfab.vid.state.housekeeper import Housekeeper
 from vfab.vid.state.lease import EndpointLease
+from vfab.vid.state.peer import INCOMING_IDLE, Incoming, PeerSide
+from vfab.vid.state.replication import Inflight, Replication
 from vfab.vid.state.runner import OpRunner
 from vfab.vid.state.view import View, ViewWatcher, read_view
 from vfab.vid.transport import RawPort
@@ -56,35 +57,7 @@ from vfab.vid.transport import RawPort
 log = logging.getLogger("vfab.state.loop")
 
 BATCH = 64
-ACK_TIMEOUT = 3.0        # s for a mirror or copy target to acknowledge replicated writes
-INCOMING_IDLE = 6.0      # s a peer waits on a silent source before asking etcd how it ended
-FWD_HOPS = 4
-DROP_STEP = 1000         # records an old copy loses per step between batches (~10 ms of write lock)
 TICK = 0.05              # s between timer checks when idle
-
-
-@dataclass
-class Incoming:
-    """A range being copied to us (we are the peer)."""
-
-    range: Range
-    source: str
-    mode: str                      # "split" or "mirror"
-    seen: float
-    buffered: list = field(default_factory=list)
-    gen: int | None = None         # the copy's generation (None: we mirror the range, our copy stays)
-    clearing: bool = False         # rows of earlier generations are still being dropped
-    sync_waiters: list = field(default_factory=list)   # (ident, SYNC envelope) answered once clear
-
-
-@dataclass
-class Inflight:
-    """A served batch whose writes are on their way to mirrors and copies; its replies wait."""
-
-    replies: list                  # (frame, vk, payload, wrote)
-    waiting: dict                  # REPL id -> peer
-    deadline: float
-    failed: dict = field(default_factory=dict)   # peer -> why
 
 
 class _Call:
@@ -95,7 +68,7 @@ class _Call:
         self.exc: BaseException | None = None
 
 
-class EndpointLoop:
+class EndpointLoop(PeerSide, Replication):
     def __init__(self, registry: Registry, service: str, name: str, iface: str, backend: Backend,
                  rx: str = "ovs", netns: str | None = None, ttl: int = 3, batch: int = BATCH,
                  bind: str = "tcp://127.0.0.1:*"):
@@ -364,130 +337,6 @@ class EndpointLoop:
         self.port.send(Frame(dst=frame.src, src=src, type=FrameType.REPLY, payload=payload, channel=frame.channel,
                              seq=frame.seq, priority=frame.priority))
 
-    # -- replication ------------------------------------------------------------------------------------
-    def _replicate(self, out: list, records: list) -> None:
-        # (peer, lo of the copy or None for a mirror) -> blobs; a mirror applies durably, a copy target
-        # under its copy's generation (made durable by the SYNC before the flip)
-        need: dict[tuple[str, int | None], list] = {}
-        for vk, blob in records:
-            rec = self.view.find(vk)
-            if rec is not None and rec.owner == self.name:
-                for m in rec.mirrors:
-                    need.setdefault((m, None), []).append(blob)
-            for peer, rngs in self.targets.items():
-                for r in rngs:
-                    if vk in r:
-                        need.setdefault((peer, r.lo), []).append(blob)
-        for key in [k for k in need if k[0] == self.name]:
-            del need[key]
-        if not need:
-            for frame, vk, payload, _ in out:
-                self._reply(frame, vk, payload)
-            return
-        self.inflight = Inflight(out, {}, time.monotonic() + ACK_TIMEOUT)
-        for (peer, lo), blobs in need.items():
-            sock = self._dealer(peer)
-            if sock is None:
-                self.inflight.failed[peer] = "has no control address (not a live endpoint)"
-                continue
-            rid = self._id()
-            body = {"durable": True} if lo is None else {"durable": False, "lo": lo}
-            sock.send_multipart(Envelope("REPL", self.name, id=rid, body=body, blobs=blobs).frames())
-            self.inflight.waiting[rid] = peer
-            self.counters["repl_sent"] += 1
-        if not self.inflight.waiting:
-            self._finish_inflight()
-
-    def _dealer_in(self, sock: zmq.Socket) -> None:
-        while True:
-            try:
-                env = decode(sock.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            except EnvelopeError:
-                continue
-            fl = self.inflight
-            if fl is None or env.id not in fl.waiting:
-                continue
-            peer = fl.waiting.pop(env.id)
-            if env.type != "OK":
-                fl.failed[peer] = env.body.get("error", "refused the write")
-            if not fl.waiting:
-                self._finish_inflight()
-
-    def _finish_inflight(self, timed_out: bool = False) -> None:
-        fl, self.inflight = self.inflight, None
-        for peer in set(fl.waiting.values()):
-            fl.failed.setdefault(peer, f"did not acknowledge within {ACK_TIMEOUT:.0f} s")
-        safe = all([self._peer_failed(peer, why) for peer, why in fl.failed.items()])
-        for frame, vk, payload, wrote in fl.replies:
-            if wrote and not safe:
-                payload = self.backend.error_reply(frame.payload, Refusal.UNAVAILABLE,
-                                                   "a mirror could not be reached or fenced off: retry")
-            self._reply(frame, vk, payload)
-
-    def _peer_failed(self, peer: str, why: str) -> bool:
-        """A replication target failed: fail its copy, or fence it off as a mirror. True if still safe."""
-        self._drop_dealer(peer)
-        op = self.op
-        if op is not None and op.peer == peer and self.targets.get(peer):
-            op.failed = f"replication to {peer} failed ({why})"
-            self.targets.pop(peer, None)
-            log.warning("%s: copy to %s failed (%s): the operation aborts", self.name, peer, why)
-            if not any(peer in r.mirrors for r in self.view.owned_by(self.name)):
-                return True
-        log.warning("%s: mirror %s %s: removing it from the mirrors before acknowledging", self.name, peer, why)
-        try:
-            for rec, _ in self.registry.ranges(self.service.name):
-                if rec.owner == self.name and peer in rec.mirrors:
-                    mirrors = [m for m in rec.mirrors if m != peer]
-                    rev = self.registry.assign(self.service.name, rec.range, self.name, expect_epoch=rec.epoch,
-                                               mirrors=mirrors, helpers=rec.helpers)
-                    self._patch(schema.RangeRec(lo=rec.lo, hi=rec.hi, owner=self.name, mirrors=mirrors,
-                                                helpers=rec.helpers, epoch=rec.epoch + 1), rev)
-            return True
-        except RegistryError as exc:
-            log.error("%s: cannot fence off mirror %s (%s): writes stay unacknowledged", self.name, peer, exc)
-            return False
-
-    def _forward(self, raw: bytes, vk: int, hops: int) -> bool:
-        """Send a request to the range's owner over ZeroMQ (it answers the client itself)."""
-        rec = self.view.find(vk)
-        owner = rec.owner if rec is not None else ""
-        if not owner or owner == self.name or hops >= FWD_HOPS:
-            return False
-        sock = self._dealer(owner)
-        if sock is None:
-            return False
-        sock.send_multipart(Envelope("FWD", self.name, body={"hops": hops + 1}, blobs=[raw]).frames())
-        self.counters["forwarded"] += 1
-        return True
-
-    def _id(self) -> int:
-        self._next_id += 1
-        return self._next_id
-
-    def _dealer(self, peer: str) -> zmq.Socket | None:
-        sock = self.dealers.get(peer)
-        if sock is None:
-            ep = self.view.endpoints.get(peer)
-            if ep is None or not ep.ctl:
-                return None
-            sock = self.zctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(ep.ctl)
-            self.dealers[peer] = sock
-            for p in self._pollers:
-                p.register(sock, zmq.POLLIN)
-        return sock
-
-    def _drop_dealer(self, peer: str) -> None:
-        sock = self.dealers.pop(peer, None)
-        if sock is not None:
-            for p in self._pollers:
-                p.unregister(sock)
-            sock.close(0)
-
     # -- control messages -------------------------------------------------------------------------------
     def _serve_ctl(self) -> None:
         while True:
@@ -513,37 +362,8 @@ class EndpointLoop:
 
     def _control(self, env: Envelope, ident: bytes = b"") -> Envelope | None:
         t, b = env.type, env.body
-        if t in ("REPL", "CHUNK"):
-            gen = None
-            if t == "CHUNK" or "lo" in b:  # part of a copy to us
-                inc = self.incoming.get(int(b.get("lo", -1)))
-                if inc is None or inc.source != env.sender:
-                    if t == "CHUNK":
-                        raise StateError(f"{self.name} is receiving no copy of {int(b.get('lo', -1)):#08x} from "
-                                         f"{env.sender} (aborted?)")
-                    return env.reply("OK", self.name, applied=0)  # the copy ended: nothing to keep
-                inc.seen = time.monotonic()
-                gen = inc.gen
-            durable = t == "REPL" and bool(b.get("durable", True))
-            try:
-                n = self.backend.apply(env.blobs, durable=durable, gen=gen)
-            except BackendError as exc:
-                return env.reply("ERR", self.name, error=str(exc))
-            self.counters["repl_applied" if t == "REPL" else "chunks_applied"] += 1
-            return env.reply("OK", self.name, applied=n)
-        if t == "SYNC":
-            inc = self.incoming.get(int(b.get("lo", -1)))
-            if inc is not None:
-                inc.seen = time.monotonic()
-                if inc.clearing:  # answered once the rows of earlier copies are gone
-                    inc.sync_waiters.append((ident, env))
-                    self.housekeeper.wake()
-                    return None
-            try:
-                self.backend.sync()
-            except BackendError as exc:
-                return env.reply("ERR", self.name, error=str(exc))
-            return env.reply("OK", self.name)
+        if t in ("REPL", "CHUNK", "SYNC"):
+            return self._receive(env, ident)
         if t == "FWD":
             hops = int(b.get("hops", 1))
             self.pending.extend((raw, hops) for raw in env.blobs)
@@ -571,124 +391,10 @@ class EndpointLoop:
             return env.reply("OK", self.name, counters=dict(self.counters), port=dict(self.port.counters))
         raise StateError(f"unknown control message type {t!r}")
 
-    def _begin(self, env: Envelope) -> Envelope:
-        b = env.body
-        rng = Range(int(b["lo"]), int(b["hi"]))
-        mode = b.get("mode", "split")
-        if any(i.range.overlaps(rng) for i in self.incoming.values()):
-            raise StateError(f"{self.name} is already receiving a range overlapping {rng}")
-        if self.op is not None and any(r.overlaps(rng) for r in self.op.ranges):
-            # Its own operation may still be dropping its old copy of these keys: a new copy must wait.
-            raise StateError(f"{self.name} is still finishing {self.op.id} on {rng}: retry in a moment")
-        rec = self.view.find(rng.lo)
-        if rec is not None and rec.owner == self.name:
-            raise StateError(f"{self.name} already owns {rng}")
-        # A fresh copy: nothing stale may survive, unless we mirror the range (then our copy is current
-        # and must stay whatever happens to this operation; version-gated records keep it right).  The
-        # copy gets a new generation: its records win over older rows whatever their versions, and what
-        # it did not overwrite is dropped in steps after it (at its first SYNC, answered once that is done).
-        mirror = rec is not None and self.name in rec.mirrors
-        try:
-            gen = None if mirror else self.backend.begin_copy()
-        except BackendError as exc:
-            raise StateError(f"{self.name} cannot start a copy of {rng}: {exc}") from None
-        self.incoming[rng.lo] = Incoming(rng, env.sender, mode, time.monotonic(), gen=gen, clearing=gen is not None)
-        self._refilter()
-        self.housekeeper.wake()
-        log.info("%s: receiving %s from %s (%s, %s)", self.name, rng, env.sender, mode,
-                 "keeping our mirror copy" if mirror else f"generation {gen}")
-        return env.reply("OK", self.name)
-
-    def _finish_incoming(self, lo: int, commit: bool, rec: schema.RangeRec | None = None,
-                         revision: int = 0) -> None:
-        inc = self.incoming.pop(lo, None)
-        if inc is None:
-            return
-        for ident, env in inc.sync_waiters:
-            self.router.send_multipart([ident, *env.reply("ERR", self.name, error="the copy ended").frames()])
-        if commit:
-            if inc.clearing:  # (only if the source vanished before our SYNC): nothing stale may be served
-                self.backend.drop(inc.range, below_gen=inc.gen)
-            if rec is not None:
-                self._patch(rec, revision)
-            log.info("%s: %s from %s committed (%s): serving %d held requests", self.name, inc.range, inc.source,
-                     inc.mode, len(inc.buffered))
-        else:
-            rec_now = self.view.find(inc.range.lo)
-            if not (rec_now is not None and self.name in rec_now.mirrors):
-                self.forget(inc.range)  # the partial copy goes in the background
-            log.info("%s: %s from %s aborted: the copy is dropped, %d held requests go to the owner", self.name,
-                     inc.range, inc.source, len(inc.buffered))
-        self._refilter()
-        self.pending.extend(inc.buffered)
-
-    def _silent_source(self, inc: Incoming) -> None:
-        try:
-            view = read_view(self.registry, self.service.name)
-        except RegistryError as exc:
-            log.warning("%s: source %s of %s silent and etcd unreachable (%s): still waiting", self.name,
-                        inc.source, inc.range, exc)
-            inc.seen = time.monotonic() - INCOMING_IDLE / 2
-            return
-        rec = view.find(inc.range.lo)
-        mine = rec is not None and (rec.owner == self.name if inc.mode == "split" else self.name in rec.mirrors)
-        log.warning("%s: source %s of %s silent for %.0f s; etcd says %s: %s", self.name, inc.source, inc.range,
-                    INCOMING_IDLE, rec.owner if rec else "-", "committing" if mine else "aborting")
-        self._set_view(view)
-        self._finish_incoming(inc.range.lo, commit=mine)
-
     def take_rates(self) -> dict[int, int]:
         """(loop thread) Requests served per range since the last call."""
         rates, self.rates = self.rates, {}
         return rates
-
-    def forget(self, rng: Range) -> None:
-        """(loop thread) Drop our old copy of ``rng`` in the background, a step at a time."""
-        self.pending_drops.append(rng)
-        self.housekeeper.wake()
-
-    def drops_pending(self) -> bool:
-        return bool(self.pending_drops) or any(i.clearing and i.sync_waiters for i in self.incoming.values())
-
-    def drop_step(self) -> tuple[bool, str]:
-        """(loop thread) One step of dropping: rows of earlier generations under an incoming copy first,
-        then old copies of ranges that moved away.  Returns (anything left, error or "").
-
-        Run between batches, so no copy of an overlapping range can begin halfway through a step.
-        """
-        for inc in self.incoming.values():
-            if not inc.clearing or not inc.sync_waiters:
-                continue  # cleared once the copy is in (its first SYNC): before, it would race the copy
-            inc.seen = time.monotonic()  # clearing is progress: the source is waiting for our SYNC
-            try:
-                n = self.backend.drop(inc.range, DROP_STEP, below_gen=inc.gen)
-                self.counters["dropped"] += n
-                if n >= DROP_STEP:
-                    return True, ""
-                inc.clearing = False
-                self.backend.sync()
-            except BackendError as exc:
-                return True, str(exc)
-            for ident, env in inc.sync_waiters:
-                self.router.send_multipart([ident, *env.reply("OK", self.name).frames()])
-            inc.sync_waiters.clear()
-            return self.drops_pending(), ""
-        held = [r.range for r in self.view.held_by(self.name)] + [i.range for i in self.incoming.values()]
-        while self.pending_drops:
-            rng = self.pending_drops[0]
-            if any(rng.overlaps(h) for h in held):
-                self.pending_drops.pop(0)  # ours again (or being copied to us): nothing to drop
-                continue
-            try:
-                n = self.backend.drop(rng, DROP_STEP)
-            except BackendError as exc:
-                return True, str(exc)
-            self.counters["dropped"] += n
-            if n < DROP_STEP:
-                self.pending_drops.pop(0)
-                log.info("%s: old copy of %s dropped", self.name, rng)
-            return self.drops_pending(), ""
-        return False, ""
 
     # -- operations (this endpoint is the source) ------------------------------------------------------------
     def start_op(self, kind: str, peer: str, rng: Range | None, throttle: float = 0.0) -> OpRunner:

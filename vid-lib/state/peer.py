@@ -1,0 +1,198 @@
+"""The peer side of a state operation: receiving a copy of a range (a mixin of the endpoint's loop).
+
+BEGIN opens an :class:`Incoming` (requests for the range are held) under a new
+copy generation; CHUNKs and replicated writes are applied unsynced under it;
+the first SYNC arrives once the copy is in: rows of earlier generations that
+the copy did not overwrite are then dropped in steps between batches, and the
+SYNC is answered (after an fsync) once they are gone; COMMIT serves the held
+requests, ABORT forwards them to the owner and drops the partial copy in the
+background.  A source that falls silent is looked up in etcd.
+
+Everything here runs on the loop's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from vfab.vid.envelope import Envelope
+from vfab.vid.errors import RegistryError, StateError
+from vfab.vid.ranges import Range
+from vfab.vid.registry import schema
+from vfab.vid.state.backend import BackendError
+from vfab.vid.state.view import read_view
+
+log = logging.getLogger("vfab.state.loop")
+
+INCOMING_IDLE = 6.0      # s a peer waits on a silent source before asking etcd how it ended
+DROP_STEP = 1000         # records an old copy loses per step between batches (~10 ms of write lock)
+
+
+@dataclass
+class Incoming:
+    """A range being copied to us (we are the peer)."""
+
+    range: Range
+    source: str
+    mode: str                      # "split" or "mirror"
+    seen: float
+    buffered: list = field(default_factory=list)
+    gen: int | None = None         # the copy's generation (None: we mirror the range, our copy stays)
+    clearing: bool = False         # rows of earlier generations are still being dropped
+    sync_waiters: list = field(default_factory=list)   # (ident, SYNC envelope) answered once clear
+
+
+
+class PeerSide:
+    """Receiving copies; mixed into EndpointLoop (uses its backend, router, view, incoming, pending)."""
+
+    def _receive(self, env: Envelope, ident: bytes) -> Envelope | None:
+        """REPL (replicated writes), CHUNK (a copy's snapshot) and SYNC (make it durable)."""
+        t, b = env.type, env.body
+        if t in ("REPL", "CHUNK"):
+            gen = None
+            if t == "CHUNK" or "lo" in b:  # part of a copy to us
+                inc = self.incoming.get(int(b.get("lo", -1)))
+                if inc is None or inc.source != env.sender:
+                    if t == "CHUNK":
+                        raise StateError(f"{self.name} is receiving no copy of {int(b.get('lo', -1)):#08x} from "
+                                         f"{env.sender} (aborted?)")
+                    return env.reply("OK", self.name, applied=0)  # the copy ended: nothing to keep
+                inc.seen = time.monotonic()
+                gen = inc.gen
+            durable = t == "REPL" and bool(b.get("durable", True))
+            try:
+                n = self.backend.apply(env.blobs, durable=durable, gen=gen)
+            except BackendError as exc:
+                return env.reply("ERR", self.name, error=str(exc))
+            self.counters["repl_applied" if t == "REPL" else "chunks_applied"] += 1
+            return env.reply("OK", self.name, applied=n)
+        if t == "SYNC":
+            inc = self.incoming.get(int(b.get("lo", -1)))
+            if inc is not None:
+                inc.seen = time.monotonic()
+                if inc.clearing:  # answered once the rows of earlier copies are gone
+                    inc.sync_waiters.append((ident, env))
+                    self.housekeeper.wake()
+                    return None
+            try:
+                self.backend.sync()
+            except BackendError as exc:
+                return env.reply("ERR", self.name, error=str(exc))
+            return env.reply("OK", self.name)
+
+    def _begin(self, env: Envelope) -> Envelope:
+        b = env.body
+        rng = Range(int(b["lo"]), int(b["hi"]))
+        mode = b.get("mode", "split")
+        if any(i.range.overlaps(rng) for i in self.incoming.values()):
+            raise StateError(f"{self.name} is already receiving a range overlapping {rng}")
+        if self.op is not None and any(r.overlaps(rng) for r in self.op.ranges):
+            # Its own operation may still be dropping its old copy of these keys: a new copy must wait.
+            raise StateError(f"{self.name} is still finishing {self.op.id} on {rng}: retry in a moment")
+        rec = self.view.find(rng.lo)
+        if rec is not None and rec.owner == self.name:
+            raise StateError(f"{self.name} already owns {rng}")
+        # A fresh copy: nothing stale may survive, unless we mirror the range (then our copy is current
+        # and must stay whatever happens to this operation; version-gated records keep it right).  The
+        # copy gets a new generation: its records win over older rows whatever their versions, and what
+        # it did not overwrite is dropped in steps after it (at its first SYNC, answered once that is done).
+        mirror = rec is not None and self.name in rec.mirrors
+        try:
+            gen = None if mirror else self.backend.begin_copy()
+        except BackendError as exc:
+            raise StateError(f"{self.name} cannot start a copy of {rng}: {exc}") from None
+        self.incoming[rng.lo] = Incoming(rng, env.sender, mode, time.monotonic(), gen=gen, clearing=gen is not None)
+        self._refilter()
+        self.housekeeper.wake()
+        log.info("%s: receiving %s from %s (%s, %s)", self.name, rng, env.sender, mode,
+                 "keeping our mirror copy" if mirror else f"generation {gen}")
+        return env.reply("OK", self.name)
+
+    def _finish_incoming(self, lo: int, commit: bool, rec: schema.RangeRec | None = None,
+                         revision: int = 0) -> None:
+        inc = self.incoming.pop(lo, None)
+        if inc is None:
+            return
+        for ident, env in inc.sync_waiters:
+            self.router.send_multipart([ident, *env.reply("ERR", self.name, error="the copy ended").frames()])
+        if commit:
+            if inc.clearing:  # (only if the source vanished before our SYNC): nothing stale may be served
+                self.backend.drop(inc.range, below_gen=inc.gen)
+            if rec is not None:
+                self._patch(rec, revision)
+            log.info("%s: %s from %s committed (%s): serving %d held requests", self.name, inc.range, inc.source,
+                     inc.mode, len(inc.buffered))
+        else:
+            rec_now = self.view.find(inc.range.lo)
+            if not (rec_now is not None and self.name in rec_now.mirrors):
+                self.forget(inc.range)  # the partial copy goes in the background
+            log.info("%s: %s from %s aborted: the copy is dropped, %d held requests go to the owner", self.name,
+                     inc.range, inc.source, len(inc.buffered))
+        self._refilter()
+        self.pending.extend(inc.buffered)
+
+    def _silent_source(self, inc: Incoming) -> None:
+        try:
+            view = read_view(self.registry, self.service.name)
+        except RegistryError as exc:
+            log.warning("%s: source %s of %s silent and etcd unreachable (%s): still waiting", self.name,
+                        inc.source, inc.range, exc)
+            inc.seen = time.monotonic() - INCOMING_IDLE / 2
+            return
+        rec = view.find(inc.range.lo)
+        mine = rec is not None and (rec.owner == self.name if inc.mode == "split" else self.name in rec.mirrors)
+        log.warning("%s: source %s of %s silent for %.0f s; etcd says %s: %s", self.name, inc.source, inc.range,
+                    INCOMING_IDLE, rec.owner if rec else "-", "committing" if mine else "aborting")
+        self._set_view(view)
+        self._finish_incoming(inc.range.lo, commit=mine)
+
+    def forget(self, rng: Range) -> None:
+        """(loop thread) Drop our old copy of ``rng`` in the background, a step at a time."""
+        self.pending_drops.append(rng)
+        self.housekeeper.wake()
+
+    def drops_pending(self) -> bool:
+        return bool(self.pending_drops) or any(i.clearing and i.sync_waiters for i in self.incoming.values())
+
+    def drop_step(self) -> tuple[bool, str]:
+        """(loop thread) One step of dropping: rows of earlier generations under an incoming copy first,
+        then old copies of ranges that moved away.  Returns (anything left, error or "").
+
+        Run between batches, so no copy of an overlapping range can begin halfway through a step.
+        """
+        for inc in self.incoming.values():
+            if not inc.clearing or not inc.sync_waiters:
+                continue  # cleared once the copy is in (its first SYNC): before, it would race the copy
+            inc.seen = time.monotonic()  # clearing is progress: the source is waiting for our SYNC
+            try:
+                n = self.backend.drop(inc.range, DROP_STEP, below_gen=inc.gen)
+                self.counters["dropped"] += n
+                if n >= DROP_STEP:
+                    return True, ""
+                inc.clearing = False
+                self.backend.sync()
+            except BackendError as exc:
+                return True, str(exc)
+            for ident, env in inc.sync_waiters:
+                self.router.send_multipart([ident, *env.reply("OK", self.name).frames()])
+            inc.sync_waiters.clear()
+            return self.drops_pending(), ""
+        held = [r.range for r in self.view.held_by(self.name)] + [i.range for i in self.incoming.values()]
+        while self.pending_drops:
+            rng = self.pending_drops[0]
+            if any(rng.overlaps(h) for h in held):
+                self.pending_drops.pop(0)  # ours again (or being copied to us): nothing to drop
+                continue
+            try:
+                n = self.backend.drop(rng, DROP_STEP)
+            except BackendError as exc:
+                return True, str(exc)
+            self.counters["dropped"] += n
+            if n < DROP_STEP:
+                self.pending_drops.pop(0)
+                log.info("%s: old copy of %s dropped", self.name, rng)
+            return self.drops_pending(), ""
+        return False, ""

@@ -1,0 +1,167 @@
+"""Replication and forwarding for the endpoint's loop (a mixin): REPL to mirrors and copies, FWD to owners.
+
+A served batch whose writes must reach mirrors (durably) or running copies
+(under the copy's generation) becomes an :class:`Inflight`: REPL messages go
+out on per-peer DEALER sockets and the batch's replies wait for every ack
+while the loop keeps serving control messages.  A peer that fails is fenced
+off (a mirror is removed from the range in etcd) or fails its copy; when even
+that is impossible, the writes are answered UNAVAILABLE.
+
+Everything here runs on the loop's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from vfab.vid.envelope import Envelope, EnvelopeError, decode
+from vfab.vid.errors import RegistryError
+from vfab.vid.registry import schema
+from vfab.vid.state.backend import Refusal
+
+log = logging.getLogger("vfab.state.loop")
+
+ACK_TIMEOUT = 3.0        # s for a mirror or copy target to acknowledge replicated writes
+FWD_HOPS = 4
+
+
+@dataclass
+class Inflight:
+    """A served batch whose writes are on their way to mirrors and copies; its replies wait."""
+
+    replies: list                  # (frame, vk, payload, wrote)
+    waiting: dict                  # REPL id -> peer
+    deadline: float
+    failed: dict = field(default_factory=dict)   # peer -> why
+
+
+
+class Replication:
+    """Sending writes and requests to other endpoints; mixed into EndpointLoop."""
+
+    def _replicate(self, out: list, records: list) -> None:
+        # (peer, lo of the copy or None for a mirror) -> blobs; a mirror applies durably, a copy target
+        # under its copy's generation (made durable by the SYNC before the flip)
+        need: dict[tuple[str, int | None], list] = {}
+        for vk, blob in records:
+            rec = self.view.find(vk)
+            if rec is not None and rec.owner == self.name:
+                for m in rec.mirrors:
+                    need.setdefault((m, None), []).append(blob)
+            for peer, rngs in self.targets.items():
+                for r in rngs:
+                    if vk in r:
+                        need.setdefault((peer, r.lo), []).append(blob)
+        for key in [k for k in need if k[0] == self.name]:
+            del need[key]
+        if not need:
+            for frame, vk, payload, _ in out:
+                self._reply(frame, vk, payload)
+            return
+        self.inflight = Inflight(out, {}, time.monotonic() + ACK_TIMEOUT)
+        for (peer, lo), blobs in need.items():
+            sock = self._dealer(peer)
+            if sock is None:
+                self.inflight.failed[peer] = "has no control address (not a live endpoint)"
+                continue
+            rid = self._id()
+            body = {"durable": True} if lo is None else {"durable": False, "lo": lo}
+            sock.send_multipart(Envelope("REPL", self.name, id=rid, body=body, blobs=blobs).frames())
+            self.inflight.waiting[rid] = peer
+            self.counters["repl_sent"] += 1
+        if not self.inflight.waiting:
+            self._finish_inflight()
+
+    def _dealer_in(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                env = decode(sock.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            except EnvelopeError:
+                continue
+            fl = self.inflight
+            if fl is None or env.id not in fl.waiting:
+                continue
+            peer = fl.waiting.pop(env.id)
+            if env.type != "OK":
+                fl.failed[peer] = env.body.get("error", "refused the write")
+            if not fl.waiting:
+                self._finish_inflight()
+
+    def _finish_inflight(self, timed_out: bool = False) -> None:
+        fl, self.inflight = self.inflight, None
+        for peer in set(fl.waiting.values()):
+            fl.failed.setdefault(peer, f"did not acknowledge within {ACK_TIMEOUT:.0f} s")
+        safe = all([self._peer_failed(peer, why) for peer, why in fl.failed.items()])
+        for frame, vk, payload, wrote in fl.replies:
+            if wrote and not safe:
+                payload = self.backend.error_reply(frame.payload, Refusal.UNAVAILABLE,
+                                                   "a mirror could not be reached or fenced off: retry")
+            self._reply(frame, vk, payload)
+
+    def _peer_failed(self, peer: str, why: str) -> bool:
+        """A replication target failed: fail its copy, or fence it off as a mirror. True if still safe."""
+        self._drop_dealer(peer)
+        op = self.op
+        if op is not None and op.peer == peer and self.targets.get(peer):
+            op.failed = f"replication to {peer} failed ({why})"
+            self.targets.pop(peer, None)
+            log.warning("%s: copy to %s failed (%s): the operation aborts", self.name, peer, why)
+            if not any(peer in r.mirrors for r in self.view.owned_by(self.name)):
+                return True
+        log.warning("%s: mirror %s %s: removing it from the mirrors before acknowledging", self.name, peer, why)
+        try:
+            for rec, _ in self.registry.ranges(self.service.name):
+                if rec.owner == self.name and peer in rec.mirrors:
+                    mirrors = [m for m in rec.mirrors if m != peer]
+                    rev = self.registry.assign(self.service.name, rec.range, self.name, expect_epoch=rec.epoch,
+                                               mirrors=mirrors, helpers=rec.helpers)
+                    self._patch(schema.RangeRec(lo=rec.lo, hi=rec.hi, owner=self.name, mirrors=mirrors,
+                                                helpers=rec.helpers, epoch=rec.epoch + 1), rev)
+            return True
+        except RegistryError as exc:
+            log.error("%s: cannot fence off mirror %s (%s): writes stay unacknowledged", self.name, peer, exc)
+            return False
+
+    def _forward(self, raw: bytes, vk: int, hops: int) -> bool:
+        """Send a request to the range's owner over ZeroMQ (it answers the client itself)."""
+        rec = self.view.find(vk)
+        owner = rec.owner if rec is not None else ""
+        if not owner or owner == self.name or hops >= FWD_HOPS:
+            return False
+        sock = self._dealer(owner)
+        if sock is None:
+            return False
+        sock.send_multipart(Envelope("FWD", self.name, body={"hops": hops + 1}, blobs=[raw]).frames())
+        self.counters["forwarded"] += 1
+        return True
+
+    def _id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _dealer(self, peer: str) -> zmq.Socket | None:
+        sock = self.dealers.get(peer)
+        if sock is None:
+            ep = self.view.endpoints.get(peer)
+            if ep is None or not ep.ctl:
+                return None
+            sock = self.zctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(ep.ctl)
+            self.dealers[peer] = sock
+            for p in self._pollers:
+                p.register(sock, zmq.POLLIN)
+        return sock
+
+    def _drop_dealer(self, peer: str) -> None:
+        sock = self.dealers.pop(peer, None)
+        if sock is not None:
+            for p in self._pollers:
+                p.unregister(sock)
+            sock.close(0)
