@@ -123,7 +123,7 @@ def main() -> int:
               "source": "vfh1", "peers": PEERS, "load": {"host": "vfh3", "clients": 4, "keys": 256, "prefix": "L",
                                                          "mix": "1:1:0", "value_size": 64}}
     configs = []
-    per_key = 0.001   # s per key per operation, a guess refined by what we see (sizes the load's duration)
+    per_key = 0.0001  # s per key per operation, a guess refined by what we see (sizes the load's duration)
     with Testbed("line,2,3") as tb:
         for n in sizes:
             for placement in PEERS:
