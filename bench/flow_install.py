@@ -72,7 +72,7 @@ def switch_flows(switch: str) -> int:
 
 
 def service_flows_on_switch(switch: str, sid: int) -> int:
-    """Flows on ``switch`` whose cookie names a VID route of service ``sid`` (table-1 routes and table-0 admits)."""
+    """Flows on ``switch`` whose cookie names a VID route of service ``sid`` (its table-1 routes)."""
     cookie = (int(Kind.VID_ROUTE) << 56) | (sid << 40)
     out = subprocess.run(["ovs-ofctl", "-O", "OpenFlow14", "dump-aggregate", switch,
                           f"cookie={cookie:#x}/0xffffff0000000000"],
@@ -229,7 +229,9 @@ def run_one(tb: Testbed, n: int, layout: str, compile_reps: int) -> tuple[dict, 
         t_state.append(c1 - c0)
         t_compile.append(c2 - c1)
     total_flows = sum(len(c.flows) for c in cfg.values())
-    mine = [f for c in cfg.values() for f in c.flows.values() if (f.cookie >> 40) & 0xFFFF == sid]
+    # the service's VID-route flows (table-1 routes; what service_flows_on_switch counts on the switch)
+    mine = [f for c in cfg.values() for f in c.flows.values()
+            if f.cookie >> 56 == Kind.VID_ROUTE and (f.cookie >> 40) & 0xFFFF == sid]
     svc_flows = len(mine)
     per_flow = encode_cost(mine)
 
