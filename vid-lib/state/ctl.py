@@ -112,8 +112,21 @@ def wait(reg: Registry, service: str, op_id: str, timeout: float = 600.0,
          progress: Callable[[schema.OpRec], None] | None = None) -> schema.OpRec:
     """Follow operation ``op_id`` (from the command's reply) with an etcd watch until it ends."""
     deadline = time.monotonic() + timeout
-    last: schema.OpRec | None = None
     key = schema.op_key(service, op_id)
+    last: list[schema.OpRec] = []   # the newest record seen
+
+    def seen(rec: schema.OpRec | None) -> bool:
+        """Take one state of the record (None: deleted); True once the operation ended."""
+        if rec is None:
+            if last:
+                raise NotFound(f"the record of {op_id} vanished: {last[0].source} died (its lease expired); "
+                               "see 'vfab ranges' for who owns what now")
+            return False
+        if progress is not None and (not last or (rec.phase, rec.done) != (last[0].phase, last[0].done)):
+            progress(rec)
+        last[:] = [rec]
+        return rec.finished
+
     while True:
         try:
             rec, rev = reg.op(service, op_id)
@@ -122,15 +135,8 @@ def wait(reg: Registry, service: str, op_id: str, timeout: float = 600.0,
                 raise
             time.sleep(0.2)  # etcd restarting: ride it out
             continue
-        if rec is None and last is not None:
-            raise NotFound(f"the record of {op_id} vanished: {last.source} died (its lease expired); see "
-                           "'vfab ranges' for who owns what now")
-        for rec in ([rec] if rec is not None else []):
-            if progress is not None and (last is None or (rec.phase, rec.done) != (last.phase, last.done)):
-                progress(rec)
-            last = rec
-            if rec.finished:
-                return rec
+        if seen(rec):
+            return last[0]
         left = deadline - time.monotonic()
         if left <= 0:
             raise StateError(f"operation {op_id} did not end within {timeout:.0f} s; cancel it with "
@@ -143,17 +149,8 @@ def wait(reg: Registry, service: str, op_id: str, timeout: float = 600.0,
         try:
             for batch in batches:
                 for ev in batch:
-                    if ev.value is None:
-                        if last is not None:
-                            raise NotFound(f"the record of {op_id} vanished: {last.source} died (its lease "
-                                           "expired); see 'vfab ranges' for who owns what now")
-                        continue
-                    rec = schema.OpRec.from_json(ev.value, key)
-                    if progress is not None and (last is None or (rec.phase, rec.done) != (last.phase, last.done)):
-                        progress(rec)
-                    last = rec
-                    if rec.finished:
-                        return rec
+                    if seen(None if ev.value is None else schema.OpRec.from_json(ev.value, key)):
+                        return last[0]
         except RegistryError:
             pass  # the watch broke (etcd restarted): re-read and watch again
         finally:

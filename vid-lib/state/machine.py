@@ -42,7 +42,7 @@ from vfab.vid.errors import StateError
 from vfab.vid.ranges import Range
 from vfab.vid.registry import schema
 
-OP_KINDS = ("split", "move", "mirror")
+OP_KINDS = schema.OP_KINDS
 ASSIGN_TRIES = 3
 
 
