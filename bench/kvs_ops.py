@@ -116,6 +116,9 @@ def main() -> int:
     ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--keys", default=None, help="key counts, comma separated (default 1000,10000; smoke 200)")
     ap.add_argument("--reps", type=int, default=1, help="repetitions per configuration (default 1)")
+    ap.add_argument("--placement", choices=["both", *PEERS], default="both", help="peer placement(s) to run")
+    ap.add_argument("--no-redis", action="store_true", help="skip the Redis comparison (while iterating; the "
+                    "published numbers come from full runs)")
     args = ap.parse_args()
     sizes = [int(x) for x in (args.keys or ("200" if args.smoke else "1000,10000")).split(",")]
     reps = 1 if args.smoke else args.reps
@@ -126,7 +129,7 @@ def main() -> int:
     per_key = 0.0001  # s per key per operation, a guess refined by what we see (sizes the load's duration)
     with Testbed("line,2,3") as tb:
         for n in sizes:
-            for placement in PEERS:
+            for placement in [p for p in PEERS if args.placement in ('both', p)]:
                 for rep in range(reps):
                     load_s = round(WARMUP + 4 * (GAP + 1.0 + 1.5 * per_key * n) + 2.0, 1)
                     c = configuration(tb, n, placement, rep, load_s)
@@ -136,7 +139,7 @@ def main() -> int:
                         f"{op['op']} {op['wall_s']:.3f} s ({op['keys']} keys, {op['phase']})" for op in c["ops"])
                         + f"; load failed {c['failed_requests']}", flush=True)
     redis_rows = []
-    for n in sizes:
+    for n in ([] if args.no_redis else sizes):
         r = redis_reshard.measure(keys=n, value_size=1024, share=1.0, clients=4)
         redis_rows.append(r)
         print(f"  redis N={n}: moved {r['keys_moved']} in {r['move_s']:.3f} s, redirects {r['redirects']}, "

@@ -27,7 +27,7 @@ from vfab.vid.state.view import read_view
 log = logging.getLogger("vfab.state.loop")
 
 INCOMING_IDLE = 6.0      # s a peer waits on a silent source before asking etcd how it ended
-DROP_STEP = 1000         # records an old copy loses per step between batches (~10 ms of write lock)
+DROP_STEP = 200          # records an old copy loses per step between batches (~10 ms on the loop's thread)
 
 
 @dataclass
