@@ -14,10 +14,18 @@ import platform
 import statistics
 import time
 
+from vfab.testbed.procs import unwind_on_signals
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def parser(description: str) -> argparse.ArgumentParser:
+    """The benchmark's argument parser.
+
+    Also makes SIGTERM and SIGHUP unwind the benchmark like SIGINT (``timeout``
+    or CI stopping a run): its ``finally`` blocks run and its testbed stops.
+    """
+    unwind_on_signals()
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--smoke", action="store_true", help="tiny run that only proves the benchmark works (CI)")
     ap.add_argument("--out", default=None, help="results file (default bench/results/NAME.json)")

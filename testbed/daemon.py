@@ -1,4 +1,4 @@
-"""The process behind ``vfab up``: holds a Testbed until SIGTERM, then tears it down.
+"""The process behind ``vfab up``: holds a Testbed until SIGTERM (or SIGINT, SIGHUP), then tears it down.
 
 It writes a state file (JSON) that ``vfab status/down/exec`` read: its own PID,
 the etcd endpoint, the controller's PID and port, and each host's shell PID.
@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: stop.set())
     tb = Testbed(args.topo, workdir=args.workdir)
     try:
         tb.start()

@@ -8,6 +8,9 @@ name, so another etcd on the machine is never touched)::
     etcd.start(timeout=10)
     Registry(etcd.endpoint)  # "127.0.0.1:PORT"
     etcd.stop()
+
+Starting one makes SIGTERM/SIGHUP unwind the process like SIGINT
+(``procs.unwind_on_signals``), so a killed test run still stops its member.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 from vfab.testbed.procs import free_port  # noqa: F401  (re-exported for tests)
+from vfab.testbed.procs import unwind_on_signals
 from vfab.vid.errors import RegistryError
 
 log = logging.getLogger("vfab.testbed.etcd")
@@ -48,6 +53,7 @@ class LocalEtcd:
         self.election_ms = election_ms
         self.proc: subprocess.Popen | None = None
         self._log_file = None
+        self.on_spawn: Callable[[int], None] | None = None  # called with the PID right after the spawn
 
     @property
     def endpoint(self) -> str:
@@ -91,10 +97,13 @@ class LocalEtcd:
             return self
         if shutil.which(self.binary) is None:
             raise RegistryError(f"etcd binary {self.binary!r} not found on PATH: install etcd (3.4+)")
+        unwind_on_signals()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=self._log_file,
                                      stderr=subprocess.STDOUT, start_new_session=True)
+        if self.on_spawn is not None:
+            self.on_spawn(self.proc.pid)
         log.info("etcd %s: started pid %d on %s", self.name, self.proc.pid, self.endpoint)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

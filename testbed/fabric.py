@@ -3,6 +3,13 @@
 Used by the integration tests, the benchmarks, the demo and ``vfab up``.
 Everything it starts it stops by PID; every switch, host and veth carries the
 project's prefix and goes away with ``stop()``.
+
+``stop()`` also runs when the process is interrupted: SIGINT, and SIGTERM and
+SIGHUP, which ``start()`` turns into the same exception (``procs.Interrupted``).
+A run that dies without unwinding (SIGKILL, power loss) is cleaned up by the
+next testbed: each run records what it creates in a run record before creating
+it, and ``start()`` removes what dead runs recorded (``leftovers.sweep``),
+logging each thing it removes.
 """
 
 from __future__ import annotations
@@ -10,15 +17,18 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from vfab.fabric import ovs
+from vfab.testbed import leftovers
 from vfab.testbed.etcd import LocalEtcd
-from vfab.testbed.net import TopoSpec, build, describe
-from vfab.testbed.procs import Supervisor, free_port, wait_for
+from vfab.testbed.net import TopoError, TopoSpec, build, describe
+from vfab.testbed.procs import Supervisor, free_port, shielded, unwind_on_signals, wait_for
 from vfab.vid.registry import schema
 from vfab.vid.registry import Registry
 
@@ -26,11 +36,64 @@ log = logging.getLogger("vfab.testbed")
 LOCK_FILE = "/run/vfab-testbed.lock"
 LOCK_WAIT = 900
 
+# The machine-wide testbed lock, re-entrant within this process (a test can hold it around a Testbed).
+_lock_mutex = threading.Lock()
+_lock_fh = None
+_lock_depth = 0
+
+
+def acquire_lock(wait: float = LOCK_WAIT) -> None:
+    """Take the machine's testbed lock (switch and host names are fixed: one testbed at a time)."""
+    global _lock_fh, _lock_depth
+    with _lock_mutex:
+        if _lock_depth:
+            _lock_depth += 1
+            return
+        fh = open(LOCK_FILE, "w")
+        t0 = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() - t0 > wait:
+                    fh.close()
+                    raise RuntimeError(f"another vfab testbed holds {LOCK_FILE} for over {wait:.0f} s: "
+                                       "stop it ('vfab down') or wait") from None
+                time.sleep(0.5)
+        _lock_fh, _lock_depth = fh, 1
+
+
+def _drop_lock_in_child() -> None:
+    """A forked child (multiprocessing) must not keep the lock alive after its parent died."""
+    global _lock_fh, _lock_depth
+    if _lock_fh is not None:
+        _lock_fh.close()  # only this process's reference: the parent still holds the flock
+    _lock_fh, _lock_depth = None, 0
+
+
+os.register_at_fork(after_in_child=_drop_lock_in_child)
+
+
+def release_lock() -> None:
+    global _lock_fh, _lock_depth
+    with _lock_mutex:
+        if not _lock_depth:
+            return
+        _lock_depth -= 1
+        if not _lock_depth:
+            _lock_fh.close()  # releases the flock
+            _lock_fh = None
+
 
 class Testbed:
+    _running: "Testbed | None" = None  # the one started Testbed of this process
+
     def __init__(self, topo: str = "line,2,3", workdir: str | None = None, poll: float = 1.0,
                  etcd: str | None = None):
         self.spec = TopoSpec.parse(topo)
+        self.topo = topo
+        self.own_workdir = workdir is None
         self.workdir = workdir or tempfile.mkdtemp(prefix="vfab-")
         self.poll = poll
         self.sup = Supervisor(os.path.join(self.workdir, "logs"))
@@ -43,36 +106,78 @@ class Testbed:
         self.started_ovs = False
         self.hosts: dict[str, dict] = {}
         self.switches: dict[str, int] = {}
+        self.record: leftovers.RunRecord | None = None
+        self.swept: leftovers.Swept | None = None
+        self._locked = False
 
     # -- life cycle ---------------------------------------------------------
     def start(self) -> "Testbed":
-        # Switch and host names are fixed (vfbsN, vfhN): one testbed per machine at a time.
-        self._lock = open(LOCK_FILE, "w")
-        t0 = time.monotonic()
-        while True:
-            try:
-                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() - t0 > LOCK_WAIT:
-                    raise RuntimeError(f"another vfab testbed holds {LOCK_FILE} for over {LOCK_WAIT} s: "
-                                       "stop it ('vfab down') or wait") from None
-                time.sleep(0.5)
+        if Testbed._running is not None and Testbed._running is not self:
+            raise RuntimeError("a Testbed is already running in this process (names are fixed): stop it first")
+        unwind_on_signals()
+        acquire_lock()
+        self._locked = True
+        Testbed._running = self
         try:
+            self.record = leftovers.RunRecord.create(topo=self.topo, workdir=self.workdir)
+            if self.own_workdir:
+                self.record.add("dirs", self.workdir)
             self.started_ovs = ovs.ensure_running()
+            if self.started_ovs:
+                self.record.set("ovs", {"started": True, "pids": leftovers.ovs_identities()})
+            self.swept = leftovers.sweep(exclude=self.record.path)
+            if self.swept.ovs_orphaned and not self.started_ovs:
+                self.started_ovs = True
+                self.record.set("ovs", {"started": True, "pids": leftovers.ovs_identities()})
+            self._refuse_unrecorded()
+            self.sup.on_start = lambda proc: self.track(proc.pid, proc.name)
+            self.sup.on_stop = lambda proc: self.untrack(proc.pid)
             if self.etcd_endpoint is None:
-                self.etcd = LocalEtcd(os.path.join(self.workdir, "etcd"), free_port(), free_port())
+                etcd_dir = os.path.join(self.workdir, "etcd")
+                if not self.own_workdir:
+                    self.record.add("dirs", etcd_dir)
+                self.etcd = LocalEtcd(etcd_dir, free_port(), free_port())
+                self.etcd.on_spawn = lambda pid: self.track(pid, "etcd")
                 self.etcd.start()
                 self.etcd_endpoint = self.etcd.endpoint
             self.registry = Registry(self.etcd_endpoint)
             self.start_controller()
-            self.net = build(self.spec, self.ctl_port)
+            self.record.add("bridges", *self.spec.switches)
+            self.record.add("nodes", *self.spec.node_names())
+            self.net = build(self.spec, self.ctl_port,
+                             on_node=lambda node: self.track(node.pid, f"mininet:{node.name}"))
             self._register()
             self.wait_synced()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def track(self, pid: int, name: str) -> None:
+        """Record a process this run started outside ``sup``/``run_on`` (call it right after the spawn):
+        if the run dies without its teardown, the next testbed stops it (by PID and start time)."""
+        record = self.record
+        if record is not None:
+            record.add_proc(pid, name)
+
+    def untrack(self, pid: int) -> None:
+        record = self.record
+        if record is not None:
+            record.drop_proc(pid)
+
+    def _refuse_unrecorded(self) -> None:
+        """Fail clearly (not with "RTNETLINK answers: File exists") if our names exist but no record owns them."""
+        nodes = self.spec.node_names()
+        pattern = re.compile(r"^(%s)-eth\d+$" % "|".join(map(re.escape, nodes)))
+        clash = [f"OVS bridge {b}" for b in ovs.bridges() if b in self.spec.switches]
+        clash += [f"link {n}" for n in leftovers.list_links() if n in nodes or pattern.match(n)]
+        if not clash:
+            return
+        live = f"; live testbed runs: {', '.join(self.swept.live)}" if self.swept and self.swept.live else ""
+        raise TopoError(
+            f"{', '.join(clash)} already exist(s), and no dead testbed run recorded them{live}. "
+            "They were left by a run from before run records, or are someone else's: check, then remove "
+            "them by hand (ovs-vsctl del-br NAME; ip link del NAME)")
 
     def _register(self) -> None:
         switches, hosts, links = describe(self.net)
@@ -89,28 +194,48 @@ class Testbed:
         self.registry.wait_applied(self.registry.state_revision(), timeout=timeout)
 
     def stop(self) -> None:
-        for proc in [p for p in self.sup.procs if p is not self.controller]:
-            self.sup.stop(proc)
-        if self.net is not None:
+        """Stop everything this testbed started; a signal meanwhile is held until the teardown is done."""
+        with shielded():
+            self._teardown()
+
+    def _teardown(self) -> None:
+        def step(what, fn):
             try:
-                self.net.stop()
-            except Exception as exc:
-                log.warning("mininet stop: %s", exc)
+                fn()
+            except Exception as exc:  # noqa: BLE001 - every step runs; the run record catches the rest
+                log.warning("teardown: %s: %s", what, exc)
+
+        for proc in [p for p in self.sup.procs if p is not self.controller]:
+            step(f"stop {proc.name}", lambda proc=proc: self.sup.stop(proc))
+        if self.net is not None:
+            step("mininet stop", self.net.stop)
+            for ctl in self.net.controllers:  # RemoteController.stop() leaves its shell running
+                step(f"mininet {ctl.name} shell", ctl.terminate)
             self.net = None
         if self.controller is not None:
-            self.sup.stop(self.controller)
+            step("stop controller", lambda: self.sup.stop(self.controller))
             self.controller = None
-        self.sup.stop_all()
+        step("stop processes", self.sup.stop_all)
         if self.registry is not None:
-            self.registry.close()
+            step("close registry", self.registry.close)
         if self.etcd is not None:
-            self.etcd.stop()
+            step("stop etcd", self.etcd.stop)
             self.etcd = None
-        if self.started_ovs and not ovs.bridges():
-            ovs.stop()
-        if getattr(self, "_lock", None) is not None:
-            self._lock.close()  # releases the flock
-            self._lock = None
+        try:
+            if self.record is not None:
+                # Whatever the steps above missed (a step failed, the start was cut short).
+                step("run record", lambda: leftovers.clean(self.record.data, "testbed teardown", dirs=False,
+                                                                   settle=2.0))
+                self.record.remove()
+                self.record = None
+            if self.started_ovs and not ovs.bridges():
+                ovs.stop()
+        finally:
+            if Testbed._running is self:
+                Testbed._running = None
+            if self._locked:
+                self._locked = False
+                release_lock()
 
     def __enter__(self) -> "Testbed":
         return self.start()

@@ -16,6 +16,7 @@ from vfab.vid.errors import VfabError
 log = logging.getLogger("vfab.net")
 SWITCH_PREFIX = "vfbs"
 HOST_PREFIX = "vfh"
+CONTROLLER_NAME = "vfbc0"
 
 
 class TopoError(VfabError):
@@ -61,23 +62,40 @@ class TopoSpec:
                 "(S<=16 switches, H<=200 hosts each)")
         return spec
 
+    def node_names(self) -> list[str]:
+        """Every Mininet node this spec makes (each has a shell process; links are named NODE-ethN)."""
+        return [*self.switches, *(h for h, _ in self.hosts), CONTROLLER_NAME]
 
-def build(spec: TopoSpec, controller_port: int):
-    """Build and start a Mininet net for ``spec``; returns the Mininet object."""
+
+def build(spec: TopoSpec, controller_port: int, on_node=None):
+    """Build and start a Mininet net for ``spec``; returns the Mininet object.
+
+    ``on_node(node)`` is called as soon as each node (switch, host, controller)
+    exists, i.e. its shell process is running: the testbed records the PID.
+    """
+    on_node = on_node or (lambda node: None)
     try:
         from mininet.net import Mininet
         from mininet.node import OVSSwitch, RemoteController
     except ImportError:
         raise TopoError("Mininet is not importable: run 'make bootstrap' (Debian package mininet, "
                         "and a venv made from /usr/bin/python3 with system site packages)") from None
+    class Controller(RemoteController):
+        def checkListening(self):
+            # Mininet probes with telnet, whose output can hold the controller's binary OpenFlow
+            # HELLO (random xid bytes) and then fails to decode as UTF-8; the testbed has already
+            # waited for the controller's port.
+            pass
+
     switch = partial(OVSSwitch, datapath="user", batch=True, failMode="secure",
                      protocols="OpenFlow13,OpenFlow14")
     net = Mininet(switch=switch, controller=None, autoSetMacs=True, build=False, waitConnected=False)
-    net.addController("vfbc0", controller=RemoteController, ip="127.0.0.1", port=controller_port)
+    on_node(net.addController(CONTROLLER_NAME, controller=Controller, ip="127.0.0.1",
+                              port=controller_port))
     for i, name in enumerate(spec.switches):
-        net.addSwitch(name, dpid=f"{0xFA00 + i + 1:016x}")
+        on_node(net.addSwitch(name, dpid=f"{0xFA00 + i + 1:016x}"))
     for host, sw in spec.hosts:
-        net.addHost(host)
+        on_node(net.addHost(host))
         net.addLink(host, sw)
     for a, b in spec.links:
         net.addLink(a, b)
