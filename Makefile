@@ -3,7 +3,7 @@ VENV ?= /opt/vfab-venv
 PY := $(VENV)/bin/python
 
 # `make demo` is the elastic-KVS demo; `make demo-echo` the first (echo) demo.
-.PHONY: bootstrap demo demo-echo test unit integration bench bench-smoke lint
+.PHONY: bootstrap demo demo-echo test unit integration bench bench-smoke lint helper
 
 bootstrap:
 	@VFAB_VENV=$(VENV) bash scripts/bootstrap.sh
@@ -30,3 +30,8 @@ bench: bootstrap
 
 lint: bootstrap
 	$(PY) -m ruff check .
+
+# The PostMan helper's DPDK program (meson + ninja): services/memcached-helper/dpdk/build/meson/mc-helper.
+# The tests build their own copy; this is for running it by hand (see services/memcached-helper/README.md).
+helper: bootstrap
+	$(MAKE) -C services/memcached-helper/dpdk helper

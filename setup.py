@@ -17,6 +17,7 @@ PACKAGE_DIR = {
     "vfab.services.echo": "services/echo",
     "vfab.services.elastic_kvs": "services/elastic-kvs",
     "vfab.services.sdhcp": "services/sdhcp",
+    "vfab.services.memcached_helper": "services/memcached-helper",
     "vfab.testbed": "testbed",
     "vfab.cli": "cli",
 }

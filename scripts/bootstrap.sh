@@ -9,7 +9,8 @@ VENV=${VFAB_VENV:-/opt/vfab-venv}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 DEBS=(openvswitch-switch openvswitch-common mininet etcd-server etcd-client libpcap0.8 libpcap-dev
       tcpdump ethtool iproute2 iputils-ping memcached redis-server python3-venv python3-dev busybox
-      isc-dhcp-client dhcpcd-base gcc make libc6-dev)
+      isc-dhcp-client dhcpcd-base gcc make libc6-dev
+      dpdk libdpdk-dev meson ninja-build pkg-config libmemcached-tools)
 
 if [ "$(id -u)" != 0 ]; then
   echo "bootstrap: must run as root (it installs Debian packages and creates network namespaces)" >&2

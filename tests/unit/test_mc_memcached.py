@@ -97,7 +97,7 @@ def reply_complete(buf: bytes, shape: str) -> bool:
             return True
         if not buf.startswith(b"VALUE ", i) or (e := buf.find(b"\r\n", i)) < 0:
             return False
-        i = e + 2 + int(buf[i:e].split()[3]) + 2
+        i = e + 2 + int(buf[i:e].split(b" ")[3]) + 2
         if i > len(buf):
             return False
 
@@ -196,6 +196,8 @@ def dataset() -> list[tuple[bytes, int, bytes]]:
         (b"L" * 250, 3, b"long key"),
         (b"\xc3\xa9t\xc3\xa9", 0, b"high bytes in the key"),
         (b"a:b/c?d=e&f", 9, b"punctuation"),
+        (b"\x10" * 8 + b"IIFCbHy8yL", 0, b"memaslap's key shape: control bytes in the key"),
+        (b"t\tab\x7f\x01", 0, b"tab, DEL and SOH in the key"),
         (b"n", 0, b"10"),
     ]
     items += [(b"b%02d" % i, 0, RNG.randbytes(size)) for i, size in enumerate(BOUNDARY)]

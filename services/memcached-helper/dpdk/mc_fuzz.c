@@ -11,7 +11,7 @@
  *   parse      a seed request (built-in corpus plus files from -c) mutated
  *              1-4 times (bit flips, magic bytes and tokens, inserts, deletes,
  *              splices, truncation, header fields) then parsed.  Invariants:
- *              slices inside the datagram, keys 1..250 bytes without control
+ *              slices inside the datagram, keys 1..250 bytes without NUL/CR/LF
  *              bytes or spaces, storage data exactly <bytes> + CRLF to the end;
  *              every accepted request round-trips: a get through a one-waiter
  *              batch, a pass-through command through mch_pass_encode, and
@@ -353,7 +353,8 @@ static void check_accepted(struct fz *f, const struct mch_req *r)
 
 		CHECK(f, len >= 1 && len <= MCH_KEY_MAX, "key length %u", len);
 		for (b = 0; b < len; b++)
-			CHECK(f, k[b] > 0x20 && k[b] != 0x7f, "bad key byte");
+			CHECK(f, k[b] != ' ' && k[b] != 0 && k[b] != '\r' && k[b] != '\n',
+			      "bad key byte");
 	}
 	if (r->cmd >= MCH_CMD_SET && r->cmd <= MCH_CMD_CAS) {
 		CHECK(f, (uint32_t)r->data.off + r->data.len + 2u == r->len, "data not to the end");

@@ -11,7 +11,7 @@
  * Strictness.  A request is forwarded onto a connection shared by many
  * clients only when memcached is bound to read it exactly as we did:
  * CRLF-terminated line, known command, exact argument count, decimal numbers
- * in range, key <= 250 bytes without control bytes, and for storage commands
+ * in range, key <= 250 bytes without NUL/CR/LF, and for storage commands
  * a data block of exactly <bytes> bytes followed by CRLF and nothing after.
  * (memcached's UDP parser state is shared by all clients of a worker: one
  * short "set" would swallow other clients' requests.)  Forwarded commands are
@@ -90,9 +90,15 @@ static int parse_i32(const uint8_t *p, uint32_t n)
 	return parse_uint(p, n, 2147483647u, &v);
 }
 
+/*
+ * A byte memcached's tokenizer keeps inside a token: it splits on spaces only
+ * and a NUL ends its line.  CR and LF are refused too (line ends).  Other
+ * control bytes are fine: memaslap puts eight 0x10 bytes in front of every
+ * key, and memcached stores and returns them as sent.
+ */
 static int is_key_byte(uint8_t c)
 {
-	return c > 0x20 && c != 0x7f;
+	return c != ' ' && c != '\0' && c != '\r' && c != '\n';
 }
 
 static int printable(const uint8_t *p, uint32_t n)
@@ -151,7 +157,7 @@ static int tok_i32(const struct mch_req *r, uint32_t t)
 	return parse_i32(tok_ptr(r, t), r->tok[t].len);
 }
 
-/* Keys t0..t0+n-1 (tokens never hold spaces or control bytes). */
+/* Keys t0..t0+n-1 (tokens never hold spaces, NUL, CR or LF). */
 static enum mch_rej set_keys(struct mch_req *r, uint32_t t0, uint32_t n)
 {
 	uint32_t i;
@@ -371,7 +377,7 @@ static const struct mch_cmd_def *first_word_cmd(const uint8_t *p, uint32_t n)
 
 /*
  * Split dg[off, off+n) into space-separated tokens (runs of spaces count as
- * one, as memcached's tokenizer does).  Returns MCH_REJ_BAD_CHAR for control
+ * one, as memcached's tokenizer does).  Returns MCH_REJ_BAD_CHAR for NUL/CR/LF
  * bytes, MCH_REJ_TOO_MANY_KEYS when tokens overflow.
  */
 static enum mch_rej tokenize(struct mch_req *r, uint32_t off, uint32_t n)

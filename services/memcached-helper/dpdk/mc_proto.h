@@ -104,7 +104,7 @@ enum mch_rej {
 	MCH_REJ_BINARY,        /* binary protocol (magic 0x80): not handled */
 	MCH_REJ_NO_CRLF,       /* no "\r\n"-terminated line (bare "\n" included) */
 	MCH_REJ_LINE_TOO_LONG, /* command line over MCH_CMD_LINE_MAX */
-	MCH_REJ_BAD_CHAR,      /* control byte in the command line */
+	MCH_REJ_BAD_CHAR,      /* NUL, CR or LF inside the command line */
 	MCH_REJ_UNKNOWN_CMD,   /* not a memcached command (or garbage) */
 	MCH_REJ_UNSUPPORTED,   /* a memcached command helpers do not forward */
 	MCH_REJ_BAD_FORMAT,    /* wrong argument count or number syntax */

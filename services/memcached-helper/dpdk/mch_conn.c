@@ -1,0 +1,398 @@
+/*
+ * mch_conn.c - the TCP leg to memcached (see mch_conn.h).
+ *
+ * Batches come from a fixed pool per connection: MCH_SPLIT_QUEUE in flight
+ * plus the open one, so the splitter's queue can never overflow.  A batch is
+ * encoded into the output buffer when it is closed, and pushed on the
+ * splitter at once, so the order of pushes is the order of bytes on the wire.
+ */
+#include "mch_conn.h"
+
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "mch_worker.h"
+
+#define MCH_CONNECT_TIMEOUT_MS 1000u
+#define MCH_READS_PER_POLL     4u
+
+enum close_why { WHY_SIZE, WHY_TIME, WHY_FULL, WHY_ORDER };
+
+/* ------------------------------------------------------------ splitter sink */
+
+static void on_dgram(void *arg, uint32_t client, const uint8_t *dg, uint32_t len)
+{
+	struct mch_conn *c = arg;
+
+	mch_worker_reply(c->w, client, dg, len);
+}
+
+static void on_done(void *arg, struct mch_batch *b)
+{
+	struct mch_conn *c = arg;
+	uint32_t i;
+
+	for (i = 0; i < b->nwaiters; i++)
+		mch_worker_peer_put(c->w, b->w[i].client);
+	c->pool[c->npool++] = b;
+}
+
+/* ---------------------------------------------------------------- set-up */
+
+int mch_conn_init(struct mch_conn *c, struct mch_worker *w, uint32_t id)
+{
+	const struct mch_cfg *cfg = w->cfg;
+	struct mch_sink sink = {on_dgram, on_done, c};
+	uint32_t i;
+
+	memset(c, 0, sizeof(*c));
+	c->w = w;
+	c->id = id;
+	c->fd = -1;
+	c->hz = w->hz;
+	c->out = malloc(MCH_CONN_OUT);
+	c->in = malloc(MCH_CONN_IN);
+	if (!c->out || !c->in)
+		return -1;
+	for (i = 0; i < MCH_CONN_BATCHES; i++) {
+		c->all[i] = malloc(sizeof(struct mch_batch));
+		if (!c->all[i])
+			return -1;
+		c->all[i]->user = i;
+		c->pool[c->npool++] = c->all[i];
+	}
+	mch_split_init(&c->sp, &sink, &w->pc);
+	mch_adapt_init(&c->ad, cfg->s_init, cfg->s_min, cfg->s_max,
+		       (uint64_t)cfg->t_init * c->hz / 1000000u,
+		       (uint64_t)cfg->t_min * c->hz / 1000000u,
+		       (uint64_t)cfg->t_max * c->hz / 1000000u);
+	return 0;
+}
+
+void mch_conn_free(struct mch_conn *c)
+{
+	uint32_t i;
+
+	for (i = 0; i < MCH_CONN_BATCHES; i++)
+		free(c->all[i]);
+	free(c->out);
+	free(c->in);
+	if (c->fd >= 0)
+		close(c->fd);
+	c->fd = -1;
+}
+
+/* ------------------------------------------------------------- failures */
+
+/*
+ * Lost or broken connection: answer what waits (see mch_split_abort: END
+ * for coalesced gets, nothing for forwarded commands), the open batch too.
+ */
+static void conn_fail(struct mch_conn *c, uint64_t now)
+{
+	mch_split_abort(&c->sp);
+	if (c->open) {
+		if (c->open->nwaiters > 0 && mch_split_push(&c->sp, c->open) == 0)
+			mch_split_abort(&c->sp);
+		else
+			c->pool[c->npool++] = c->open;
+		c->open = NULL;
+	}
+	memset(c->open_filter, 0, sizeof(c->open_filter));
+	if (c->fd >= 0)
+		close(c->fd);
+	c->fd = -1;
+	if (c->state == MCH_CONN_UP)
+		c->c.disconnects++;
+	else
+		c->c.connect_fails++;
+	c->state = MCH_CONN_DOWN;
+	c->out_head = c->out_tail = 0;
+	c->retry_at = now + (uint64_t)c->w->cfg->retry_ms * c->hz / 1000u;
+}
+
+/* ------------------------------------------------------------ output buffer */
+
+static uint32_t out_room(struct mch_conn *c, uint32_t want)
+{
+	if (MCH_CONN_OUT - c->out_tail < want && c->out_head > 0) {
+		memmove(c->out, c->out + c->out_head, c->out_tail - c->out_head);
+		c->out_tail -= c->out_head;
+		c->out_head = 0;
+	}
+	return MCH_CONN_OUT - c->out_tail;
+}
+
+/* Write what is buffered; 1 if bytes left, 0 if none, -1 on error. */
+static int out_flush(struct mch_conn *c)
+{
+	while (c->out_head < c->out_tail) {
+		ssize_t n = send(c->fd, c->out + c->out_head, c->out_tail - c->out_head,
+				 MSG_DONTWAIT | MSG_NOSIGNAL);
+
+		if (n > 0) {
+			c->out_head += (uint32_t)n;
+			c->c.bytes_out += (uint64_t)n;
+			continue;
+		}
+		if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+			return 1;
+		return -1;
+	}
+	c->out_head = c->out_tail = 0;
+	return 0;
+}
+
+/* Read and split answers; work done (1), nothing (0), error/EOF (-1). */
+static int in_poll(struct mch_conn *c)
+{
+	int did = 0;
+	uint32_t i;
+
+	for (i = 0; i < MCH_READS_PER_POLL; i++) {
+		ssize_t n = recv(c->fd, c->in, MCH_CONN_IN, MSG_DONTWAIT);
+
+		if (n > 0) {
+			did = 1;
+			c->c.bytes_in += (uint64_t)n;
+			if (mch_split_feed(&c->sp, c->in, (size_t)n) != MCH_ERR_NONE)
+				return -1;
+			if ((uint32_t)n < MCH_CONN_IN)
+				break;
+			continue;
+		}
+		if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+			break;
+		return -1; /* EOF or error */
+	}
+	return did;
+}
+
+/* --------------------------------------------------------------- batching */
+
+static void filter_set(struct mch_conn *c, uint32_t ch)
+{
+	uint32_t bit = (ch >> 8) & 255u;
+
+	c->open_filter[bit >> 6] |= 1ull << (bit & 63u);
+}
+
+static int filter_has(const struct mch_conn *c, uint32_t ch)
+{
+	uint32_t bit = (ch >> 8) & 255u;
+
+	return (c->open_filter[bit >> 6] >> (bit & 63u)) & 1u;
+}
+
+/* Encode and push the open batch.  0, or -1 if there is no room yet. */
+static int close_open(struct mch_conn *c, uint64_t now, int why)
+{
+	struct mch_batch *b = c->open;
+	size_t n;
+
+	if (b == NULL || b->nwaiters == 0)
+		return 0;
+	if (mch_split_pending(&c->sp) >= MCH_SPLIT_QUEUE)
+		return -1;
+	if (out_room(c, MCH_GET_LINE_MAX) < MCH_GET_LINE_MAX)
+		return -1;
+	n = mch_get_encode(b, c->out + c->out_tail, MCH_CONN_OUT - c->out_tail, &c->w->pc);
+	if (n == 0 || mch_split_push(&c->sp, b) != 0)
+		return -1; /* cannot happen: room and queue were checked */
+	c->out_tail += (uint32_t)n;
+	c->open = NULL;
+	memset(c->open_filter, 0, sizeof(c->open_filter));
+	c->c.get_cmds++;
+	mch_hist_add(&c->w->hist, b->npos);
+	mch_adapt_update(&c->ad, n, now - c->last_send);
+	c->last_send = now;
+	if (why == WHY_SIZE)
+		c->c.close_size++;
+	else if (why == WHY_TIME)
+		c->c.close_time++;
+	else if (why == WHY_FULL)
+		c->c.close_full++;
+	else
+		c->c.close_order++;
+	return 0;
+}
+
+static int open_batch(struct mch_conn *c)
+{
+	if (c->npool == 0)
+		return -1;
+	c->open = c->pool[--c->npool];
+	/* soft limits: all keys, S_max bytes; S itself only decides when to send */
+	mch_get_open(c->open, MCH_BATCH_MAX_KEYS, (uint32_t)c->ad.s_max);
+	return 0;
+}
+
+int mch_conn_get(struct mch_conn *c, const struct mch_req *r, uint32_t slot, uint32_t ch,
+		 uint64_t now)
+{
+	int rc;
+
+	if (c->state != MCH_CONN_UP)
+		return MCH_CDROP_NOCONN;
+	if (c->open == NULL && open_batch(c) != 0)
+		return MCH_CDROP_BUSY;
+	rc = mch_get_add(c->open, r, slot, &c->w->pc);
+	if (rc == MCH_BADD_FULL) {
+		if (close_open(c, now, WHY_FULL) != 0 || open_batch(c) != 0)
+			return MCH_CDROP_BUSY;
+		rc = mch_get_add(c->open, r, slot, &c->w->pc);
+	}
+	if (rc != MCH_BADD_OK)
+		return MCH_CDROP_BIG;
+	filter_set(c, ch);
+	return MCH_CDROP_NONE;
+}
+
+int mch_conn_pass(struct mch_conn *c, const struct mch_req *r, uint32_t slot, uint32_t ch,
+		  uint64_t now)
+{
+	struct mch_batch *b;
+	size_t n;
+
+	if (c->state != MCH_CONN_UP)
+		return MCH_CDROP_NOCONN;
+	if (!c->w->cfg->no_order && c->open && filter_has(c, ch) &&
+	    close_open(c, now, WHY_ORDER) != 0)
+		return MCH_CDROP_BUSY;
+	if (c->npool == 0 || mch_split_pending(&c->sp) >= MCH_SPLIT_QUEUE ||
+	    out_room(c, r->len) < r->len)
+		return MCH_CDROP_BUSY;
+	b = c->pool[--c->npool];
+	/* the canonical command is never longer than the request datagram */
+	n = mch_pass_encode(b, r, slot, c->out + c->out_tail, MCH_CONN_OUT - c->out_tail,
+			    &c->w->pc);
+	if (n == 0 || mch_split_push(&c->sp, b) != 0) {
+		c->pool[c->npool++] = b;
+		return MCH_CDROP_BIG;
+	}
+	c->out_tail += (uint32_t)n;
+	c->c.pass_cmds++;
+	return MCH_CDROP_NONE;
+}
+
+uint64_t mch_conn_due_in(const struct mch_conn *c, uint64_t now)
+{
+	uint64_t waited;
+
+	if (c->open == NULL || c->open->nwaiters == 0)
+		return UINT64_MAX;
+	waited = now - c->last_send;
+	return waited >= c->ad.T ? 0 : c->ad.T - waited;
+}
+
+int mch_conn_poll(struct mch_conn *c, uint64_t now)
+{
+	int did = 0, rc;
+
+	if (c->state != MCH_CONN_UP)
+		return 0;
+	if (c->open && c->open->nwaiters > 0) {
+		struct mch_batch *b = c->open;
+
+		if (b->cost >= c->ad.S)
+			did |= close_open(c, now, WHY_SIZE) == 0;
+		else if (now - c->last_send >= c->ad.T)
+			did |= close_open(c, now, WHY_TIME) == 0;
+	}
+	if (c->out_tail > c->out_head) {
+		if (out_flush(c) < 0) {
+			conn_fail(c, now);
+			return 1;
+		}
+		did = 1;
+	}
+	if (mch_split_pending(&c->sp) > 0) {
+		rc = in_poll(c);
+		if (rc < 0) {
+			conn_fail(c, now);
+			return 1;
+		}
+		did |= rc;
+	}
+	return did;
+}
+
+/* ----------------------------------------------------------- slow path */
+
+static void start_connect(struct mch_conn *c, uint64_t now)
+{
+	const struct mch_cfg *cfg = c->w->cfg;
+	struct sockaddr_in sa;
+	int one = 1;
+
+	c->fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	if (c->fd < 0) {
+		conn_fail(c, now);
+		return;
+	}
+	setsockopt(c->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+	memset(&sa, 0, sizeof(sa));
+	sa.sin_family = AF_INET;
+	sa.sin_addr.s_addr = cfg->mc_ip;
+	sa.sin_port = cfg->mc_port;
+	c->conn_start = now;
+	if (connect(c->fd, (struct sockaddr *)&sa, sizeof(sa)) == 0) {
+		c->state = MCH_CONN_UP;
+		c->c.connects++;
+		c->last_send = now;
+	} else if (errno == EINPROGRESS) {
+		c->state = MCH_CONN_CONNECTING;
+	} else {
+		conn_fail(c, now);
+	}
+}
+
+static void check_connect(struct mch_conn *c, uint64_t now)
+{
+	struct pollfd p = {.fd = c->fd, .events = POLLOUT};
+	int err = 0;
+	socklen_t el = sizeof(err);
+
+	if (poll(&p, 1, 0) <= 0) {
+		if (now - c->conn_start > (uint64_t)MCH_CONNECT_TIMEOUT_MS * c->hz / 1000u)
+			conn_fail(c, now);
+		return;
+	}
+	if (getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0 || err != 0) {
+		conn_fail(c, now);
+		return;
+	}
+	c->state = MCH_CONN_UP;
+	c->c.connects++;
+	c->last_send = now;
+}
+
+void mch_conn_tick(struct mch_conn *c, uint64_t now)
+{
+	switch (c->state) {
+	case MCH_CONN_DOWN:
+		if ((int64_t)(now - c->retry_at) >= 0)
+			start_connect(c, now);
+		break;
+	case MCH_CONN_CONNECTING:
+		check_connect(c, now);
+		break;
+	default:
+		/* notice EOF or unsolicited bytes while nothing is due */
+		if (mch_split_pending(&c->sp) == 0 && in_poll(c) < 0)
+			conn_fail(c, now);
+		break;
+	}
+}
+
+void mch_conn_close(struct mch_conn *c)
+{
+	conn_fail(c, 0);
+	c->state = MCH_CONN_DOWN;
+}

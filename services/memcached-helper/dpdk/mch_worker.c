@@ -1,0 +1,238 @@
+/*
+ * mch_worker.c - the lcore loop: burst rx, classify, parse, queue on the
+ * client's connection, poll the connections (send due batches, read and
+ * split answers), burst tx the replies.  Counters only, never a log line.
+ *
+ * A waiting client request holds a slot in the worker's peer table (where
+ * its reply goes); the slot number is the "client" the protocol core hands
+ * back with every reply datagram, and it is freed when the batch is done.
+ */
+#include "mch_worker.h"
+
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <rte_cycles.h>
+#include <rte_ethdev.h>
+#include <rte_lcore.h>
+
+#define MCH_TICK_HZ      1000u /* slow path rate */
+#define MCH_IDLE_LOOPS   64u   /* empty loops before sleeping (--idle-us) */
+#define MCH_TX_TRIES     64u
+
+/* ------------------------------------------------------------- peer slots */
+
+static uint32_t peer_get(struct mch_worker *w, const struct mch_peer *from)
+{
+	uint32_t s = w->peer_free;
+
+	if (s == MCH_NO_PEER)
+		return MCH_NO_PEER;
+	w->peer_free = w->peers[s].next;
+	w->peers[s] = *from;
+	w->peers_used++;
+	return s;
+}
+
+void mch_worker_peer_put(struct mch_worker *w, uint32_t slot)
+{
+	w->peers[slot].next = w->peer_free;
+	w->peer_free = slot;
+	w->peers_used--;
+}
+
+/* ----------------------------------------------------------------- tx */
+
+static void tx_flush(struct mch_worker *w)
+{
+	uint16_t sent = 0;
+	uint32_t tries = 0;
+
+	while (sent < w->ntx && tries++ < MCH_TX_TRIES)
+		sent += rte_eth_tx_burst(w->port, w->queue, w->txq + sent, w->ntx - sent);
+	w->c.tx_frames += sent;
+	if (sent < w->ntx) {
+		w->c.tx_drop += w->ntx - sent;
+		rte_pktmbuf_free_bulk(w->txq + sent, w->ntx - sent);
+	}
+	w->ntx = 0;
+}
+
+void mch_worker_reply(struct mch_worker *w, uint32_t slot, const uint8_t *dg, uint32_t len)
+{
+	struct rte_mbuf *m = mch_net_reply(&w->net, w->mp, &w->peers[slot], w->ip_id++, dg, len);
+
+	if (m == NULL) {
+		w->c.tx_nombuf++;
+		return;
+	}
+	w->txq[w->ntx++] = m;
+	if (w->ntx == MCH_TX_BURST)
+		tx_flush(w);
+}
+
+/* ----------------------------------------------------------------- rx */
+
+static uint32_t client_hash(const struct mch_peer *p)
+{
+	uint32_t h = p->ip ^ ((uint32_t)p->port * 0x9e3779b1u);
+
+	h ^= h >> 16;
+	h *= 0x85ebca6bu;
+	h ^= h >> 13;
+	h *= 0xc2b2ae35u;
+	h ^= h >> 16;
+	return h;
+}
+
+static void handle_frame(struct mch_worker *w, struct rte_mbuf *m, uint64_t now)
+{
+	struct mch_rx rx;
+	struct mch_req req;
+	struct mch_conn *c;
+	enum mch_net_rej nr = mch_net_parse(&w->net, m, &rx);
+	uint32_t slot, ch;
+	int rc;
+
+	w->c.net[nr]++;
+	if (nr != MCH_NET_OK)
+		return;
+	if (mch_req_parse(&req, rx.dg, rx.len, &w->pc) != MCH_REJ_OK)
+		return; /* counted by reason in w->pc.rej[] */
+	slot = peer_get(w, &rx.from);
+	if (slot == MCH_NO_PEER) {
+		w->c.drop_peers++;
+		return;
+	}
+	ch = client_hash(&rx.from);
+	c = &w->conns[ch % w->nconns];
+	rc = mch_req_is_get(&req) ? mch_conn_get(c, &req, slot, ch, now)
+				  : mch_conn_pass(c, &req, slot, ch, now);
+	if (rc == MCH_CDROP_NONE)
+		return;
+	mch_worker_peer_put(w, slot);
+	if (rc == MCH_CDROP_NOCONN)
+		w->c.drop_noconn++;
+	else
+		w->c.drop_busy++;
+}
+
+/* ---------------------------------------------------------------- idle */
+
+/* Sleep until an answer arrives, the next batch is due, or idle_us passes. */
+static void idle_sleep(struct mch_worker *w, uint64_t now)
+{
+	struct pollfd p[64];
+	uint64_t wait = (uint64_t)w->cfg->idle_us * w->hz / 1000000u, d;
+	uint32_t i, n = 0;
+	struct timespec ts;
+
+	for (i = 0; i < w->nconns; i++) {
+		struct mch_conn *c = &w->conns[i];
+
+		d = mch_conn_due_in(c, now);
+		if (d < wait)
+			wait = d;
+		if (c->state == MCH_CONN_UP && n < 64u) {
+			p[n].fd = c->fd;
+			p[n].events = POLLIN | (c->out_tail > c->out_head ? POLLOUT : 0);
+			p[n].revents = 0;
+			n++;
+		}
+	}
+	if (wait == 0)
+		return;
+	ts.tv_sec = (time_t)(wait / w->hz);
+	ts.tv_nsec = (long)((wait % w->hz) * 1000000000u / w->hz);
+	w->c.idle_sleeps++;
+	ppoll(p, n, &ts, NULL);
+}
+
+/* ---------------------------------------------------------------- loop */
+
+int mch_worker_main(void *arg)
+{
+	struct mch_worker *w = arg;
+	struct rte_mbuf *bufs[MCH_RX_BURST];
+	uint64_t tick = w->hz / MCH_TICK_HZ, next_tick = 0;
+	uint32_t idle = 0, i;
+
+	while (!*w->quit) {
+		uint64_t now = rte_rdtsc();
+		uint16_t nb = rte_eth_rx_burst(w->port, w->queue, bufs, MCH_RX_BURST);
+		int did = nb > 0;
+
+		w->c.loops++;
+		if (nb > 0) {
+			w->c.rx_bursts++;
+			w->c.rx_frames += nb;
+			for (i = 0; i < nb; i++)
+				handle_frame(w, bufs[i], now);
+			rte_pktmbuf_free_bulk(bufs, nb);
+			now = rte_rdtsc();
+		}
+		for (i = 0; i < w->nconns; i++)
+			did |= mch_conn_poll(&w->conns[i], now);
+		if (w->ntx > 0)
+			tx_flush(w);
+		if ((int64_t)(now - next_tick) >= 0) {
+			for (i = 0; i < w->nconns; i++)
+				mch_conn_tick(&w->conns[i], now);
+			next_tick = now + tick;
+		}
+		idle = did ? 0 : idle + 1;
+		if (w->cfg->idle_us > 0 && idle >= MCH_IDLE_LOOPS)
+			idle_sleep(w, now);
+	}
+	for (i = 0; i < w->nconns; i++)
+		mch_conn_close(&w->conns[i]);
+	if (w->ntx > 0)
+		tx_flush(w);
+	return 0;
+}
+
+/* ------------------------------------------------------------- set-up */
+
+int mch_worker_init(struct mch_worker *w, uint32_t id, const struct mch_cfg *cfg,
+		    const struct mch_net_cfg *net, struct rte_mempool *mp, uint16_t port,
+		    uint16_t queue, volatile int *quit)
+{
+	uint32_t i;
+
+	memset(w, 0, sizeof(*w));
+	w->id = id;
+	w->cfg = cfg;
+	w->net = *net;
+	w->mp = mp;
+	w->port = port;
+	w->queue = queue;
+	w->quit = quit;
+	w->hz = rte_get_tsc_hz();
+	w->npeers = cfg->peers;
+	w->peers = calloc(w->npeers, sizeof(*w->peers));
+	w->nconns = cfg->conns;
+	w->conns = calloc(w->nconns, sizeof(*w->conns));
+	if (!w->peers || !w->conns)
+		return -1;
+	for (i = 0; i < w->npeers; i++)
+		w->peers[i].next = i + 1u < w->npeers ? i + 1u : MCH_NO_PEER;
+	w->peer_free = 0;
+	for (i = 0; i < w->nconns; i++)
+		if (mch_conn_init(&w->conns[i], w, i) != 0)
+			return -1;
+	return 0;
+}
+
+void mch_worker_free(struct mch_worker *w)
+{
+	uint32_t i;
+
+	for (i = 0; w->conns && i < w->nconns; i++)
+		mch_conn_free(&w->conns[i]);
+	free(w->conns);
+	free(w->peers);
+	w->conns = NULL;
+	w->peers = NULL;
+}
