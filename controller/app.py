@@ -29,6 +29,7 @@ from os_ken.ofproto import ofproto_v1_4
 
 from vfab.controller import engine
 from vfab.controller.config import ControllerConfig
+from vfab.controller.datapath import Datapath, DatapathError
 from vfab.controller.ofconn import OFConn, OpError, install_raw_flow_stats
 from vfab.controller.report import COUNTED, Reporter, counters_from_stats
 from vfab.vid.registry import Registry, schema
@@ -64,8 +65,12 @@ class VfabController(app_manager.OSKenApp):
         self.verified: set[int] = set()   # switches an audit found as committed since their last commit
         self.parsed: dict = {}            # records parsed in earlier rounds (reconcile thread only)
         self.generation: dict[int, int] = {}  # per switch, bumped whenever ``installed`` changes
+        self.datapath = Datapath(self.config.ovs_rundir) if self.config.datapath_wait else None
+        self.datapath_problem = ""          # logged once per distinct reason
+        self.to_report: list = []           # (Report, committed at), published by _report_loop
+        self.report_cv = threading.Condition()
         self.threads = [hub.spawn(self._watch_loop), hub.spawn(self._reconcile_loop),
-                        hub.spawn(self._poll_loop)]
+                        hub.spawn(self._poll_loop), hub.spawn(self._report_loop)]
 
     # -- etcd -------------------------------------------------------------
     def _watch_loop(self) -> None:
@@ -134,13 +139,55 @@ class VfabController(app_manager.OSKenApp):
         failed = set()
         for step in rnd.steps:
             if isinstance(step, engine.Pause):
-                hub.sleep(step.seconds)
+                self._pause(step)
             elif not self._apply(step, snapshot.get(step.dpid), rnd.revision):
                 failed.add(step.dpid)
-        # Reported only once every switch has its bundle: the reports must not delay a cut-over.
-        for rep in rnd.reports:
-            if rep.dpid not in failed and rep.dpid in self.installed:
-                self.reporter.applied(rep.dpid, rep.revision, rep.flows, rep.groups)
+        # Reported once every switch has its bundle and (_report_loop) the datapath follows: the reports
+        # never delay a cut-over or the next round.
+        committed = time.time()
+        reports = [(rep, committed) for rep in rnd.reports if rep.dpid not in failed and rep.dpid in self.installed]
+        if reports:
+            with self.report_cv:
+                self.to_report.extend(reports)
+                self.report_cv.notify()
+
+    def _datapath_pass(self) -> bool:
+        """Wait for a whole revalidation pass of the local daemon; False if it cannot be had."""
+        if self.datapath is None:
+            return False
+        try:
+            took = self.datapath.wait_pass(self.config.datapath_timeout)
+            if self.datapath_problem:
+                log.info("datapath: %s answers again", self.datapath.daemon)
+                self.datapath_problem = ""
+            log.debug("datapath: revalidation pass in %.1f ms", took * 1e3)
+            return True
+        except DatapathError as exc:
+            if str(exc) != self.datapath_problem:
+                log.warning("datapath: %s; 'applied' reports mean the tables were committed, not that traffic "
+                            "follows them yet", exc)
+                self.datapath_problem = str(exc)
+            return False
+
+    def _pause(self, step: engine.Pause) -> None:
+        """Before the next switch of a hop-by-hop path turns: this one's datapath must follow its tables."""
+        if not self._datapath_pass():
+            hub.sleep(step.seconds)
+
+    def _report_loop(self) -> None:
+        while True:
+            with self.report_cv:
+                while not self.to_report:
+                    self.report_cv.wait()
+                batch, self.to_report = self.to_report, []
+            try:
+                confirmed = self._datapath_pass()
+                for rep, committed in batch:
+                    if rep.dpid in self.installed and self.reporter.reported.get(rep.dpid, -1) < rep.revision:
+                        self.reporter.applied(rep.dpid, rep.revision, rep.flows, rep.groups, committed=committed,
+                                              datapath=confirmed)
+            except Exception:  # a bug must not stop reporting for good
+                log.exception("publishing applied revisions failed")
 
     def _apply(self, step: engine.Commit, seen, rev: int) -> bool:
         """Bring one switch to ``step.want`` in one bundle; True if it now holds it."""

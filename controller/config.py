@@ -24,7 +24,10 @@ class ControllerConfig:
     listen: str = "127.0.0.1"          # OpenFlow listen address
     port: int = 6653                   # OpenFlow TCP port
     poll: float = 2.0                  # seconds between counter polls
-    settle_ms: float = 5.0             # pause between switches when a route moves (OVS revalidation lag)
+    settle_ms: float = 5.0             # pause between switches of a hop-by-hop path when the datapath cannot be asked
+    datapath_wait: bool = True         # ask the local ovs-vswitchd when its datapath follows the tables (controller/datapath.py)
+    datapath_timeout: float = 5.0      # seconds to wait for a revalidation pass before going on regardless
+    ovs_rundir: str = "/var/run/openvswitch"   # where the local ovs-vswitchd's pid file and control socket are
     audit_polls: int = 10              # counter polls between full-table audits
     bundle_timeout: float = 30.0       # seconds to wait for a bundle commit or a dump
     verbose: bool = False              # debug logging
@@ -50,6 +53,10 @@ class ControllerConfig:
             raise ConfigError(f"poll period {self.poll} s is out of range: 0.05..3600 s")
         if not 0 <= self.settle_ms <= 1000:
             raise ConfigError(f"settle pause {self.settle_ms} ms is out of range: 0..1000 ms")
+        if not 0.1 <= self.datapath_timeout <= 60:
+            raise ConfigError(f"datapath_timeout {self.datapath_timeout} s is out of range: 0.1..60 s")
+        if not self.ovs_rundir.startswith("/"):
+            raise ConfigError(f"ovs_rundir {self.ovs_rundir!r} must be an absolute path, e.g. /var/run/openvswitch")
         if not 1 <= self.audit_polls <= 100000:
             raise ConfigError(f"audit_polls {self.audit_polls} is out of range: 1..100000 counter polls")
         if not 1 <= self.bundle_timeout <= 3600:

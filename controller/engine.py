@@ -7,9 +7,12 @@ has read, the flows and groups it holds; it returns a ``Round``:
 - ``steps``: ``Commit(dpid, plan, want)`` — one atomic bundle bringing that
   switch to ``want`` — in the order that loses no frame at a cut-over
   (switches without a route change first, then nearest-to-the-new-owner
-  first), with ``Pause(seconds)`` after a switch whose VID routes changed if
-  another switch follows (OVS keeps serving cached datapath flows for a few
-  ms after a commit; the next switch on the path must not turn before that);
+  first), with ``Pause(seconds)`` after a switch whose changed VID routes go
+  hop by hop (an rx=bpf/promisc owner: the VID stays on the wire, so the next
+  switch on the path must not turn before this one's datapath did) if another
+  switch follows.  Routes to rx=ovs owners need no pause: the first switch
+  rewrites the frame to the owner's MAC, so every frame is consistent on its
+  own (fabric/compiler.py);
 - ``reports``: ``Report(dpid, revision, flows, groups)`` for every switch the
   round brings up to date, to publish only after every step ran (reports
   must not delay a cut-over), and only for switches whose commit succeeded;
@@ -42,6 +45,8 @@ class Commit:
 
 @dataclass(frozen=True)
 class Pause:
+    """Before the next switch turns: the last one's datapath must follow its tables (the app waits for a
+    revalidation pass where it can ask the switch's daemon, else ``seconds``)."""
     seconds: float
 
 
@@ -100,13 +105,31 @@ def _plan_round(items: dict[str, bytes], revision: int, installed: dict[int, Ins
     for i, dpid in enumerate(order):
         plan = plans[dpid]
         out.steps.append(Commit(dpid, plan, out.configs[dpid]))
-        if settle > 0 and i + 1 < len(order) and any(dest_of(f.cookie) is not None for f in plan.add_flows):
+        if settle > 0 and i + 1 < len(order) and any(dest_of(f.cookie) is not None
+                                                      and _hop_by_hop(f, out.configs[dpid]) for f in plan.add_flows):
             out.steps.append(Pause(settle))
     for dpid in sorted(plans):
         if reported.get(dpid, -1) < revision:
             want = out.configs[dpid]
             out.reports.append(Report(dpid, revision, len(want.flows), len(want.groups)))
     return out
+
+
+def _hop_by_hop(flow, cfg: SwitchConfig) -> bool:
+    """True if some copy of the flow's frames leaves this switch still addressed to the VID."""
+    def plain(actions) -> bool:
+        rewritten = False
+        for a in actions:
+            if a[0] == "set_eth_dst":
+                rewritten = True
+            elif a[0] == "output" and not rewritten:
+                return True
+            elif a[0] == "group":
+                g = cfg.groups.get(a[1])
+                if g is None or any(plain(b.actions) for b in g.buckets):
+                    return True
+        return False
+    return plain(flow.actions)
 
 
 def replan(want: SwitchConfig, installed: Installed) -> Plan:

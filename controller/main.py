@@ -25,8 +25,14 @@ def parse_config(argv: list[str] | None = None) -> tuple[ControllerConfig, bool]
     ap.add_argument("--port", type=int, help=f"OpenFlow TCP port (default {d.port})")
     ap.add_argument("--poll", type=float, help=f"seconds between counter polls (default {d.poll})")
     ap.add_argument("--settle-ms", type=float,
-                    help=f"pause between switches when a route moves (OVS datapath revalidation lag; "
-                         f"default {d.settle_ms})")
+                    help=f"pause between the switches of a hop-by-hop path (rx=bpf/promisc owners) when the "
+                         f"datapath cannot be asked (default {d.settle_ms})")
+    ap.add_argument("--no-datapath-wait", dest="datapath_wait", action="store_false", default=None,
+                    help="do not ask the local ovs-vswitchd when its datapath follows the tables ('applied' "
+                         "then means the tables were committed; see controller/datapath.py)")
+    ap.add_argument("--datapath-timeout", type=float,
+                    help=f"seconds to wait for a revalidation pass (default {d.datapath_timeout})")
+    ap.add_argument("--ovs-rundir", help=f"the local ovs-vswitchd's run directory (default {d.ovs_rundir})")
     ap.add_argument("--audit-polls", type=int, help=f"counter polls between full-table audits (default {d.audit_polls})")
     ap.add_argument("--bundle-timeout", type=float,
                     help=f"seconds to wait for a bundle commit or a table dump (default {d.bundle_timeout})")
@@ -43,6 +49,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ControllerConfig, bool]
                 raise ConfigError(f"cannot read {args.config}: {exc.strerror}") from None
         cfg = cfg.merged(etcd=args.etcd, listen=args.listen, port=args.port, poll=args.poll,
                          settle_ms=args.settle_ms, audit_polls=args.audit_polls,
+                         datapath_wait=args.datapath_wait, datapath_timeout=args.datapath_timeout,
+                         ovs_rundir=args.ovs_rundir,
                          bundle_timeout=args.bundle_timeout, verbose=args.verbose)
     except ConfigError as exc:
         ap.error(str(exc))

@@ -53,10 +53,12 @@ class Reporter:
         self._lease_stop = None
         self.reported: dict[int, int] = {}   # dpid -> last revision reported applied
 
-    def applied(self, dpid: int, revision: int, flows: int, groups: int) -> bool:
-        """Publish that ``dpid`` holds ``revision``; False (logged) if etcd refused."""
+    def applied(self, dpid: int, revision: int, flows: int, groups: int, committed: float = 0.0,
+                datapath: bool = False) -> bool:
+        """Publish that ``dpid`` holds ``revision`` (see ``schema.Applied``); False (logged) if etcd refused."""
         try:
-            rec = schema.Applied(dpid=dpid, revision=revision, flows=flows, groups=groups, at=self.clock())
+            rec = schema.Applied(dpid=dpid, revision=revision, flows=flows, groups=groups, at=self.clock(),
+                                 committed=committed or self.clock(), datapath=datapath)
             self.registry.put(schema.applied_key(dpid), rec.to_json())
             self.reported[dpid] = revision
             return True

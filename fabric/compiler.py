@@ -7,13 +7,19 @@ endpoints own (priority 300); anything else from it is dropped and counted
 (200).  Trunk ports are trusted (300).  Front doors sit at 400.  Unregistered
 ports go on to table 1 (priority 0).
 
-table 1 (route): one masked ``eth_dst`` match per range block (1000) → the
-owner's port with ``eth_dst`` rewritten to its MAC on the last hop (for
-``rx=ovs`` endpoints), or the next hop towards it; mirrors → group ``all``
-(one bucket per distinct out port: OVS drops output to the in-port, so a tree
-never duplicates); helpers → group ``select`` at the first switch, one bucket
-per helper, rewritten to the helper's MAC.  Known host MACs (500) → their port.  VIDs of no
-live range (10) → the miss policy.  Everything else (0) → NORMAL.
+table 1 (route): one masked ``eth_dst`` match per range block (1000) → towards
+the owner.  For ``rx=ovs`` endpoints the *first* switch rewrites ``eth_dst`` to
+the owner's MAC and host routes carry the frame from there: the switch where a
+frame enters decides its whole path, so a cut-over is consistent per packet
+however far the other switches' datapaths lag their tables (a frame goes to
+the old owner or to the new one, never into a half-turned path), and transit
+switches hold nothing a cut-over changes.  (DESIGN.md §3 rewrote at the last
+hop; the README, "Cut-overs on a busy switch", says why.)  ``rx=bpf``/``promisc``
+endpoints need the VID on the wire: they are reached hop by hop (next hop
+towards them, the VID kept).  Mirrors → group ``all`` (one bucket per
+endpoint); helpers → group ``select`` at the first switch, one bucket per
+helper, rewritten to the helper's MAC.  Known host MACs (500) → their port.
+VIDs of no live range (10) → the miss policy.  Everything else (0) → NORMAL.
 
 Front doors (``fabric/frontdoor.py``): per service, per registered host (its
 port and MAC; never a trunk), a 400 flow that rewrites a real protocol's frames to the service's VIDs and goes on to
@@ -48,16 +54,17 @@ _mac = functools.lru_cache(maxsize=65536)(codec.mac_to_int)  # endpoint MACs rec
 
 
 def _deliver(sw: int, ep_hosts: list, hops: dict) -> list[tuple]:
-    """Distinct action lists reaching each (endpoint, host) from switch sw."""
+    """Distinct action lists reaching each (endpoint, host) from switch sw.
+
+    rx=ovs: the endpoint's MAC replaces the VID here, whichever hop this is (host routes do the rest);
+    otherwise the VID stays and the frame goes to the next hop (or the endpoint's port).
+    """
     outs: dict[tuple, None] = {}
     for ep, host in ep_hosts:
-        if host.dpid == sw:
-            acts = (("output", host.port),) if ep.rx != "ovs" else (
-                ("set_eth_dst", _mac(ep.mac)), ("output", host.port))
-        elif (sw, host.dpid) in hops:
-            acts = (("output", hops[(sw, host.dpid)]),)
-        else:
+        port = host.port if host.dpid == sw else hops.get((sw, host.dpid))
+        if port is None:
             continue
+        acts = (("output", port),) if ep.rx != "ovs" else (("set_eth_dst", _mac(ep.mac)), ("output", port))
         outs[acts] = None
     return list(outs)
 

@@ -7,6 +7,8 @@ a chain, H hosts each).  Switch names ``vfbsN``, hosts ``vfhN``.
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 from dataclasses import dataclass, field
 from functools import partial
@@ -67,6 +69,39 @@ class TopoSpec:
         return [*self.switches, *(h for h, _ in self.hosts), CONTROLLER_NAME]
 
 
+RMEM_PATH = "/proc/sys/net/core/rmem_default"
+PORT_RCVBUF = 8 << 20   # bytes of receive buffer for each port the userspace datapath reads
+
+
+@contextlib.contextmanager
+def _port_buffers():
+    """Give the datapath's port sockets room: ``net.core.rmem_default`` raised while the ports are added.
+
+    The userspace datapath reads each veth through an AF_PACKET socket sized by rmem_default when the
+    port is added (212,992 B here: ~270 small frames).  While ovs-vswitchd's main thread is held up (a
+    revalidator evicting thousands of flows, a large bundle), every port's frames queue there, and past
+    that the kernel drops them silently: with 30 k+ cached flows clients lost bursts of 50-670 frames
+    (25-340 ms of traffic) with no change to their own routes (bench/reroute_busy.py).  8 MiB holds
+    about a second of such traffic.  Restored right after (a machine-wide setting).
+    """
+    try:
+        with open(RMEM_PATH) as fh:
+            old = int(fh.read())
+    except (OSError, ValueError):
+        yield
+        return
+    if old >= PORT_RCVBUF:
+        yield
+        return
+    with open(RMEM_PATH, "w") as fh:
+        fh.write(str(PORT_RCVBUF))
+    try:
+        yield
+    finally:
+        with open(RMEM_PATH, "w") as fh:
+            fh.write(str(old))
+
+
 def build(spec: TopoSpec, controller_port: int, on_node=None):
     """Build and start a Mininet net for ``spec``; returns the Mininet object.
 
@@ -100,7 +135,8 @@ def build(spec: TopoSpec, controller_port: int, on_node=None):
     for a, b in spec.links:
         net.addLink(a, b)
     net.build()
-    net.start()
+    with _port_buffers():
+        net.start()  # batch=True: every port is added here, in one ovs-vsctl call
     for h in net.hosts:
         for intf in h.intfList():
             # The userspace datapath never completes partial checksums (TESTBED-NOTES.md).

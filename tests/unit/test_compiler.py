@@ -155,6 +155,29 @@ def test_reassigning_a_range_changes_delivery():
     assert epochs == {2}
 
 
+@pytest.mark.parametrize("s1_new, s2_new", [(True, False), (False, True)])
+def test_a_cut_over_is_consistent_per_packet_while_switches_disagree(s1_new, s2_new):
+    """A range moves e1 (h2 on s1) -> e3 (h4 on s2), both rx=ovs.  Each switch turns atomically, but
+    not at the same time (and a datapath lags its tables): with one switch turned and the other not,
+    every frame, whichever switch it enters at, still reaches the old owner or the new one.  (With the
+    rewrite at the last hop, a frame turned towards s2 by s1 met s2's old route back to s1, its own
+    in-port, and was dropped.)"""
+    moved = [(0x000000, 0x3FFFFF, "e3"), *RANGES[1:]]
+    recs = [schema.RangeRec(lo=lo, hi=hi, owner=o, epoch=2 if lo == 0 else 1, state="active" if o else "unassigned")
+            for lo, hi, o in moved]
+    _, old, _ = build()
+    _, new, _ = build(ranges=recs)
+    for back in (False, True):  # the move and the move back
+        a, b = (old, new) if not back else (new, old)
+        mixed = FakeFabric({S1: (b if s1_new else a)[S1], S2: (b if s2_new else a)[S2]}, TRUNK)
+        owners = {(S1, 2, mac_i("h2")), (S2, 2, mac_i("h4"))}
+        for client in ("h1", "h3"):
+            for key in (0, 0x12345, 0x2ABCDE, 0x3FFFFF):
+                got = send(mixed, client, codec.encode(SID, key).value)
+                assert len(got) == 1 and got[0] in owners, f"{client} key {key:#x}: {got}"
+        assert mixed.drop_count() == 0
+
+
 def test_reassigning_to_unassigned_falls_to_miss():
     st, _, fab = build(ranges=[(0, 0x3FFFFF, ""), *RANGES[1:]])
     assert send(fab, "h1", codec.encode(SID, 5).value) == []

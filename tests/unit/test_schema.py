@@ -22,7 +22,7 @@ GOOD = {
     schema.Host: {"mac": MAC, "dpid": 1, "port": 3, "name": "h1"},
     schema.Switch: {"dpid": 1, "name": "s1"},
     schema.Link: {"dpid": 1, "port": 10, "peer_dpid": 2, "peer_port": 11},
-    schema.Applied: {"dpid": 1, "revision": 42, "flows": 17, "groups": 2, "at": 1.5},
+    schema.Applied: {"dpid": 1, "revision": 42, "flows": 17, "groups": 2, "at": 1.5, "committed": 1.25, "datapath": True},
     schema.Counters: {"at": 2.5, "counters": {"7/000000": [10, 640], "deny/3": [1, 64]}},
     schema.OpRec: {"op": "split", "source": "a", "peer": "b", "ranges": [[0, 9]], "phase": "done", "done": 3,
                    "total": 3, "started": 1.0, "updated": 2.0, "error": "", "timings": {"total_s": 0.1},
@@ -47,7 +47,7 @@ WRONG_TYPES = [
     (schema.Switch, "dpid", "0x1"), (schema.Switch, "name", None),
     (schema.Link, "dpid", "1"), (schema.Link, "port", None), (schema.Link, "peer_dpid", 2.0),
     (schema.Link, "peer_port", True),
-    (schema.Applied, "revision", "42"), (schema.Applied, "flows", None), (schema.Applied, "at", "now"),
+    (schema.Applied, "revision", "42"), (schema.Applied, "flows", None), (schema.Applied, "at", "now"), (schema.Applied, "datapath", 1),
 ]
 
 

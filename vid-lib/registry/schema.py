@@ -274,17 +274,24 @@ class Link(Record):
 
 @dataclass
 class Applied(Record):
+    """A switch holds ``revision``: its tables since ``committed``; ``datapath``: its datapath follows them
+    too (a whole revalidation pass of its daemon ended after the commit, at ``at``); False when the
+    controller could not ask the daemon (then ``at`` is only when the report was written)."""
     KIND: ClassVar[str] = "applied"
     dpid: int
     revision: int
     flows: int
     groups: int = 0
     at: float = 0.0
+    committed: float = 0.0
+    datapath: bool = False
 
     def __post_init__(self) -> None:
         for n in ("dpid", "revision", "flows", "groups"):
             _need("applied", n, getattr(self, n), int)
-        _need("applied", "at", self.at, (int, float))
+        for n in ("at", "committed"):
+            _need("applied", n, getattr(self, n), (int, float))
+        _need("applied", "datapath", self.datapath, bool)
 
 
 OP_KINDS = ("split", "move", "mirror")
