@@ -9,7 +9,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCHES = ["reroute.py", "reroute_busy.py", "flow_install.py", "routing_overhead.py", "filtered_receive.py", "kvs_throughput.py",
-           "kvs_ops.py"]
+           "kvs_ops.py",
+           "helper_batching.py"]
 
 
 def main() -> int:

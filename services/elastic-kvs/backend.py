@@ -19,7 +19,7 @@ from vfab.vid.state.backend import BackendError, BadRequest, Refusal, Request
 
 def open_backend(datadir: str, name: str) -> "KvsBackend":
     """The backend of endpoint ``name``, its store at DATADIR/NAME.sqlite."""
-    return KvsBackend(Store(os.path.join(datadir, f"{name}.sqlite"), background_checkpoints=True))
+    return KvsBackend(Store(os.path.join(datadir, f"{name}.sqlite")))
 
 
 GET_OP = bytes([Op.GET])

@@ -43,7 +43,6 @@ REC = struct.Struct("!HIQHBB")
 PAIR = struct.Struct("!QQ")
 TOMBSTONE = 1
 DROP_CHUNK = 4000  # records deleted per transaction (a drop never holds the write lock for long)
-CHECKPOINT_EVERY = 0.05   # s between background checkpoints (see Store(background_checkpoints=True))
 
 
 class StoreError(KvsError, BackendError):
@@ -113,52 +112,13 @@ def recent_add(recent: bytes, client: int, reqid: int) -> bytes:
     return (recent + PAIR.pack(client, reqid))[-RECENT_MAX * PAIR.size:]
 
 
-class _Checkpointer(threading.Thread):
-    """Moves the write-ahead log into the database file in the background (PASSIVE: writers go on).
-
-    Left to SQLite, the commit that pushes the log past 1000 pages runs the checkpoint itself (copy
-    ~4 MB, fsync the database file): on a server that is the batch of requests that happened to commit,
-    stalled 20-50 ms, and during a bulk copy it happened every ~4,000 records.
-    """
+class Store:
+    """One SQLite database per server; each thread gets its own connection."""
 
     def __init__(self, path: str):
-        super().__init__(name=f"checkpoint-{os.path.basename(path)}", daemon=True)
-        self.path = path
-        self.stop = threading.Event()
-        self.error = ""
-
-    def run(self) -> None:
-        conn = None
-        try:
-            conn = sqlite3.connect(self.path, isolation_level=None, timeout=0, check_same_thread=False)
-            while not self.stop.wait(CHECKPOINT_EVERY):
-                try:
-                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-                    self.error = ""
-                except sqlite3.Error as exc:  # e.g. the disk is full: retried; the log just grows meanwhile
-                    if str(exc) != self.error:
-                        log.warning("%s: background checkpoint failed: %s", self.path, _why(exc, self.path))
-                    self.error = str(exc)
-        except sqlite3.Error as exc:
-            log.error("%s: background checkpoints stopped: %s", self.path, _why(exc, self.path))
-        finally:
-            if conn is not None:
-                conn.close()
-
-
-class Store:
-    """One SQLite database per server; each thread gets its own connection.
-
-    ``background_checkpoints``: a thread of its own moves the log into the database file, so no commit
-    ever does (a server's store); otherwise SQLite's automatic checkpoints (tools, tests).
-    """
-
-    def __init__(self, path: str, background_checkpoints: bool = False):
         self.path = path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._local = threading.local()
-        self._checkpointer: _Checkpointer | None = None
-        self._background = background_checkpoints
         old = self.db.execute("SELECT sql FROM sqlite_master WHERE name='kv'").fetchone()
         if old is not None and "WITHOUT ROWID" in old[0]:
             log.warning("%s: converting the store to the current layout (one transaction)", path)
@@ -166,9 +126,6 @@ class Store:
         elif old is not None and "gen INTEGER" not in old[0]:
             self.db.execute("ALTER TABLE kv ADD COLUMN gen INTEGER NOT NULL DEFAULT 0")
         self.db.executescript(SCHEMA + "DROP INDEX IF EXISTS kv_vkey;")   # kv_vkey_gen replaces it
-        if background_checkpoints:
-            self._checkpointer = _Checkpointer(path)
-            self._checkpointer.start()
 
     @property
     def db(self) -> sqlite3.Connection:
@@ -178,8 +135,6 @@ class Store:
                 conn = sqlite3.connect(self.path, isolation_level=None, timeout=30, check_same_thread=False)
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute("PRAGMA synchronous=FULL")
-                if self._background:
-                    conn.execute("PRAGMA wal_autocheckpoint=0")
             except sqlite3.Error as exc:
                 raise KvsError(f"cannot open the store {self.path}: {exc}; check the --data directory") from None
             self._local.conn = conn
@@ -380,11 +335,6 @@ class Store:
         return total
 
     def close(self) -> None:
-        """Close this thread's connection (and stop the background checkpoints)."""
-        if self._checkpointer is not None:
-            self._checkpointer.stop.set()
-            self._checkpointer.join(5)
-            self._checkpointer = None
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()

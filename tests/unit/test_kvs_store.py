@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -583,34 +582,3 @@ def test_sync_keeps_the_locks_so_another_process_never_deletes_the_live_wal(tmp_
         assert again.row(b"k2") == (b"v2", 1, again.row(b"k2")[2])
     finally:
         again.close()
-
-
-@pytest.mark.parametrize("background", [False, True])
-def test_checkpoints_run_in_the_background_not_in_commits(tmp_path, background):
-    """SQLite alone moves the log into the database file inside the commit that crosses 1000 pages;
-    with background checkpoints no commit does (the file grows only once the checkpointer runs)."""
-    path = str(tmp_path / "bg.sqlite")
-    s = Store(path, background_checkpoints=background)
-    if background:  # hold the checkpointer off: only a commit could checkpoint now
-        s._checkpointer.stop.set()
-        s._checkpointer.join()
-        s._checkpointer = None
-    for part in range(3):
-        s.begin()
-        for i in range(2000):  # ~2 MB per commit, 6 MB in all: past 1000 pages of log
-            s.write(b"k%d-%05d" % (part, i), bytes(1000), 1, i)
-        s.commit()
-    size = os.path.getsize(path)
-    if not background:
-        assert size > 3 * 1024 * 1024, size
-        s.close()
-        return
-    assert size < 1024 * 1024, f"a commit checkpointed: the database file is {size} B"
-    s2 = Store(path, background_checkpoints=True)   # s stays open: closing the last connection checkpoints
-    deadline = time.monotonic() + 5
-    while os.path.getsize(path) < 5 * 1024 * 1024 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert os.path.getsize(path) > 5 * 1024 * 1024, "the background checkpointer did not move the log"
-    assert s2.row(b"k2-01999")[0] == bytes(1000)
-    s2.close()
-    s.close()
