@@ -16,6 +16,7 @@ import logging
 
 import click
 
+import vfab.services.sdhcp.plugin  # noqa: F401  (registers kind sdhcp; vid-lib's BUILTIN lists echo, elastic-kvs)
 from vfab.cli import cmd_fabric, cmd_flows, cmd_ranges, cmd_state
 from vfab.cli.common import Ctx
 from vfab.vid import plugin

@@ -2,7 +2,7 @@
 
 Unmodified DHCPv4 clients (udhcpc, dhclient, dhcpcd) reach it through a front
 door that steers ``udp,tp_dst=67`` by the low 24 bits of the client MAC to the
-shard owning that key range.  What exists so far is the protocol layer:
+shard owning that key range.  The protocol layer:
 
 ``wire``
     the DHCP/BOOTP message format (RFC 2131/2132, overload, RFC 3396 long
@@ -15,6 +15,10 @@ shard owning that key range.  What exists so far is the protocol layer:
 ``errors``
     ``DhcpError``, the one exception the above raise for bad input.
 
-The server, its shards, leases and the front door are still to be built
-(see README.md).
+The server: ``config`` (pool options), ``pool`` (which shard may hand out
+which address), ``store`` (durable leases and their state records),
+``backend`` (RFC 2131 on the stateful-endpoint loop), ``frames`` and ``port``
+(DHCP and ARP on a shard's data port), ``server`` (``python -m
+vfab.services.sdhcp server``), ``plugin`` and ``cli`` (``vfab sdhcp status``).
+See README.md.
 """

@@ -1,0 +1,394 @@
+"""sdhcp as a backend of the stateful-endpoint loop (``vfab.vid.state``): RFC 2131 server behaviour.
+
+The loop hands it batches of DHCP requests (wrapped by ``frames.py``) whose key
+(the low 24 bits of chaddr) lies in a range this shard owns; a batch is one
+SQLite transaction, fsync'd before any reply leaves, and every lease or
+address row it writes is returned as a record so the loop puts it on every
+mirror (and on a running copy) before the reply leaves either.
+
+Requests (RFC 2131 §4.3):
+
+* DISCOVER -> OFFER: the client's current or last address if it may keep it,
+  else its requested address (option 50) if available, else the first free
+  candidate of ``pool.probe``; the offer is recorded (state offered, held
+  ``OFFER_HOLD``) so the address is not offered to anyone else meanwhile.
+* REQUEST, told apart by §4.3.2: SELECTING (server id set: ours -> ACK or NAK;
+  another server's -> silence), INIT-REBOOT (requested address, no ciaddr),
+  RENEWING (unicast, ciaddr) and REBINDING (broadcast, ciaddr).  The client
+  must hold that address here (else NAK), or, INIT-REBOOT/RENEWING/REBINDING
+  of a client we have no record of: silence.  The ACK extends the lease.
+* RELEASE ends the lease (the address stays associated with the client, so it
+  gets it back while nobody else needed it); DECLINE marks the address
+  declined for ``DECLINE_HOLD``; INFORM is answered with the options only.
+
+Who may hand out what (``pool.py``): an address only by the shard owning its
+home key, with the ``addr`` row written in the same transaction as the
+client's ``lease`` row.  An address whose home key another shard owns (a split
+put the client's key and the address's home on two shards) stays the client's:
+the home shard keeps it reserved as long as it does not own the client's key
+(it cannot tell whether the lease is alive), so the client renews and re-binds
+it at its own shard; the home shard frees it once it owns both again (a merge)
+and the lease is over.  So no address is ever held by two clients.
+
+Bad input is dropped and counted in ``counters`` (``key_of`` refuses it before
+the loop classifies it): unparsable (``malformed``), op 2 (``wrong_op``), not
+Ethernet (``bad_chaddr``), server message types (``wrong_type``), chaddr not
+the frame's Ethernet source (``spoofed``: a port may speak for its own MAC
+only, so no one can exhaust the pool or release another client's lease),
+relayed (giaddr set) from a relay not in ``--opt relays`` (``relayed_dropped``).
+A relayed request from a listed relay is served: its chaddr cannot be checked
+against the frame (the Ethernet source is the relay's), so trusting the relay
+is the operator's decision; the reply goes to giaddr:67 at the relay's MAC.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from dataclasses import dataclass, replace
+from ipaddress import IPv4Address
+from typing import Callable
+
+from vfab.services.sdhcp import frames, ipudp, wire
+from vfab.services.sdhcp.config import Config
+from vfab.services.sdhcp.errors import DhcpError
+from vfab.services.sdhcp.pool import Pool
+from vfab.services.sdhcp.reply import destination, reply, reply_limit
+from vfab.services.sdhcp.store import BOUND, DECLINED, FREE, HELD, NONE, OFFERED, RELEASED, Addr, Lease, Store
+from vfab.services.sdhcp.wire import BOOTREQUEST, HTYPE_ETHERNET, ZERO, Message, MessageType, Opt
+from vfab.vid.codec import KEY_MAX
+from vfab.vid.ranges import FULL, Range
+from vfab.vid.state.backend import BadRequest, Refusal, Request
+
+log = logging.getLogger("vfab.sdhcp.backend")
+
+OFFER_HOLD = 60_000       # ms an offered address stays reserved for the client
+DECLINE_HOLD = 600_000    # ms a declined address is not handed out
+SERVED = {MessageType.DISCOVER, MessageType.REQUEST, MessageType.DECLINE, MessageType.RELEASE,
+          MessageType.INFORM}
+
+
+def open_backend(datadir: str, name: str, config: Config | None = None) -> "SdhcpBackend":
+    """The backend of shard ``name``, its leases at DATADIR/NAME.sqlite (``config`` None: the stored one)."""
+    return SdhcpBackend(Store(os.path.join(datadir, f"{name}.sqlite"), config))
+
+
+@dataclass
+class _Batch:
+    ranges: list          # where this shard may hand out addresses now (owned, not pausing)
+    now: int              # ms since the epoch
+
+    def owns(self, key: int) -> bool:
+        return any(key in r for r in self.ranges)
+
+
+class SdhcpBackend:
+    def __init__(self, store: Store):
+        self.store = store
+        self.config: Config = store.config
+        self.pool: Pool = store.pool
+        self.server = self.config.server
+        self.counters: collections.Counter = collections.Counter()
+        # Set by the server (server.py) to the loop's view: the ranges where addresses may be handed out now,
+        # and the VID a reply leaves from.  Alone (tests), the shard owns everything.
+        self.allocatable: Callable[[], list[Range]] = lambda: [FULL]
+        self.vid_mac: Callable[[int], bytes] = lambda key: bytes([0x0E]) + key.to_bytes(5, "big")
+        self.clock: Callable[[], float] = time.time
+        self._options = self._make_options()
+
+    def _make_options(self) -> dict:
+        c = self.config
+        opts: dict = {Opt.LEASE_TIME: c.lease, Opt.RENEWAL_TIME: c.t1, Opt.REBINDING_TIME: c.t2,
+                      Opt.SUBNET_MASK: c.mask}
+        if c.routers:
+            opts[Opt.ROUTER] = list(c.routers)
+        if c.dns:
+            opts[Opt.DNS] = list(c.dns)
+        return opts
+
+    # -- the data path --------------------------------------------------------------------------
+    def _read(self, payload: bytes) -> tuple[bytes, bool, Message]:
+        src, bcast, dhcp = frames.unwrap(payload)
+        return src, bcast, wire.parse(dhcp)
+
+    def key_of(self, payload: bytes) -> int:
+        """The key of a request (chaddr's low 24 bits); BadRequest (counted) for anything not served."""
+        try:
+            src, _, msg = self._read(payload)
+        except DhcpError as exc:
+            self.counters["malformed"] += 1
+            raise BadRequest(str(exc)) from None
+        why = self._refuse(msg, src)
+        if why:
+            self.counters[why[0]] += 1
+            raise BadRequest(why[1])
+        return int.from_bytes(msg.chaddr, "big") & KEY_MAX
+
+    def _refuse(self, msg: Message, src: bytes) -> tuple[str, str] | None:
+        if msg.op != BOOTREQUEST:
+            return "wrong_op", f"op {msg.op} (BOOTREPLY) sent to a server"
+        if msg.htype != HTYPE_ETHERNET or len(msg.chaddr) != 6:
+            return "bad_chaddr", f"hardware type {msg.htype}, {len(msg.chaddr)} B chaddr: only Ethernet is served"
+        if msg.msg_type not in SERVED:
+            return "wrong_type", f"{msg.msg_type.name} is a server's message"
+        if msg.giaddr != ZERO:
+            if msg.giaddr not in self.config.relays:
+                return "relayed_dropped", f"relayed by {msg.giaddr}, not a trusted relay (--opt relays)"
+        elif msg.chaddr != src:
+            return "spoofed", f"chaddr {msg.chaddr.hex()} is not the frame's source {src.hex()}"
+        return None
+
+    def error_reply(self, payload: bytes, refusal: Refusal, message: str) -> None:
+        """DHCP has no error reply: a refused request gets silence and the client retransmits."""
+        return None
+
+    def handle_batch(self, requests: list[Request]) -> tuple[list[bytes | None], list[tuple[int, bytes]]]:
+        ctx = _Batch(list(self.allocatable()), int(self.clock() * 1000))
+        replies: list[bytes | None] = []
+        records: list[tuple[int, bytes]] = []
+        self.store.begin()
+        try:
+            for r in requests:
+                replies.append(self._one(r, ctx, records))
+            self.store.commit()
+        except BaseException:
+            self.store.rollback()
+            raise
+        return replies, records
+
+    def _one(self, r: Request, ctx: _Batch, records: list) -> bytes | None:
+        try:
+            src, bcast, msg = self._read(r.payload)
+        except DhcpError:
+            self.counters["malformed"] += 1
+            return None
+        if self._refuse(msg, src):
+            return None  # counted by key_of
+        c = int.from_bytes(msg.chaddr, "big")
+        lease = self.store.lease(c)
+        t = msg.msg_type
+        if t is MessageType.DISCOVER:
+            out = self._discover(msg, c, r.key, lease, ctx, records)
+        elif t is MessageType.REQUEST:
+            out = self._request(msg, c, r.key, lease, ctx, records, bcast)
+        elif t is MessageType.RELEASE:
+            out = self._release(msg, lease, ctx, records)
+        elif t is MessageType.DECLINE:
+            out = self._decline(msg, c, lease, ctx, records)
+        else:
+            out = self._inform(msg)
+        if out is None:
+            return None
+        try:
+            dest = destination(msg, out, relay_mac=src if msg.giaddr != ZERO else None)
+            return ipudp.Datagram(dest.mac, self.vid_mac(r.key), self.server, dest.ip, 67, dest.port,
+                                  out.serialize(max_size=reply_limit(msg))).serialize()
+        except DhcpError as exc:  # e.g. the client's size limit is below our options
+            self.counters["reply_failed"] += 1
+            log.warning("reply to %s not sent: %s", msg.chaddr.hex(), exc)
+            return None
+
+    # -- addresses ------------------------------------------------------------------------------------
+    def _available(self, c: int, lease: Lease | None, ip: int, ctx: _Batch) -> tuple[bool, Addr | None, Lease | None]:
+        """May client ``c`` have ``ip`` now?  (yes/no, the address row, a stale holder's lease to clear)."""
+        if ip not in self.pool:
+            return False, None, None
+        if not ctx.owns(self.pool.home_of(ip)):
+            # Another shard (or nobody now) may hand it out; it stays ours only if this client holds it.
+            return lease is not None and lease.ip == ip, None, None
+        a = self.store.addr(ip)
+        if a is None or a.state == FREE:
+            return True, a, None
+        if a.state == DECLINED:
+            return a.until <= ctx.now, a, None
+        if a.holder == c:
+            return True, a, None
+        if not ctx.owns(a.holder & KEY_MAX):
+            return False, a, None  # its holder is served elsewhere: kept for it
+        other = self.store.lease(a.holder)
+        if other is not None and other.ip == ip and other.active(ctx.now):
+            return False, a, None
+        return True, a, (other if other is not None and other.ip == ip else None)
+
+    def _allocate(self, c: int, key: int, ctx: _Batch) -> tuple[int | None, Addr | None, Lease | None]:
+        """The first candidate of ``pool.probe`` that is free; failing that, the first whose lease ended."""
+        ended = []
+        for a, b in self.pool.segments(key, ctx.ranges):
+            lo, hi = self.pool.first + a, self.pool.first + b
+            rows = self.store.addrs_between(lo, hi)
+            for ip in range(lo, hi + 1):
+                row = rows.get(ip)
+                if row is None or row.state == FREE or (row.state == DECLINED and row.until <= ctx.now):
+                    return ip, row, None
+                if row.state == HELD and row.holder == c:
+                    return ip, row, None
+                if row.state == HELD and ctx.owns(row.holder & KEY_MAX):
+                    ended.append(row)
+        for row in ended:
+            other = self.store.lease(row.holder)
+            if other is None or other.ip != row.ip or not other.active(ctx.now):
+                return row.ip, row, (other if other is not None and other.ip == row.ip else None)
+        return None, None, None
+
+    def _grant(self, c: int, key: int, lease: Lease | None, ip: int, state: int, expires: int, msg: Message,
+               ctx: _Batch, records: list, a: Addr | None, stale: Lease | None) -> None:
+        """Give ``ip`` to client ``c`` (one transaction with the batch): its lease row, the address row when
+        its home is ours, the old address freed, a stale holder's claim cleared."""
+        st = self.store
+        if lease is not None and lease.ip and lease.ip != ip and ctx.owns(self.pool.home_of(lease.ip)):
+            old = st.addr(lease.ip)
+            if old is not None and old.holder == c and old.state == HELD:
+                _, rec = st.put_addr(replace(old, holder=0, state=FREE, until=0))
+                records.append((self.pool.home_of(old.ip), rec))
+        home = self.pool.home_of(ip)
+        if ctx.owns(home):
+            if a is None:
+                a = st.addr(ip)
+            if a is None or a.holder != c or a.state != HELD:
+                _, rec = st.put_addr(replace(a or Addr(ip), holder=c, state=HELD, until=0))
+                records.append((home, rec))
+        if stale is not None and stale.chaddr != c:
+            _, rec = st.put_lease(replace(stale, ip=0, state=NONE, expires=ctx.now))
+            records.append((stale.vkey, rec))
+            self.counters["reclaimed"] += 1
+        _, rec = st.put_lease(replace(lease or Lease(c), ip=ip, state=state, expires=expires,
+                                      client_id=msg.client_id or b""))
+        records.append((key, rec))
+
+    # -- messages --------------------------------------------------------------------------------------
+    def _discover(self, msg: Message, c: int, key: int, lease: Lease | None, ctx: _Batch,
+                  records: list) -> Message | None:
+        ip = None
+        a = stale = None
+        tries = [lease.ip] if lease is not None and lease.ip else []
+        if msg.requested_ip is not None:
+            tries.append(int(msg.requested_ip))
+        for want in tries:
+            ok, a, stale = self._available(c, lease, want, ctx)
+            if ok:
+                ip = want
+                break
+        if ip is None:
+            ip, a, stale = self._allocate(c, key, ctx)
+        if ip is None:
+            self.counters["pool_exhausted"] += 1
+            return None
+        if lease is not None and lease.ip == ip and lease.state == BOUND and lease.expires > ctx.now:
+            state, expires = BOUND, lease.expires  # a bound client starting over keeps its lease meanwhile
+        else:
+            state, expires = OFFERED, ctx.now + OFFER_HOLD
+        self._grant(c, key, lease, ip, state, expires, msg, ctx, records, a, stale)
+        self.counters["offers"] += 1
+        return reply(msg, MessageType.OFFER, self.server, IPv4Address(ip), options=self._options)
+
+    def _nak(self, msg: Message, why: str) -> Message:
+        self.counters["naks"] += 1
+        return reply(msg, MessageType.NAK, self.server, options={Opt.MESSAGE: why})
+
+    def _request(self, msg: Message, c: int, key: int, lease: Lease | None, ctx: _Batch, records: list,
+                 bcast: bool) -> Message | None:
+        sid, req, ci = msg.server_id, msg.requested_ip, msg.ciaddr
+        net = self.config.network
+        if sid is not None:                                   # SELECTING
+            if sid != self.server:
+                self.counters["other_server"] += 1            # it took another server's offer
+                return None
+            if req is None:
+                self.counters["bad_request"] += 1
+                return None
+            kind, target = "selecting", req
+        elif ci == ZERO:                                      # INIT-REBOOT
+            if req is None:
+                self.counters["bad_request"] += 1
+                return None
+            kind, target = "init_reboot", req
+        else:                                                 # RENEWING (unicast) / REBINDING (broadcast)
+            kind, target = ("rebinding" if bcast else "renewing"), ci
+        if target not in net:
+            return self._nak(msg, f"{target} is not on network {net}")
+        if kind != "selecting":
+            if lease is None or not lease.ip:
+                self.counters["unknown_client"] += 1          # §4.3.2: no record of this client: silence
+                return None
+            if lease.ip != int(target):
+                return self._nak(msg, f"{target} is not this client's address")
+        ok, a, stale = self._available(c, lease, int(target), ctx)
+        if not ok:
+            return self._nak(msg, f"{target} is not available")
+        self._grant(c, key, lease, int(target), BOUND, ctx.now + self.config.lease * 1000, msg, ctx, records, a,
+                    stale)
+        self.counters[kind] += 1
+        self.counters["acks"] += 1
+        return reply(msg, MessageType.ACK, self.server, target, options=self._options)
+
+    def _release(self, msg: Message, lease: Lease | None, ctx: _Batch, records: list) -> None:
+        if msg.server_id is not None and msg.server_id != self.server:
+            self.counters["other_server"] += 1
+        elif lease is not None and lease.ip and lease.ip == int(msg.ciaddr) and lease.state != RELEASED:
+            _, rec = self.store.put_lease(replace(lease, state=RELEASED, expires=ctx.now))
+            records.append((lease.vkey, rec))
+            self.counters["releases"] += 1
+        else:
+            self.counters["release_unknown"] += 1
+        return None
+
+    def _decline(self, msg: Message, c: int, lease: Lease | None, ctx: _Batch, records: list) -> None:
+        ip = msg.requested_ip
+        if ip is None or int(ip) not in self.pool:
+            self.counters["bad_request"] += 1
+            return None
+        ip = int(ip)
+        if lease is not None and lease.ip == ip:
+            _, rec = self.store.put_lease(replace(lease, ip=0, state=NONE, expires=ctx.now))
+            records.append((lease.vkey, rec))
+        home = self.pool.home_of(ip)
+        a = self.store.addr(ip) if ctx.owns(home) else None
+        if a is not None and a.holder == c:  # only the holder can say its address is taken
+            _, rec = self.store.put_addr(replace(a, holder=0, state=DECLINED, until=ctx.now + DECLINE_HOLD))
+            records.append((home, rec))
+        self.counters["declines"] += 1
+        return None
+
+    def _inform(self, msg: Message) -> Message | None:
+        if msg.ciaddr == ZERO or msg.ciaddr not in self.config.network:
+            self.counters["inform_ignored"] += 1
+            return None
+        self.counters["informs"] += 1
+        opts = {k: v for k, v in self._options.items()
+                if k not in (Opt.LEASE_TIME, Opt.RENEWAL_TIME, Opt.REBINDING_TIME)}
+        return reply(msg, MessageType.ACK, self.server, options=opts)
+
+    # -- status -----------------------------------------------------------------------------------------
+    def stats(self, ranges: list[Range]) -> dict:
+        """Counters, and for ``ranges`` (what this shard owns): its slice of the pool and what is in use."""
+        now = int(self.clock() * 1000)
+        use = self.store.usage(ranges, now)
+        slice_size = sum(b - a + 1 for a, b in self.pool.slots(ranges))
+        return {"counters": dict(self.counters), "pool": self.config.describe(), "slice": slice_size, **use}
+
+    # -- state transfer --------------------------------------------------------------------------------
+    def count(self, rng: Range) -> int:
+        return self.store.count(rng)
+
+    def snapshot(self, rng: Range, chunk_bytes: int):
+        return self.store.snapshot(rng, chunk_bytes)
+
+    def begin_copy(self) -> int:
+        return self.store.begin_copy()
+
+    def apply(self, blobs: list[bytes], durable: bool = True, gen: int | None = None) -> int:
+        return self.store.apply(blobs, durable, gen)
+
+    def sync(self) -> None:
+        self.store.sync()
+
+    def drop(self, rng: Range, limit: int | None = None, below_gen: int | None = None) -> int:
+        return self.store.drop(rng, limit, below_gen)
+
+    def keep_only(self, ranges: list[Range]) -> int:
+        return self.store.keep_only(ranges)
+
+
+__all__ = ["SdhcpBackend", "open_backend", "OFFER_HOLD", "DECLINE_HOLD"]

@@ -1,0 +1,206 @@
+"""sdhcp server: one shard of the service = the stateful-endpoint loop + the DHCP backend.
+
+The loop (``vfab.vid.state.loop``) owns batching, holding, forwarding,
+replication and the state operations; :class:`SdhcpLoop` adapts it to DHCP
+without changing it:
+
+* its data port is a :class:`~vfab.services.sdhcp.port.DhcpPort` (DHCP to
+  port 67 and ARP requests instead of vfab frames);
+* each DHCP frame is wrapped into a vfab REQUEST (``frames.wrap``) before the
+  loop classifies it, so a request for a key this shard does not serve is
+  held or forwarded like any other; replies are the backend's complete
+  Ethernet frames, sent as they are, from the VID of the client's key;
+* ARP requests for the virtual server address are answered by the shard that
+  owns the asking MAC's key, with that key's VID (port security lets only the
+  owner source it; a unicast renewal to it meets the front door anyway);
+* the backend hands out addresses only in ranges the shard owns and is not
+  pausing for an operation (``allocatable``);
+* ``STATS`` also carries the backend's counters and pool use (``vfab sdhcp status``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+
+from vfab.services.sdhcp import frames
+from vfab.services.sdhcp.backend import SdhcpBackend, open_backend
+from vfab.services.sdhcp.config import OPTIONS, Config, parse_opts
+from vfab.services.sdhcp.errors import DhcpError
+from vfab.services.sdhcp.pool import subtract
+from vfab.services.sdhcp.port import DhcpPort
+from vfab.vid import codec
+from vfab.vid.envelope import Envelope
+from vfab.vid.frame import ETH_TYPE
+from vfab.vid.ranges import Range
+from vfab.vid.registry import Registry
+from vfab.vid.state.loop import EndpointLoop
+from vfab.vid.state.view import read_view
+
+log = logging.getLogger("vfab.sdhcp.server")
+
+VFAB = ETH_TYPE.to_bytes(2, "big")
+IPV4 = b"\x08\x00"
+ARP = frames.ETH_P_ARP.to_bytes(2, "big")
+
+
+class SdhcpLoop(EndpointLoop):
+    backend: SdhcpBackend
+
+    def __init__(self, registry: Registry, service: str, name: str, iface: str, backend: SdhcpBackend,
+                 netns: str | None = None, ttl: int = 3):
+        super().__init__(registry, service, name, iface, backend, rx="ovs", netns=netns, ttl=ttl)
+        try:
+            vfab_port, self.port = self.port, DhcpPort(iface, "ovs", netns=netns)
+            vfab_port.close()
+        except BaseException:
+            self.close()
+            raise
+        self.server_ip = backend.config.server.packed
+        backend.allocatable = self.allocatable
+        backend.vid_mac = self.vid_mac
+        if not any(d.get("kind") == "dhcp4" for d in self.service.frontdoors):
+            log.warning("%s: service %s has no dhcp4 front door, so no DHCP will reach it: create it with "
+                        "'vfab service add %s --kind sdhcp --opt ...'", name, service, service)
+
+    def vid_mac(self, key: int) -> bytes:
+        return codec.encode(self.service.id, key, layout=self.layout).packed
+
+    def allocatable(self) -> list[Range]:
+        """(loop thread) Ranges whose addresses this shard may hand out now: owned, not paused."""
+        own = [r.range for r in self.view.owned_by(self.name)]
+        return subtract(own, [rng for rng, _ in self.paused.values()])
+
+    # -- the data path, adapted ----------------------------------------------------------------
+    def _handle(self, frames_in: list) -> None:
+        out = []
+        for raw, hops in frames_in:
+            kind = raw[12:14]
+            if kind == VFAB:
+                out.append((raw, hops))          # a request held or forwarded earlier: already wrapped
+            elif kind == IPV4:
+                try:
+                    out.append((frames.wrap(raw, self.port.mac), hops))
+                except DhcpError:
+                    self.backend.counters["bad_frames"] += 1
+            elif kind == ARP:
+                self._arp(raw)
+            else:
+                self.backend.counters["bad_frames"] += 1
+        if out:
+            super()._handle(out)
+
+    def _reply(self, frame, vk, payload) -> None:
+        if payload is not None:
+            self.port.send(payload)              # a complete Ethernet frame built by the backend
+
+    def _arp(self, raw: bytes) -> None:
+        req = frames.parse_arp_request(raw)
+        if req is None or req[2] != self.server_ip:
+            return
+        sha, spa, _ = req
+        key = int.from_bytes(sha, "big") & codec.KEY_MAX
+        rec = self.view.find(key)
+        if rec is None or rec.owner != self.name or not self._authoritative() \
+                or any(key in rng for rng, _ in self.paused.values()):
+            return                               # its owner answers
+        self.port.send(frames.arp_reply(self.vid_mac(key), self.server_ip, sha, spa))
+        self.backend.counters["arp_replies"] += 1
+
+    def _control(self, env: Envelope, ident: bytes = b""):
+        if env.type == "STATS":
+            stats = self.backend.stats([r.range for r in self.view.owned_by(self.name)])
+            mirrored = [r.range for r in self.view.ranges if self.name in r.mirrors]
+            stats["mirrored"] = self.backend.store.usage(mirrored, int(self.backend.clock() * 1000))
+            return env.reply("OK", self.name, counters=dict(self.counters), port=dict(self.port.counters),
+                             sdhcp=stats)
+        return super()._control(env, ident)
+
+
+def parse_opt_list(texts: list[str]) -> dict[str, str]:
+    out = {}
+    for text in texts:
+        name, sep, value = text.partition("=")
+        if not sep or not name:
+            raise DhcpError(f"--opt {text!r} is not NAME=VALUE (e.g. --opt pool=192.168.77.10-192.168.77.250)")
+        out[name] = value
+    return out
+
+
+def open_server(registry: Registry, service: str, name: str, iface: str, datadir: str,
+                config: Config | None = None, netns: str | None = None, ttl: int = 3) -> SdhcpLoop:
+    """An announced sdhcp shard, ready to ``serve``."""
+    backend = open_backend(datadir, name, config)
+    try:
+        return SdhcpLoop(registry, service, name, iface, backend, netns=netns, ttl=ttl)
+    except BaseException:
+        backend.store.close()
+        raise
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = """\
+Serve DHCPv4 (RFC 2131) for the key ranges this shard owns.
+
+Clients are unmodified (udhcpc, dhclient, dhcpcd, ...).  They reach the service
+through its dhcp4 front door: the switch steers each DHCP frame by the low 24
+bits of the client MAC to the shard owning that key.  Shards split, merge, move
+and mirror like any stateful endpoint ('vfab split|merge|move|mirror'), their
+leases and their slice of the pool with them.  Leases are on disk (fsync) and on
+every mirror before the ACK leaves.
+
+Every shard of one service takes the same pool, mask and server options."""
+    p.epilog = "pool options (--opt NAME=VALUE):\n" + "\n".join(f"  {k:<7} {v}" for k, v in OPTIONS.items()) + """
+
+example (shard s1 on testbed host vfh1, owning every key):
+  vfab service add dhcp --kind sdhcp --opt pool=192.168.77.10-192.168.77.250 \\
+      --opt mask=24 --opt server=192.168.77.1
+  python -m vfab.services.sdhcp server --service dhcp --name s1 \\
+      --iface vfh1-eth0 --netns "$(vfab netns vfh1)" --data /var/lib/vfab/sdhcp \\
+      --listen 0-0xffffff --opt pool=192.168.77.10-192.168.77.250 \\
+      --opt mask=24 --opt server=192.168.77.1"""
+    p.add_argument("--etcd", default=os.environ.get("VFAB_ETCD", "127.0.0.1:2379"),
+                   help="etcd HOST:PORT (default: $VFAB_ETCD, else 127.0.0.1:2379)")
+    p.add_argument("--service", required=True, help="service name (create it with 'vfab service add NAME "
+                                                     "--kind sdhcp')")
+    p.add_argument("--name", required=True, help="this shard's name (stable across restarts: its leases' name)")
+    p.add_argument("--iface", required=True, help="data interface (the host port the front door delivers to)")
+    p.add_argument("--netns", default=None, metavar="PATH", help="network namespace of --iface (/proc/PID/ns/net)")
+    p.add_argument("--data", required=True, metavar="DIR", help="directory of the lease store (NAME.sqlite)")
+    p.add_argument("--opt", action="append", default=[], metavar="NAME=VALUE",
+                   help="pool option (repeatable; see below); may be left out when --data already holds this "
+                        "shard's store, whose options are then used")
+    p.add_argument("--listen", action="append", default=[], metavar="LO-HI",
+                   help="take this key range at start (repeatable; only for a fresh service)")
+    p.add_argument("--ttl", type=int, default=3, help="endpoint lease TTL in s: a mirror takes over this long "
+                                                      "after a crash (default 3)")
+
+
+def run(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    opts = parse_opt_list(args.opt)
+    config = parse_opts(opts) if opts else None
+    registry = Registry(args.etcd)
+    loop = None
+    try:
+        loop = open_server(registry, args.service, args.name, args.iface, args.data, config, netns=args.netns,
+                           ttl=args.ttl)
+        for text in args.listen:
+            registry.assign(args.service, Range.parse(text), args.name)
+        if args.listen:
+            loop._set_view(read_view(registry, args.service))
+        owned = [str(r.range) for r in loop.view.owned_by(args.name)]
+        print(f"ready {loop.ctl}", flush=True)
+        log.info("%s: ready; %s; owns %s", args.name, loop.backend.config.describe(), ", ".join(owned) or "nothing yet")
+        loop.serve(stop)
+    finally:
+        if loop is not None:
+            loop.close()
+            loop.backend.store.close()
+        registry.close()
+    return 0

@@ -1,0 +1,424 @@
+"""Durable leases of one sdhcp shard: SQLite in WAL mode, ``synchronous=FULL``, one transaction per batch.
+
+Two kinds of rows, each stored under the VID key that decides who owns it (the
+state layer copies, replicates and drops records by that key):
+
+``lease``  one per client MAC (``chaddr``), under the MAC's key (its low 24
+           bits, the front door's key): the address the client holds or last
+           held, state (offered, bound, released, none), expiry, client id.
+``addr``   one per address ever handed out, under the address's **home key**
+           (``pool.py``): the MAC holding it, state (held, declined, free) and,
+           for a declined address, until when.
+
+An address is handed out only by the shard owning its home key, and only with
+its ``addr`` row written in the same transaction as the client's ``lease``
+row; so ``lease(c).ip == a`` implies ``addr(a).holder == c`` and no two
+clients ever hold one address (the backend keeps this, see ``backend.py``).
+
+State record (what a split, mirror or replication ships; this module owns it)::
+
+    common  length u16 (whole record) | kind u8 (1 lease, 2 addr) | format u8 (1)
+            | pool fingerprint u32 (config.py) | version u64
+    lease   chaddr u64 | ip u32 (0: none) | state u8 | expires ms u64 | client id length u8 | client id
+    addr    ip u32 | holder chaddr u64 (0: none) | state u8 | until ms u64
+
+Applying a record is version-gated per row (a newer version wins; with a copy's
+generation it also wins over any row of an earlier generation), so snapshot
+chunks and live replication may arrive in any order and any number of times.
+A record of another pool (fingerprint) is refused: the shards were started
+with different ``pool``/``mask``/``server`` options.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import struct
+import threading
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+from vfab.services.sdhcp.config import Config, parse_opts
+from vfab.services.sdhcp.errors import DhcpError
+from vfab.services.sdhcp.pool import Pool
+from vfab.vid.codec import KEY_MAX
+from vfab.vid.ranges import Range
+from vfab.vid.state.backend import BackendError
+
+log = logging.getLogger("vfab.sdhcp.store")
+
+HEAD = struct.Struct("!HBBIQ")
+LEASE = struct.Struct("!QIBQB")
+ADDR = struct.Struct("!IQBQ")
+KIND_LEASE, KIND_ADDR = 1, 2
+FORMAT = 1
+MAX_CLIENT_ID = 255
+
+# lease states
+NONE, OFFERED, BOUND, RELEASED = 0, 1, 2, 3
+LEASE_STATES = {NONE: "none", OFFERED: "offered", BOUND: "bound", RELEASED: "released"}
+# addr states
+FREE, HELD, DECLINED = 0, 1, 2
+ADDR_STATES = {FREE: "free", HELD: "held", DECLINED: "declined"}
+
+DROP_CHUNK = 2000
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS lease (chaddr INTEGER PRIMARY KEY, vkey INTEGER NOT NULL, ip INTEGER NOT NULL,
+                                  state INTEGER NOT NULL, expires INTEGER NOT NULL, client_id BLOB NOT NULL,
+                                  version INTEGER NOT NULL, gen INTEGER NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS lease_vkey_gen ON lease (vkey, gen);
+CREATE TABLE IF NOT EXISTS addr (ip INTEGER PRIMARY KEY, vkey INTEGER NOT NULL, holder INTEGER NOT NULL,
+                                 state INTEGER NOT NULL, until INTEGER NOT NULL, version INTEGER NOT NULL,
+                                 gen INTEGER NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS addr_vkey_gen ON addr (vkey, gen);
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value);
+"""
+
+
+class StoreError(DhcpError, BackendError):
+    """The lease store could not read or write, or refused records; the message names the cause and the fix."""
+
+
+def _why(exc: sqlite3.Error, path: str) -> str:
+    text = str(exc)
+    if "full" in text:
+        return f"{text} ({path}): free space on that file system"
+    if "readonly" in text or "read-only" in text:
+        return f"{text} ({path}): the store is read-only; check permissions and mounts"
+    return f"{text} ({path})"
+
+
+@dataclass(frozen=True)
+class Lease:
+    chaddr: int
+    ip: int = 0
+    state: int = NONE
+    expires: int = 0          # ms since the epoch
+    client_id: bytes = b""
+    version: int = 0
+
+    @property
+    def vkey(self) -> int:
+        return self.chaddr & KEY_MAX
+
+    def active(self, now: int) -> bool:
+        return self.ip != 0 and self.state in (OFFERED, BOUND) and self.expires > now
+
+
+@dataclass(frozen=True)
+class Addr:
+    ip: int
+    holder: int = 0
+    state: int = FREE
+    until: int = 0            # ms since the epoch (declined: until then)
+    version: int = 0
+
+
+def pack_lease(fp: int, row: Lease) -> bytes:
+    body = LEASE.pack(row.chaddr, row.ip, row.state, row.expires, len(row.client_id)) + row.client_id
+    return HEAD.pack(HEAD.size + len(body), KIND_LEASE, FORMAT, fp, row.version) + body
+
+
+def pack_addr(fp: int, row: Addr) -> bytes:
+    body = ADDR.pack(row.ip, row.holder, row.state, row.until)
+    return HEAD.pack(HEAD.size + len(body), KIND_ADDR, FORMAT, fp, row.version) + body
+
+
+def unpack(blob: bytes) -> Iterator[tuple[int, Lease | Addr]]:
+    """(fingerprint, row) of every record in a blob; StoreError on anything malformed."""
+    off, end = 0, len(blob)
+    while off < end:
+        if off + HEAD.size > end:
+            raise StoreError(f"truncated sdhcp state record at byte {off}")
+        length, kind, fmt, fp, version = HEAD.unpack_from(blob, off)
+        if fmt != FORMAT:
+            raise StoreError(f"sdhcp state record of format {fmt} at byte {off}: this shard reads format {FORMAT}; "
+                             "run the same vfab release on every shard")
+        if length < HEAD.size or off + length > end:
+            raise StoreError(f"truncated sdhcp state record at byte {off}: it claims {length} B, {end - off} B are left")
+        body = blob[off + HEAD.size:off + length]
+        if kind == KIND_LEASE and len(body) >= LEASE.size:
+            chaddr, ip, state, expires, clen = LEASE.unpack_from(body)
+            if len(body) != LEASE.size + clen or state not in LEASE_STATES or chaddr >> 48:
+                raise StoreError(f"malformed lease record at byte {off}")
+            row: Lease | Addr = Lease(chaddr, ip, state, expires, bytes(body[LEASE.size:]), version)
+        elif kind == KIND_ADDR and len(body) == ADDR.size:
+            ip, holder, state, until = ADDR.unpack_from(body)
+            if state not in ADDR_STATES or holder >> 48:
+                raise StoreError(f"malformed address record at byte {off}")
+            row = Addr(ip, holder, state, until, version)
+        else:
+            raise StoreError(f"unknown or malformed sdhcp state record (kind {kind}, {len(body)} B) at byte {off}")
+        yield fp, row
+        off += length
+
+
+class Store:
+    """One SQLite database per shard; each thread gets its own connection.
+
+    ``config`` None: use the configuration this store was created with (a restarted shard).
+    A store refuses a configuration of another pool (``Config.fingerprint``): its rows were placed by the
+    old pool's home keys.
+    """
+
+    def __init__(self, path: str, config: Config | None = None):
+        self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._local = threading.local()
+        self._exec_script(SCHEMA)
+        row = self._exec("SELECT value FROM meta WHERE name='config'").fetchone()
+        stored = parse_opts(json.loads(row[0])) if row else None
+        if config is None and stored is None:
+            raise StoreError(f"{path} holds no pool configuration and none was given: start the shard with "
+                             "--opt pool=FIRST-LAST --opt mask=N --opt server=ADDR")
+        if config is not None and stored is not None and config.fingerprint != stored.fingerprint:
+            raise StoreError(f"{path} holds the leases of {stored.describe()}, not {config.describe()}: "
+                             "start this shard with the pool, mask and server it was created with, or "
+                             "give it another --data directory")
+        self.config = config or stored
+        if row is None or json.loads(row[0]) != self.config.to_opts():
+            self._exec("INSERT INTO meta (name, value) VALUES ('config', ?) ON CONFLICT(name) DO UPDATE "
+                       "SET value=excluded.value", (json.dumps(self.config.to_opts(), sort_keys=True),))
+        self.pool = Pool(int(self.config.first), self.config.size)
+        self.fp = self.config.fingerprint
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            try:
+                conn = sqlite3.connect(self.path, isolation_level=None, timeout=30, check_same_thread=False)
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=FULL")
+            except sqlite3.Error as exc:
+                raise StoreError(f"cannot open the lease store {self.path}: {exc}; check the --data directory") \
+                    from None
+            self._local.conn = conn
+        return conn
+
+    def _exec(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
+        try:
+            return self.db.execute(sql, args)
+        except sqlite3.Error as exc:
+            raise StoreError(_why(exc, self.path)) from None
+
+    def _exec_script(self, sql: str) -> None:
+        try:
+            self.db.executescript(sql)
+        except sqlite3.Error as exc:
+            raise StoreError(_why(exc, self.path)) from None
+
+    # -- the data path: one transaction per batch ------------------------------------------
+    def begin(self) -> None:
+        self._exec("BEGIN IMMEDIATE")
+
+    def commit(self) -> None:
+        """Commit the batch: with synchronous=FULL the write-ahead log is fsync'd before this returns."""
+        self._exec("COMMIT")
+
+    def rollback(self) -> None:
+        try:
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+        except sqlite3.Error as exc:
+            log.warning("rollback of %s failed: %s", self.path, exc)
+
+    def lease(self, chaddr: int) -> Lease | None:
+        row = self._exec("SELECT ip, state, expires, client_id, version FROM lease WHERE chaddr=?",
+                         (chaddr,)).fetchone()
+        return Lease(chaddr, row[0], row[1], row[2], bytes(row[3]), row[4]) if row else None
+
+    def addr(self, ip: int) -> Addr | None:
+        row = self._exec("SELECT holder, state, until, version FROM addr WHERE ip=?", (ip,)).fetchone()
+        return Addr(ip, *row) if row else None
+
+    def addrs_between(self, lo: int, hi: int) -> dict[int, Addr]:
+        return {r[0]: Addr(*r) for r in self._exec(
+            "SELECT ip, holder, state, until, version FROM addr WHERE ip BETWEEN ? AND ?", (lo, hi))}
+
+    def put_lease(self, row: Lease) -> tuple[Lease, bytes]:
+        """Write ``row`` (inside the open transaction) as the next version of its client's lease."""
+        if len(row.client_id) > MAX_CLIENT_ID:
+            row = replace(row, client_id=row.client_id[:MAX_CLIENT_ID])
+        new = replace(row, version=row.version + 1)
+        self._exec("INSERT INTO lease (chaddr, vkey, ip, state, expires, client_id, version) VALUES (?,?,?,?,?,?,?) "
+                   "ON CONFLICT(chaddr) DO UPDATE SET ip=excluded.ip, state=excluded.state, "
+                   "expires=excluded.expires, client_id=excluded.client_id, version=excluded.version",
+                   (new.chaddr, new.vkey, new.ip, new.state, new.expires, new.client_id, new.version))
+        return new, pack_lease(self.fp, new)
+
+    def put_addr(self, row: Addr) -> tuple[Addr, bytes]:
+        """Write ``row`` (inside the open transaction) as the next version of its address."""
+        new = replace(row, version=row.version + 1)
+        self._exec("INSERT INTO addr (ip, vkey, holder, state, until, version) VALUES (?,?,?,?,?,?) "
+                   "ON CONFLICT(ip) DO UPDATE SET holder=excluded.holder, state=excluded.state, "
+                   "until=excluded.until, version=excluded.version",
+                   (new.ip, self.pool.home_of(new.ip), new.holder, new.state, new.until, new.version))
+        return new, pack_addr(self.fp, new)
+
+    # -- what the shard holds (status) -----------------------------------------------------
+    def usage(self, ranges: list[Range], now: int) -> dict[str, int]:
+        """Leases and addresses in ``ranges``: bound (unexpired), offered, known clients, held/declined addresses."""
+        out = {"bound": 0, "offered": 0, "clients": 0, "held": 0, "declined": 0}
+        for r in ranges:
+            for state, n in self._exec("SELECT state, count(*) FROM lease WHERE vkey BETWEEN ? AND ? AND ip != 0 "
+                                       "AND expires > ? GROUP BY state", (r.lo, r.hi, now)):
+                if state == BOUND:
+                    out["bound"] += n
+                elif state == OFFERED:
+                    out["offered"] += n
+            out["clients"] += self.count(r)
+            for state, n in self._exec("SELECT state, count(*) FROM addr WHERE vkey BETWEEN ? AND ? GROUP BY state",
+                                       (r.lo, r.hi)):
+                if state == HELD:
+                    out["held"] += n
+                elif state == DECLINED:
+                    out["declined"] += n
+        return out
+
+    # -- state transfer ---------------------------------------------------------------------
+    def count(self, rng: Range) -> int:
+        """Clients known in ``rng`` (lease rows): the unit of progress and of load reports."""
+        return self._exec("SELECT count(*) FROM lease WHERE vkey BETWEEN ? AND ?", (rng.lo, rng.hi)).fetchone()[0]
+
+    def snapshot(self, rng: Range, chunk_bytes: int = 256 * 1024) -> Iterator[tuple[bytes, int]]:
+        """(blob, lease records in it) chunks of every lease and address row in ``rng``, from one read."""
+        db = self.db
+        db.execute("BEGIN")
+        try:
+            blob: list[bytes] = []
+            size = n = 0
+            queries = (
+                ("SELECT chaddr, ip, state, expires, client_id, version FROM lease WHERE vkey BETWEEN ? AND ?",
+                 lambda r: pack_lease(self.fp, Lease(r[0], r[1], r[2], r[3], bytes(r[4]), r[5])), 1),
+                ("SELECT ip, holder, state, until, version FROM addr WHERE vkey BETWEEN ? AND ?",
+                 lambda r: pack_addr(self.fp, Addr(*r)), 0),
+            )
+            for sql, pack, weight in queries:
+                for r in db.execute(sql, (rng.lo, rng.hi)):
+                    rec = pack(r)
+                    blob.append(rec)
+                    size += len(rec)
+                    n += weight
+                    if size >= chunk_bytes:
+                        yield b"".join(blob), n
+                        blob, size, n = [], 0, 0
+            if blob:
+                yield b"".join(blob), n
+        finally:
+            db.execute("COMMIT")
+
+    def begin_copy(self) -> int:
+        def run(db: sqlite3.Connection) -> int:
+            row = db.execute("SELECT value FROM meta WHERE name='gen'").fetchone()
+            gen = (row[0] if row else 0) + 1
+            db.execute("INSERT INTO meta (name, value) VALUES ('gen', ?) "
+                       "ON CONFLICT(name) DO UPDATE SET value=excluded.value", (gen,))
+            return gen
+
+        return self._txn(run)
+
+    def apply(self, blobs: list[bytes], durable: bool = True, gen: int | None = None) -> int:
+        """Apply record blobs in one transaction (fsync'd unless ``durable=False``); how many rows won."""
+        leases, addrs = [], []
+        for blob in blobs:
+            for fp, row in unpack(blob):
+                if fp != self.fp:
+                    raise StoreError(f"records of another pool (fingerprint {fp:08x}) reached a shard of "
+                                     f"{self.config.describe()} (fingerprint {self.fp:08x}): start every shard of "
+                                     "the service with the same --opt pool, mask and server")
+                if isinstance(row, Lease):
+                    leases.append(row)
+                else:
+                    if row.ip not in self.pool:
+                        raise StoreError(f"address record for {row.ip:#x} outside the pool of "
+                                         f"{self.config.describe()}")
+                    addrs.append(row)
+        g = gen or 0
+        newer = "excluded.version > {t}.version" + (" OR {t}.gen < excluded.gen" if gen else "")
+
+        def run(db: sqlite3.Connection) -> int:
+            before = db.total_changes
+            db.executemany(
+                "INSERT INTO lease (chaddr, vkey, ip, state, expires, client_id, version, gen) "
+                "VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(chaddr) DO UPDATE SET ip=excluded.ip, state=excluded.state, "
+                "expires=excluded.expires, client_id=excluded.client_id, version=excluded.version, gen=excluded.gen "
+                "WHERE " + newer.format(t="lease"),
+                [(r.chaddr, r.vkey, r.ip, r.state, r.expires, r.client_id, r.version, g) for r in leases])
+            db.executemany(
+                "INSERT INTO addr (ip, vkey, holder, state, until, version, gen) VALUES (?,?,?,?,?,?,?) "
+                "ON CONFLICT(ip) DO UPDATE SET holder=excluded.holder, state=excluded.state, until=excluded.until, "
+                "version=excluded.version, gen=excluded.gen WHERE " + newer.format(t="addr"),
+                [(r.ip, self.pool.home_of(r.ip), r.holder, r.state, r.until, r.version, g) for r in addrs])
+            return db.total_changes - before
+
+        return self._txn(run, durable)
+
+    def _txn(self, fn, durable: bool = True):
+        db = self.db
+        try:
+            if not durable:
+                db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("BEGIN IMMEDIATE")
+            out = fn(db)
+            db.execute("COMMIT")
+            return out
+        except sqlite3.Error as exc:
+            self.rollback()
+            raise StoreError(_why(exc, self.path)) from None
+        except BaseException:
+            self.rollback()
+            raise
+        finally:
+            if not durable:
+                db.execute("PRAGMA synchronous=FULL")
+
+    def sync(self) -> None:
+        """Make every earlier commit durable: fsync the write-ahead log (never open/close the database file
+        itself: closing a descriptor of it drops this process's POSIX locks on it)."""
+        try:
+            fd = os.open(self.path + "-wal", os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise StoreError(f"fsync of {self.path}-wal failed: {exc.strerror}") from None
+        finally:
+            os.close(fd)
+
+    def drop(self, rng: Range, limit: int | None = None, below_gen: int | None = None) -> int:
+        """Forget the rows of ``rng`` (about ``limit`` of them: fewer means none are left); with ``below_gen``
+        only rows of earlier copy generations.  Unsynced: a drop lost to a crash is redone by ``keep_only``."""
+        extra, args = ("", ()) if below_gen is None else (" AND gen < ?", (below_gen,))
+        total = 0
+        for table, key in (("lease", "chaddr"), ("addr", "ip")):
+            while limit is None or total < limit:
+                step = DROP_CHUNK if limit is None else min(DROP_CHUNK, limit - total)
+                n = self._txn(lambda db, table=table, key=key, step=step: db.execute(
+                    f"DELETE FROM {table} WHERE {key} IN (SELECT {key} FROM {table} WHERE vkey BETWEEN ? AND ?"
+                    f"{extra} LIMIT ?)", (rng.lo, rng.hi, *args, step)).rowcount, durable=False)
+                total += n
+                if n < step:
+                    break
+        return total
+
+    def keep_only(self, ranges: list[Range]) -> int:
+        """Forget every row outside ``ranges`` (what a crash left behind); returns how many."""
+        total, lo = 0, 0
+        for r in sorted(ranges, key=lambda r: r.lo):
+            if r.lo > lo:
+                total += self.drop(Range(lo, r.lo - 1))
+            lo = max(lo, r.hi + 1)
+        if lo <= KEY_MAX:
+            total += self.drop(Range(lo, KEY_MAX))
+        return total
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None

@@ -1,0 +1,321 @@
+"""sdhcp's backend and lease store without a network: RFC 2131 conversations, bad input, records, options.
+
+Each request goes through ``key_of`` then ``handle_batch`` exactly as the
+stateful-endpoint loop calls them; replies are parsed back from the Ethernet
+frames the backend builds.  Records returned by a batch are applied to a second
+store (a mirror) to show they carry everything; the ``vfab service add`` path
+and the server's ``--help`` are checked at the end.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from ipaddress import IPv4Address
+
+import pytest
+from click.testing import CliRunner
+
+from vfab.services.sdhcp import frames, ipudp, wire
+from vfab.services.sdhcp.backend import SdhcpBackend
+from vfab.services.sdhcp.config import parse_opts
+from vfab.services.sdhcp.errors import DhcpError
+from vfab.services.sdhcp.port import dhcp_filter
+from vfab.services.sdhcp.store import BOUND, RELEASED, Store, StoreError
+from vfab.services.sdhcp.wire import Message, MessageType, Opt
+from vfab.vid import plugin
+from vfab.vid.codec import KEY_MAX
+from vfab.vid.ranges import Range
+from vfab.vid.state.backend import BadRequest, Request
+
+SERVER = IPv4Address("192.168.77.1")
+OPTS = {"pool": "192.168.77.10-192.168.77.250", "mask": "24", "server": str(SERVER), "router": "192.168.77.254",
+        "dns": "192.168.77.53,192.168.77.54", "lease": "600", "t1": "300", "t2": "525"}
+MAC = bytes.fromhex("025d00200001")
+BCAST = b"\xff" * 6
+
+
+@pytest.fixture
+def backend(tmp_path):
+    b = SdhcpBackend(Store(str(tmp_path / "s1.sqlite"), parse_opts(OPTS)))
+    yield b
+    b.store.close()
+
+
+def dhcp(mtype: MessageType, mac: bytes = MAC, op: int = 1, **kw) -> bytes:
+    opts = {Opt.MSG_TYPE: bytes([mtype]), **kw.pop("opts", {})}
+    return Message(op=op, xid=kw.pop("xid", 0x5EED), chaddr=mac, options=opts, **kw).serialize()
+
+
+def send(b: SdhcpBackend, payload: bytes, src: bytes = MAC, broadcast: bool = True):
+    """(reply Datagram or None, its Message or None, records) for one request."""
+    req = frames.request(src, payload, broadcast)
+    key = b.key_of(req)
+    replies, records = b.handle_batch([Request(req, key, src)])
+    if replies[0] is None:
+        return None, None, records
+    dg = ipudp.parse(replies[0])
+    return dg, wire.parse(dg.payload), records
+
+
+def lease(b: SdhcpBackend, mac: bytes = MAC) -> IPv4Address:
+    _, offer, _ = send(b, dhcp(MessageType.DISCOVER, mac), mac)
+    _, ack, _ = send(b, dhcp(MessageType.REQUEST, mac, opts={Opt.SERVER_ID: SERVER.packed,
+                                                             Opt.REQUESTED_IP: offer.yiaddr.packed}), mac)
+    assert ack.msg_type is MessageType.ACK
+    return ack.yiaddr
+
+
+def test_dora_offers_the_clients_first_choice_with_every_option(backend):
+    dg, offer, records = send(backend, dhcp(MessageType.DISCOVER))
+    pool = backend.pool
+    assert offer.msg_type is MessageType.OFFER and offer.xid == 0x5EED and offer.op == 2
+    assert int(offer.yiaddr) == pool.first + pool.slot(0x200001)            # slot(key): its first choice
+    assert (dg.eth_dst, dg.dst_ip, dg.src_ip, dg.src_port, dg.dst_port) == (MAC, offer.yiaddr, SERVER, 67, 68)
+    assert dg.eth_src == backend.vid_mac(0x200001)                          # from the VID of the client's key
+    assert len(records) == 2                                                # the offer is recorded: lease + address
+    _, ack, records = send(backend, dhcp(MessageType.REQUEST, opts={Opt.SERVER_ID: SERVER.packed,
+                                                                    Opt.REQUESTED_IP: offer.yiaddr.packed}))
+    assert ack.msg_type is MessageType.ACK and ack.yiaddr == offer.yiaddr
+    assert (ack.lease_time, ack.t1, ack.t2, ack.server_id) == (600, 300, 525, SERVER)
+    assert str(ack.subnet_mask) == "255.255.255.0" and ack.routers == [IPv4Address("192.168.77.254")]
+    assert ack.dns_servers == [IPv4Address("192.168.77.53"), IPv4Address("192.168.77.54")]
+    row = backend.store.lease(int.from_bytes(MAC, "big"))
+    assert row.state == BOUND and row.ip == int(offer.yiaddr)
+    assert [k for k, _ in records] == [0x200001]                            # the address row was already held
+
+
+def test_renew_rebind_init_reboot_release_and_back(backend):
+    ip = lease(backend)
+    dg, ack, _ = send(backend, dhcp(MessageType.REQUEST, ciaddr=ip), broadcast=False)          # RENEWING
+    assert ack.msg_type is MessageType.ACK and ack.yiaddr == ip and ack.ciaddr == ip and dg.dst_ip == ip
+    _, ack, _ = send(backend, dhcp(MessageType.REQUEST, ciaddr=ip), broadcast=True)             # REBINDING
+    assert ack.msg_type is MessageType.ACK
+    _, ack, _ = send(backend, dhcp(MessageType.REQUEST, opts={Opt.REQUESTED_IP: ip.packed}))    # INIT-REBOOT
+    assert ack.msg_type is MessageType.ACK and ack.yiaddr == ip
+    other = ip + 1
+    dg, nak, _ = send(backend, dhcp(MessageType.REQUEST, opts={Opt.REQUESTED_IP: other.packed}))
+    assert nak.msg_type is MessageType.NAK and dg.dst_ip == IPv4Address("255.255.255.255") and dg.eth_dst == BCAST
+    _, nak, _ = send(backend, dhcp(MessageType.REQUEST, opts={Opt.REQUESTED_IP: IPv4Address("10.1.1.1").packed}))
+    assert nak.msg_type is MessageType.NAK and "not on network" in nak.message
+    c = backend.counters
+    assert (c["renewing"], c["rebinding"], c["init_reboot"], c["naks"]) == (1, 1, 1, 2)
+    _, none, records = send(backend, dhcp(MessageType.RELEASE, ciaddr=ip, opts={Opt.SERVER_ID: SERVER.packed}))
+    assert none is None and len(records) == 1 and backend.store.lease(int.from_bytes(MAC, "big")).state == RELEASED
+    assert lease(backend) == ip                                             # it gets its address back
+
+
+def test_a_client_unknown_here_gets_silence_and_one_from_another_server_too(backend):
+    mac = bytes.fromhex("02000000abcd")
+    for payload in (dhcp(MessageType.REQUEST, mac, opts={Opt.REQUESTED_IP: IPv4Address("192.168.77.20").packed}),
+                    dhcp(MessageType.REQUEST, mac, ciaddr=IPv4Address("192.168.77.20"))):
+        assert send(backend, payload, mac)[0] is None
+    assert backend.counters["unknown_client"] == 2
+    _, offer, _ = send(backend, dhcp(MessageType.DISCOVER, mac), mac)
+    took_other = dhcp(MessageType.REQUEST, mac, opts={Opt.SERVER_ID: IPv4Address("192.168.77.2").packed,
+                                                      Opt.REQUESTED_IP: offer.yiaddr.packed})
+    assert send(backend, took_other, mac)[0] is None and backend.counters["other_server"] == 1
+
+
+def test_decline_moves_the_client_elsewhere_and_holds_the_address(backend):
+    ip = lease(backend)
+    _, none, records = send(backend, dhcp(MessageType.DECLINE, opts={Opt.REQUESTED_IP: ip.packed,
+                                                                     Opt.SERVER_ID: SERVER.packed}))
+    assert none is None and len(records) == 2
+    again = lease(backend)
+    assert again != ip
+    assert lease(backend, bytes.fromhex("025d00200002")) not in (ip, again)   # same first choice, declined skipped
+
+
+def test_inform_gets_options_only_at_its_address(backend):
+    ci = IPv4Address("192.168.77.5")
+    dg, ack, records = send(backend, dhcp(MessageType.INFORM, ciaddr=ci), broadcast=False)
+    assert ack.msg_type is MessageType.ACK and ack.yiaddr == IPv4Address(0) and ack.lease_time is None
+    assert dg.dst_ip == ci and ack.routers and records == []
+
+
+def test_exhaustion_is_silence_and_counted(tmp_path):
+    b = SdhcpBackend(Store(str(tmp_path / "x.sqlite"), parse_opts({**OPTS, "pool": "192.168.77.10-192.168.77.12"})))
+    got = {lease(b, bytes([2, 0, 0, 0, 0, i])) for i in range(3)}
+    assert len(got) == 3
+    assert send(b, dhcp(MessageType.DISCOVER, bytes([2, 0, 0, 0, 0, 9])), bytes([2, 0, 0, 0, 0, 9]))[0] is None
+    assert b.counters["pool_exhausted"] == 1
+    b.store.close()
+
+
+def test_a_shard_hands_out_only_its_slice(backend):
+    backend.allocatable = lambda: [Range(0, 0x3FFFFF)]
+    pool = backend.pool
+    for i in range(40):
+        mac = bytes([2, 0, 0, 0x10 + i, 0, i])                 # keys 0x10xx00..: all in the owned half
+        ip = lease(backend, mac)
+        assert pool.home_of(int(ip)) <= 0x3FFFFF
+    assert sum(b - a + 1 for a, b in pool.slots([Range(0, 0x3FFFFF)])) == 61
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_is_refused_before_the_loop_classifies_it_and_counted(backend):
+    other = bytes.fromhex("02deadbeef01")
+    cases = [
+        (frames.request(MAC, b"\x01" * 100), "malformed"),
+        (b"\x07" + MAC + b"\x00" + dhcp(MessageType.DISCOVER), "malformed"),           # not our request format
+        (frames.request(MAC, dhcp(MessageType.OFFER, op=2)), "wrong_op"),
+        (frames.request(MAC, dhcp(MessageType.OFFER)), "wrong_type"),
+        (frames.request(MAC, dhcp(MessageType.DISCOVER, mac=MAC + b"\0\0", htype=6)), "bad_chaddr"),
+        (frames.request(other, dhcp(MessageType.DISCOVER)), "spoofed"),               # chaddr is not the source
+        (frames.request(other, dhcp(MessageType.RELEASE, ciaddr=IPv4Address("192.168.77.40"))), "spoofed"),
+        (frames.request(other, dhcp(MessageType.DISCOVER, giaddr=IPv4Address("192.168.77.99"))), "relayed_dropped"),
+    ]
+    for payload, counter in cases:
+        before = backend.counters[counter]
+        with pytest.raises(BadRequest):
+            backend.key_of(payload)
+        assert backend.counters[counter] == before + 1, counter
+    assert backend.error_reply(cases[0][0], None, "x") is None      # DHCP answers bad input with silence
+
+
+def test_a_trusted_relay_is_answered_at_giaddr(tmp_path):
+    b = SdhcpBackend(Store(str(tmp_path / "r.sqlite"), parse_opts({**OPTS, "relays": "192.168.77.99"})))
+    relay_mac = bytes.fromhex("02aaaaaaaaaa")
+    req = dhcp(MessageType.DISCOVER, giaddr=IPv4Address("192.168.77.99"), hops=1)
+    dg, offer, _ = send(b, req, src=relay_mac)
+    assert offer.msg_type is MessageType.OFFER and offer.giaddr == IPv4Address("192.168.77.99")
+    assert (dg.dst_ip, dg.dst_port, dg.eth_dst) == (IPv4Address("192.168.77.99"), 67, relay_mac)
+    b.store.close()
+
+
+def test_key_of_fuzz_raises_only_bad_request(backend):
+    rnd = random.Random(9)
+    good = frames.request(MAC, dhcp(MessageType.DISCOVER, opts={Opt.CLIENT_ID: b"\x01" + MAC}))
+    for i in range(3000):
+        data = bytearray(good)
+        for _ in range(rnd.randint(1, 6)):
+            data[rnd.randrange(len(data))] = rnd.randrange(256)
+        if i % 5 == 0:
+            data = data[:rnd.randrange(len(data))]
+        try:
+            key = backend.key_of(bytes(data))
+        except BadRequest:
+            continue
+        assert 0 <= key <= KEY_MAX
+        replies, _ = backend.handle_batch([Request(bytes(data), key, MAC)])   # and serving it never raises
+    assert sum(backend.counters.values()) > 0
+
+
+def test_frame_wrapping_keeps_what_a_shard_needs():
+    dg = ipudp.Datagram(BCAST, MAC, IPv4Address(0), IPv4Address("255.255.255.255"), 68, 67,
+                        dhcp(MessageType.DISCOVER))
+    raw = dg.serialize()
+    from vfab.vid.frame import parse
+    f = parse(frames.wrap(raw, bytes(6)))
+    assert frames.unwrap(f.payload) == (MAC, True, dg.payload)
+    for bad in (raw[:30], ipudp.Datagram(BCAST, MAC, IPv4Address(0), IPv4Address("255.255.255.255"), 68, 69,
+                                         b"x").serialize(), raw[:-1] + bytes([raw[-1] ^ 0xFF])):
+        with pytest.raises(DhcpError):
+            frames.wrap(bad, bytes(6))
+    arp = BCAST + MAC + b"\x08\x06" + bytes.fromhex("0001080006040001") + MAC + bytes(4) + bytes(6) + SERVER.packed
+    assert frames.parse_arp_request(arp) == (MAC, bytes(4), SERVER.packed)
+    assert frames.parse_arp_request(arp[:6] + bytes(6) + arp[12:]) is None      # sender MAC not the source
+    reply = frames.arp_reply(b"\x0e" * 6, SERVER.packed, MAC, bytes(4))
+    assert len(reply) == 60 and reply[:6] == MAC and reply[20:22] == b"\x00\x02"
+    assert len(dhcp_filter()) == 18
+
+
+# ----------------------------------------------------------------------------- records and stores
+
+
+def test_records_rebuild_every_row_on_a_mirror_in_any_order(backend, tmp_path):
+    records = []
+    for i in range(20):
+        mac = bytes([2, 1, 2, 3, 4, i])
+        _, offer, r1 = send(backend, dhcp(MessageType.DISCOVER, mac), mac)
+        _, _, r2 = send(backend, dhcp(MessageType.REQUEST, mac, opts={Opt.SERVER_ID: SERVER.packed,
+                                                                      Opt.REQUESTED_IP: offer.yiaddr.packed}), mac)
+        records += r1 + r2
+    mirror = Store(str(tmp_path / "m.sqlite"), parse_opts(OPTS))
+    rnd = random.Random(3)
+    shuffled = [blob for _, blob in records] * 2
+    rnd.shuffle(shuffled)
+    mirror.apply(shuffled)
+    dump = "SELECT chaddr, ip, state, expires, version FROM lease ORDER BY chaddr"
+    assert mirror.db.execute(dump).fetchall() == backend.store.db.execute(dump).fetchall()
+    dump = "SELECT ip, holder, state, version FROM addr ORDER BY ip"
+    assert mirror.db.execute(dump).fetchall() == backend.store.db.execute(dump).fetchall()
+    snap = [blob for blob, _ in backend.store.snapshot(Range(0, KEY_MAX), 512)]
+    assert sum(n for _, n in backend.store.snapshot(Range(0, KEY_MAX), 512)) == backend.count(Range(0, KEY_MAX)) == 20
+    assert mirror.apply(snap) == 0                                          # nothing newer: nothing changes
+    assert mirror.drop(Range(0, KEY_MAX), limit=7) == 7 and mirror.drop(Range(0, KEY_MAX)) == 33
+    mirror.close()
+
+
+def test_a_store_refuses_another_pool(backend, tmp_path):
+    _, _, records = send(backend, dhcp(MessageType.DISCOVER))
+    other = Store(str(tmp_path / "o.sqlite"), parse_opts({**OPTS, "pool": "192.168.77.10-192.168.77.200"}))
+    with pytest.raises(StoreError, match="another pool .* same --opt pool, mask and server"):
+        other.apply([blob for _, blob in records])
+    other.close()
+    path = str(tmp_path / "s1.sqlite")
+    with pytest.raises(StoreError, match="holds the leases of pool 192.168.77.10-192.168.77.250"):
+        Store(path, parse_opts({**OPTS, "server": "192.168.77.2"}))
+    again = Store(path)                                          # no options: the stored ones
+    assert again.config.fingerprint == backend.config.fingerprint
+    again.close()
+    with pytest.raises(StoreError, match="holds no pool configuration"):
+        Store(str(tmp_path / "new.sqlite"))
+    with pytest.raises(StoreError, match="malformed|truncated|unknown"):
+        backend.store.apply([records[0][1][:-3]])
+
+
+@pytest.mark.parametrize("opts, message", [
+    ({}, "needs --opt pool"),
+    ({"pool": "192.168.77.10"}, "not a range: write FIRST-LAST"),
+    ({"pool": "192.168.77.50-192.168.77.10"}, "runs backwards"),
+    ({"mask": "255.255.0.255"}, "not a subnet mask"),
+    ({"mask": "33"}, "must be /8 to /30"),
+    ({"mask": "4"}, "must be /8 to /30"),
+    ({"server": "192.168.77.20"}, "inside the pool"),
+    ({"server": "192.168.78.1"}, "outside the subnet"),
+    ({"pool": "192.168.77.0-192.168.77.20"}, "network or broadcast"),
+    ({"router": "192.168.77.30"}, "outside the pool"),
+    ({"lease": "5"}, "out of range: it must be 10..4294967294 seconds"),
+    ({"t1": "500", "t2": "400"}, "must grow strictly"),
+    ({"dns": "1.2.3"}, "not an IPv4 address"),
+    ({"colour": "red"}, "takes no option colour"),
+    ({"pool": "10.0.0.1-10.255.255.254", "mask": "8", "server": "10.0.0.0"}, "limit is 1048576"),
+])
+def test_options_are_checked_with_the_limit_and_the_fix(opts, message):
+    full = {} if opts == {} else {**OPTS, **opts}
+    with pytest.raises(DhcpError, match=message):
+        parse_opts(full)
+
+
+def test_vfab_service_add_checks_sdhcp_options_and_records_the_front_door(registry):
+    from vfab.cli.main import cli
+
+    runner = CliRunner()
+    args = ["--etcd", registry.endpoint, "service", "add"]
+    res = runner.invoke(cli, [*args, "dh", "--kind", "sdhcp", *sum((["--opt", f"{k}={v}"] for k, v in OPTS.items()),
+                                                                    [])])
+    assert res.exit_code == 0, res.output
+    svc = registry.service("dh")
+    assert svc.kind == "sdhcp" and svc.frontdoors == [{"kind": "dhcp4"}]
+    res = runner.invoke(cli, [*args, "dh2", "--kind", "sdhcp", "--opt", "pool=192.168.77.10-192.168.77.250",
+                              "--opt", "mask=24", "--opt", "server=192.168.77.20"])
+    assert res.exit_code == 2 and "inside the pool" in res.output and "move it out of the pool" in res.output
+    assert plugin.get("sdhcp").resolve("key_of")(frames.request(MAC, dhcp(MessageType.DISCOVER))) == 0x200001
+    res = runner.invoke(cli, ["--etcd", registry.endpoint, "sdhcp", "status", "dh"])
+    assert res.exit_code == 0 and "sdhcp dh" in res.output
+
+
+def test_server_help_teaches():
+    out = subprocess.run([sys.executable, "-m", "vfab.services.sdhcp", "server", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    for word in ("front door", "--opt pool=", "server=192.168.77.1", "fsync", "split, merge, move"):
+        assert word in out, word
+    bad = subprocess.run([sys.executable, "-m", "vfab.services.sdhcp", "server", "--service", "x", "--name", "s",
+                          "--iface", "lo", "--data", "/tmp", "--opt", "pool=1.2.3.4", "--opt", "mask=24",
+                          "--opt", "server=1.2.3.1"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "error: --opt pool='1.2.3.4' is not a range" in bad.stderr
