@@ -1,7 +1,7 @@
 """The dhcp4 front door on real OVS + os-ken + etcd in Mininet (``line,2,3``).
 
 Service ``dh`` has a ``dhcp4`` front door and two owners: ``a`` on vfh1
-(vfbs1, rx=ovs: the last hop rewrites to vfh1's MAC) owns the lower half of
+(vfbs1, rx=ovs: the first switch rewrites to vfh1's MAC) owns the lower half of
 the key space, ``b`` on vfh5 (vfbs2, rx=bpf: the VID arrives as is) the upper
 half.  Clients vfh2, vfh3 (vfbs1) and vfh4, vfh6 (vfbs2) send DHCPDISCOVER-like
 broadcasts (built by hand on raw sockets) from their own MAC and from extra
@@ -159,7 +159,7 @@ def where_it_should_go(tb, svc, mac: int) -> tuple[str, int]:
     key = mac & codec.KEY_MAX
     owner = owner_of(tb, key)
     host = OWNERS[owner]
-    if owner == "a":  # rx=ovs: rewritten to the owner's MAC at the last hop
+    if owner == "a":  # rx=ovs: rewritten to the owner's MAC (at the first switch)
         return host, codec.mac_to_int(tb.hosts[host]["mac"])
     return host, codec.encode(svc.id, key).value
 
