@@ -231,7 +231,9 @@ def test_batch_size_and_interval_adapt_to_load(net, helper):
     assert all(r["wrong"] == 0 and r["missed"] == 0 and r["lost"] == 0 for r in res), res
     assert max(seen_s) > 1875, seen_s                            # a batch over 1.25 x 1500 bytes moved S
     assert delta(busy, calm, "conn_0_0_S_moves") > 0 and delta(busy, calm, "close_size") > 0
-    assert min(seen_t) < 200_000, seen_t                        # busy: T came down from its bound
+    # busy: T came down from its bound.  Counted by the helper itself (T only moves when it changes, and it
+    # sat at T_max, so any move is down): sampling the stats file every 50 ms could miss a short dip.
+    assert delta(busy, calm, "conn_0_0_T_moves") > 0, seen_t
     h.run_script(0, [{"payload": b"get k1\r\n".hex()}] * 3)
     assert h.stats()["conn_0_0_T_ns"] == 200_000                 # calm again: back up to the bound
     print(f"S seen {min(seen_s)}..{max(seen_s)} B, T seen {min(seen_t) / 1e3:.0f}..{max(seen_t) / 1e3:.0f} us; "
