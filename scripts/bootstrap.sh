@@ -10,7 +10,8 @@ HERE=$(cd "$(dirname "$0")/.." && pwd)
 DEBS=(openvswitch-switch openvswitch-common mininet etcd-server etcd-client libpcap0.8 libpcap-dev
       tcpdump ethtool iproute2 iputils-ping memcached redis-server python3-venv python3-dev busybox
       isc-dhcp-client dhcpcd-base gcc make libc6-dev
-      dpdk libdpdk-dev meson ninja-build pkg-config libmemcached-tools)
+      dpdk libdpdk-dev meson ninja-build pkg-config libmemcached-tools
+      kea-dhcp4-server kea-ctrl-agent kea-admin dnsmasq-base)
 
 if [ "$(id -u)" != 0 ]; then
   echo "bootstrap: must run as root (it installs Debian packages and creates network namespaces)" >&2
@@ -24,6 +25,13 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "bootstrap: installing Debian packages: ${missing[*]}"
   apt-get update -qq
+  # Packages such as kea-dhcp4-server ship system services: the project runs its own
+  # instances inside its namespaces, so none may start on the host while installing.
+  policy=/usr/sbin/policy-rc.d
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' > "$policy"; chmod +x "$policy"
+    trap 'rm -f "$policy"' EXIT
+  fi
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
