@@ -100,6 +100,10 @@ def configuration(tb: Testbed, n: int, placement: str, rep: int, load_s: float) 
         op["load"] = {"ops": len(rows), "median_ms": s.get("median_ms"), "p99_ms": s.get("p99_ms"),
                       "max_ms": s.get("max_ms"),
                       "failed": sum(1 for h in rows if h[6] not in ("OK", "NOT_FOUND"))}
+        # Where the slowest requests of the window fall (ms from the op's start), to tell the copy, the flip
+        # and the drop of the old copy apart (copy_s and flip_s are in the op's timings).
+        op["load"]["slowest"] = [[round((h[4] - op["t0"]) * 1e3, 1), round((h[5] - h[4]) * 1e3, 1), h[1]]
+                                 for h in sorted(rows, key=lambda h: h[4] - h[5])[:5]]
         op["load_covered"] = load_end >= op["t1"]
         del op["t0"], op["t1"]
     failed = [h for h in hist if h[6] not in ("OK", "NOT_FOUND")]

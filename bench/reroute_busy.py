@@ -70,7 +70,7 @@ def main() -> int:
     ap.add_argument("--levels", default=None, help="background destination MACs per level, comma separated "
                     "(default 0,1000,10000,30000,100000; smoke 0,2000)")
     ap.add_argument("--cutovers", type=int, default=None, help="cut-overs per level (default 60, smoke 6)")
-    ap.add_argument("--floor", type=int, default=None, help="ovs-ofctl floor samples per level (default 20, smoke 4)")
+    ap.add_argument("--floor", type=int, default=None, help="ovs-ofctl floor samples per level (default: as many as cut-overs, so both p99s rest on as many samples; smoke 4)")
     ap.add_argument("--revalidators", default="1,2", help="OVS revalidator threads to compare at each level "
                     "(other_config:n-revalidator-threads; default 1,2; smoke 1)")
     ap.add_argument("--interval-ms", type=float, default=0.5, help="per-client send interval (default 0.5)")
@@ -80,7 +80,7 @@ def main() -> int:
         return 2
     levels = [int(x) for x in (args.levels or ("0,2000" if args.smoke else "0,1000,10000,30000,100000")).split(",")]
     cutovers = args.cutovers or (6 if args.smoke else 60)
-    floor_n = args.floor or (4 if args.smoke else 20)
+    floor_n = args.floor or (4 if args.smoke else cutovers)
     revalidators = [int(x) for x in (args.revalidators if not args.smoke else "1").split(",")]
     sys.setswitchinterval(0.0005)
     rows = []

@@ -184,3 +184,44 @@ def test_an_old_copy_is_dropped_in_steps_between_batches_unless_it_is_ours_again
     loop.call(lambda: loop.forget(LOW))                                  # ours: never dropped
     time.sleep(0.3)
     assert backend.data == {0x000005: b"mine"} and loop.call(lambda: loop.pending_drops) == []
+
+
+def test_replicated_writes_overtake_queued_copy_chunks(endpoint):
+    """A client waits on each replicated write; a copy's chunks (tens of ms each on a busy disk) must not
+    queue in front of it.  Sent CHUNK x5 then REPL in one burst, the REPL is answered after at most the one
+    chunk already being applied, and every chunk is still applied and answered."""
+    import zmq
+
+    from vfab.vid.envelope import Envelope, decode
+
+    loop, backend, client, svc = endpoint
+    order: list[str] = []
+
+    def apply(blobs, durable=True, gen=None):
+        order.append(blobs[0].decode())
+        if blobs[0].startswith(b"chunk"):
+            time.sleep(0.05)
+        return 1
+
+    backend.apply = apply
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(loop.ctl)
+    try:
+        hi = Range(0x800000, 0xFFFFFF)
+        dealer.send_multipart(Envelope("BEGIN", "src", id=1, body={"lo": hi.lo, "hi": hi.hi}).frames())
+        assert dealer.poll(5000) and decode(dealer.recv_multipart()).type == "OK"
+        for i in range(5):
+            dealer.send_multipart(Envelope("CHUNK", "src", id=10 + i, body={"lo": hi.lo},
+                                           blobs=[f"chunk{i}".encode()]).frames())
+        dealer.send_multipart(Envelope("REPL", "src", id=99, body={"lo": hi.lo}, blobs=[b"repl"]).frames())
+        answered = []
+        while len(answered) < 6 and dealer.poll(5000):
+            env = decode(dealer.recv_multipart())
+            assert env.type == "OK", env.body
+            answered.append(env.id)
+    finally:
+        dealer.close()
+    assert sorted(answered) == [10, 11, 12, 13, 14, 99]
+    assert answered.index(99) <= 1, f"the replicated write waited behind the copy: answers in order {answered}"
+    assert order.index("repl") <= 1 and sorted(order) == sorted([f"chunk{i}" for i in range(5)] + ["repl"])

@@ -112,6 +112,7 @@ class EndpointLoop(PeerSide, Replication):
         self.inflight: Inflight | None = None
         self.dealers: dict[str, zmq.Socket] = {}
         self.calls: collections.deque = collections.deque()
+        self.chunks: collections.deque = collections.deque()    # (ident, CHUNK envelope) not yet applied
         self.pending_drops: list[Range] = []
         self.rates: dict[int, int] = {}
         self.counters: collections.Counter = collections.Counter()
@@ -209,6 +210,8 @@ class EndpointLoop(PeerSide, Replication):
                 timeout = 0.0
             else:
                 timeout = TICK
+            if self.chunks:
+                timeout = 0.0
             events = dict((idle if not waiting else busy).poll(timeout * 1000))
             if self._wakefd in events:
                 try:
@@ -219,6 +222,8 @@ class EndpointLoop(PeerSide, Replication):
                 self._serve_ctl()
             for sock in [s for s in self.dealers.values() if s in events]:
                 self._dealer_in(sock)
+            if self.chunks:
+                self._control_reply(*self.chunks.popleft())
             if self.inflight is not None:
                 if time.monotonic() >= self.inflight.deadline:
                     self._finish_inflight(timed_out=True)
@@ -356,15 +361,25 @@ class EndpointLoop(PeerSide, Replication):
             except EnvelopeError as exc:
                 self.router.send_multipart([ident, *Envelope("ERR", self.name, body={"error": str(exc)}).frames()])
                 continue
-            try:
-                reply = self._control(env, ident)
-            except (VfabError, ValueError, KeyError, TypeError) as exc:
-                reply = env.reply("ERR", self.name, error=str(exc))
-            except Exception as exc:  # a handler bug must not kill the endpoint
-                log.exception("%s: control message %s failed", self.name, env.type)
-                reply = env.reply("ERR", self.name, error=f"internal error: {exc!r}")
-            if reply is not None:
-                self.router.send_multipart([ident, *reply.frames()])
+            if env.type == "CHUNK":
+                # A copy's chunk (~250 records, 4-20 ms to apply) waits its turn, one per loop pass, so the
+                # replicated writes queued behind it (a client is waiting on each) go first.  Safe in any
+                # order: a record wins by version and copy generation, never by arrival; the source sends
+                # SYNC only once every chunk is acknowledged.
+                self.chunks.append((ident, env))
+                continue
+            self._control_reply(ident, env)
+
+    def _control_reply(self, ident: bytes, env: Envelope) -> None:
+        try:
+            reply = self._control(env, ident)
+        except (VfabError, ValueError, KeyError, TypeError) as exc:
+            reply = env.reply("ERR", self.name, error=str(exc))
+        except Exception as exc:  # a handler bug must not kill the endpoint
+            log.exception("%s: control message %s failed", self.name, env.type)
+            reply = env.reply("ERR", self.name, error=f"internal error: {exc!r}")
+        if reply is not None:
+            self.router.send_multipart([ident, *reply.frames()])
 
     def _control(self, env: Envelope, ident: bytes = b"") -> Envelope | None:
         t, b = env.type, env.body
