@@ -2,8 +2,8 @@
 
 Pure function of a ``FabricState`` (DESIGN.md §3): no I/O, no clock.
 
-table 0 (admit): a registered host port may source its own MAC and the VIDs its
-endpoints own (priority 300); anything else from it is dropped and counted
+table 0 (admit): a registered host port may source its own MAC (priority 300)
+and the VIDs of the services its endpoints serve (301); anything else from it is dropped and counted
 (200).  Trunk ports are trusted (300).  Front doors sit at 400.  Unregistered
 ports go on to table 1 (priority 0).
 
@@ -42,6 +42,11 @@ from vfab.vid.ranges import Range, to_masks
 
 PRIO_FRONTDOOR = 400
 PRIO_ADMIT = 300
+# A server answers from the VID of the key it was asked (its reply's source).  Above the own-MAC admit flows,
+# so the classifier finds these first and stops: a reply's megaflow then keeps the VID source masked to the
+# service (one datapath flow per server and client), instead of un-wildcarding the whole source in the own-MAC
+# subtable's lookup (one datapath flow per key and client: bench/own_flows.py measured 256 of them for 256 keys).
+PRIO_ADMIT_VID = 301
 PRIO_DENY = 200
 PRIO_VID = 1000
 PRIO_HOST = 500
@@ -162,7 +167,7 @@ def _compile(st: FabricState, hops: dict[tuple[int, int], int] | None, problems:
         for (s_name, _), ep in sorted(st.endpoints.items()):
             host = st.hosts.get(ep.mac) if s_name == sname else None
             if host is not None and host.dpid in out:
-                out[host.dpid].add(FlowSpec(TABLE_ADMIT, PRIO_ADMIT, match(in_port=host.port, eth_src=every_key),
+                out[host.dpid].add(FlowSpec(TABLE_ADMIT, PRIO_ADMIT_VID, match(in_port=host.port, eth_src=every_key),
                                             (("goto", TABLE_ROUTE),), make_cookie(Kind.ADMIT, svc.id, host.port)))
         for rec in st.ranges.get(sname, []):
             if not rec.owner or rec.state == "unassigned":

@@ -241,6 +241,24 @@ def test_vid_sources_only_from_the_services_endpoints():
     assert fab.drop_count(Kind.DENY, dpid=S1) == 2
 
 
+def test_vid_source_admit_outranks_own_mac_admit():
+    """OVS's classifier visits subtables by priority and stops at a match that outranks the rest: a server's
+    reply (source = the key's VID) must meet the masked VID-source flow before the own-MAC flow, whose exact
+    source lookup would otherwise un-wildcard the whole source, one datapath flow per key and client."""
+    st, _, _ = build()
+    checked = False
+    for cfg in compile_fabric(st).values():
+        admit = [f for f in cfg.flows.values() if f.table == TABLE_ADMIT and split_cookie(f.cookie)[0] == Kind.ADMIT]
+        src = {f: next((mask for name, _, mask in f.match if name == "eth_src"), "none") for f in admit}
+        vid_src = [f for f, mask in src.items() if mask not in ("none", None)]    # masked: a service's VIDs
+        own_mac = [f for f, mask in src.items() if mask is None]                 # exact: the host's own MAC
+        assert vid_src and own_mac or not vid_src
+        if vid_src:
+            assert min(f.priority for f in vid_src) > max(f.priority for f in own_mac)
+            checked = True
+    assert checked, "no switch had both kinds of admit flow: the test proves nothing"
+
+
 def test_trunk_and_unregistered_ports_are_admitted():
     _, _, fab = build()
     vid = codec.encode(SID, 5).value
