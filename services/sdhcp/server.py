@@ -175,8 +175,10 @@ example (shard s1 on testbed host vfh1, owning every key):
                         "shard's store, whose options are then used")
     p.add_argument("--listen", action="append", default=[], metavar="LO-HI",
                    help="take this key range at start (repeatable; only for a fresh service)")
-    p.add_argument("--ttl", type=int, default=3, help="endpoint lease TTL in s: a mirror takes over this long "
-                                                      "after a crash (default 3)")
+    p.add_argument("--ttl", type=int, default=1, help="endpoint lease TTL in s: a mirror serves a crashed shard's "
+                                                      "clients about this long after the crash, plus up to 0.5 s "
+                                                      "(default 1: etcd's minimum TTL must allow it, see "
+                                                      "vfab.vid.state.lease)")
 
 
 def run(args: argparse.Namespace) -> int:

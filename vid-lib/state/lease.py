@@ -14,6 +14,16 @@ When etcd answers that the lease is gone (it expired while we were away), the
 lease is granted anew and every leased record is put back (``on_renewed``
 callbacks), within one keepalive period of resuming; the endpoint then
 re-reads its view before serving again.
+
+The TTL bounds how soon a mirror can take over after a crash (the lease must
+expire first; etcd reaps expired leases on a 0.5 s scan): with 3 s a mirror
+served a killed owner's DHCP clients 3.0-3.1 s after the kill, with 2 s
+1.8-2.3 s, with 1 s 0.75-1.4 s (tests/integration/test_sdhcp_failover.py).  1 s
+needs an etcd whose election timeout allows it (its minimum TTL is 1.5 election
+timeouts, rounded up to whole seconds: the testbed's 500 ms allows 1 s, the
+default 1000 ms raises every shorter TTL to 2 s).  The margin scales with the
+TTL (at most 0.5 s, a quarter of a short TTL) so that a 1 s lease still leaves
+the owner 0.75 s of authority per keepalive, sent every TTL/3.
 """
 
 from __future__ import annotations
@@ -27,15 +37,17 @@ from vfab.vid.errors import RegistryError
 from vfab.vid.registry import Registry
 
 log = logging.getLogger("vfab.state.lease")
-MARGIN = 0.5  # s of the TTL the endpoint does not count on (clock rates, request latency)
+MARGIN = 0.5  # s of the TTL the endpoint does not count on (clock rates, request latency), at most
+MIN_TTL = 1   # s; etcd may raise it (see above), which only makes the endpoint more careful than it needs
 
 
 class EndpointLease:
     def __init__(self, endpoint: str, ttl: int, name: str = ""):
-        if ttl < 2:
-            raise RegistryError(f"lease TTL {ttl} s is too short: use at least 2 s (default 3)")
+        if ttl < MIN_TTL:
+            raise RegistryError(f"lease TTL {ttl} s is too short: use at least {MIN_TTL} s (default 3)")
         self.reg = Registry(endpoint)
         self.ttl = ttl
+        self.margin = min(MARGIN, ttl / 4)
         self.name = name
         self.id = 0
         self.valid_until = 0.0           # time.monotonic() up to which we may act as owner
@@ -52,7 +64,7 @@ class EndpointLease:
     def grant(self) -> int:
         t = time.monotonic()
         self.id = self.reg.lease(self.ttl)
-        self.valid_until = t + self.ttl - MARGIN
+        self.valid_until = t + self.ttl - self.margin
         self.generation += 1
         return self.id
 
@@ -91,7 +103,7 @@ class EndpointLease:
                         exc, max(0.0, self.valid_until - time.monotonic()))
             return
         if ttl > 0:
-            self.valid_until = max(self.valid_until, t + min(ttl, self.ttl) - MARGIN)
+            self.valid_until = max(self.valid_until, t + min(ttl, self.ttl) - self.margin)
             return
         log.warning("%s: lease %x expired (the process was stopped or cut off for more than %d s): "
                     "registering again", self.name, self.id, self.ttl)
@@ -102,7 +114,7 @@ class EndpointLease:
                 self.valid_until = 0.0  # not before every record is back and the view re-read
                 for cb in list(self.on_renewed):
                     cb(self.id)
-                self.valid_until = t + self.ttl - MARGIN
+                self.valid_until = t + self.ttl - self.margin
             log.warning("%s: registered again under lease %x", self.name, self.id)
         except RegistryError as exc:
             self.valid_until = 0.0

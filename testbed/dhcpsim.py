@@ -1,0 +1,222 @@
+"""Simulated DHCP clients on one raw socket in a testbed host: leasing, then renewing on a tight clock.
+
+Real clients (udhcpc, dhclient, dhcpcd) renew at T1 with second-granular
+timers and say little about *when* a reply came; a failover measurement needs
+each client's renewals and answers timed to the millisecond.  :class:`SimClients`
+plays N clients (their MACs must be registered on the host's port: port
+security lets a port speak for its registered MACs only, :func:`register`)
+from one ``AF_PACKET`` socket, with only ``wire`` and ``ipudp`` (the formats
+the server uses):
+
+* :meth:`SimClients.lease`: DISCOVER/OFFER/REQUEST/ACK for every client at
+  once, broadcast flag set, retransmitting after ``retry`` s;
+* :meth:`SimClients.renew`: RFC 2131 §4.4.5 on a short clock: each client sends a
+  unicast REQUEST with ``ciaddr`` to its server (RENEWING) ``period`` s after its
+  last ACK, retransmits every ``retry`` s, and once ``t2`` s have passed since
+  its last ACK broadcasts it (REBINDING); an ACK from another server makes that
+  server its server (Kea HA's standby has an address of its own; sdhcp's shards
+  share one).  Every ACK and NAK is logged with its time, address and server.
+
+It is a load generator and a probe, not a client a host uses: it configures
+no address.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address
+from typing import Callable
+
+from vfab.services.sdhcp import ipudp, wire
+from vfab.services.sdhcp.errors import DhcpError
+from vfab.services.sdhcp.wire import FLAG_BROADCAST, Message, MessageType, Opt
+from vfab.vid import codec
+from vfab.vid.netns import netns
+from vfab.vid.registry import schema
+
+BCAST_MAC, BCAST_IP, ZERO = b"\xff" * 6, IPv4Address("255.255.255.255"), IPv4Address(0)
+PACKET_OUTGOING = 4
+
+
+def register(tb, host: str, macs: list[bytes]) -> None:
+    """Register ``macs`` on ``host``'s port (the fabric then admits them and routes them there)."""
+    info = tb.hosts[host]
+    for mac in macs:
+        tb.registry.put_host(schema.Host(mac=codec.int_to_mac(int.from_bytes(mac, "big")), dpid=info["dpid"],
+                                         port=info["port"], name=host))
+    tb.wait_revision(tb.registry.state_revision(), timeout=60)
+
+
+@dataclass
+class Client:
+    mac: bytes
+    xid: int
+    ip: IPv4Address | None = None
+    server: IPv4Address | None = None
+    last_ack: float = 0.0
+    next_send: float = 0.0
+    sent_at: float = 0.0               # when the request now outstanding was first sent
+    last_sent: float = 0.0             # when it was last (re)sent
+    acks: list = field(default_factory=list)     # (last send of the request, t_ack, yiaddr, server, kind)
+    naks: list = field(default_factory=list)     # (t, server, message)
+
+
+class SimClients:
+    def __init__(self, tb, host: str, macs: list[bytes], server_mac: Callable[[IPv4Address, bytes], bytes]):
+        """``server_mac(server_ip, client_mac)``: the MAC a unicast to the client's server goes to (what the
+        client's ARP would give: for sdhcp the VID of the client's key, for Kea the server's own MAC)."""
+        self.iface = tb.hosts[host]["iface"]
+        self.server_mac = server_mac
+        self.clients = [Client(mac, 0x5E000000 + i) for i, mac in enumerate(macs)]
+        self._by_xid = {c.xid: c for c in self.clients}
+        with netns(tb.netns(host)):
+            self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ipudp.ETH_P_IP))
+        self.sock.bind((self.iface, 0))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        self.sock.setblocking(False)
+        self.sent = 0
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> "SimClients":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- frames ---------------------------------------------------------------------------------
+    def _send(self, c: Client, mtype: MessageType, opts: dict | None = None, ciaddr: IPv4Address = ZERO,
+              unicast_to: IPv4Address | None = None) -> None:
+        options = {Opt.MSG_TYPE: bytes([mtype]), **(opts or {})}
+        msg = Message(op=1, xid=c.xid, chaddr=c.mac, ciaddr=ciaddr, flags=0 if unicast_to else FLAG_BROADCAST,
+                      options=options).serialize()
+        if unicast_to is not None:
+            dg = ipudp.Datagram(self.server_mac(unicast_to, c.mac), c.mac, ciaddr, unicast_to, 68, 67, msg)
+        else:
+            dg = ipudp.Datagram(BCAST_MAC, c.mac, ciaddr, BCAST_IP, 68, 67, msg)
+        try:
+            self.sock.send(dg.serialize())
+        except BlockingIOError:
+            pass  # the socket's send buffer is full: this try is lost, the retransmission follows
+        c.last_sent = time.monotonic()
+        self.sent += 1
+
+    def _replies(self, timeout: float):
+        """(arrival time, client, message) of DHCP replies to our clients within ``timeout`` s."""
+        ready, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
+        if not ready:
+            return
+        while True:
+            try:
+                frame, meta = self.sock.recvfrom(65536)
+            except BlockingIOError:
+                return
+            now = time.monotonic()
+            if meta[2] == PACKET_OUTGOING:
+                continue
+            try:
+                dg = ipudp.parse(frame)
+                if dg.dst_port != 68:
+                    continue
+                msg = wire.parse(dg.payload)
+            except DhcpError:
+                continue
+            c = self._by_xid.get(msg.xid)
+            if c is not None and msg.chaddr == c.mac and msg.op == wire.BOOTREPLY:
+                yield now, c, msg
+
+    # -- leasing --------------------------------------------------------------------------------
+    def lease(self, timeout: float = 30.0, retry: float = 1.0) -> dict[bytes, IPv4Address]:
+        """DORA for every client without an address; their addresses (clients that got none are left out)."""
+        want = [c for c in self.clients if c.ip is None]
+        state = {id(c): "discover" for c in want}
+        req: dict[int, tuple] = {}
+        for c in want:
+            self._send(c, MessageType.DISCOVER)
+            c.sent_at = time.monotonic()
+        deadline = time.monotonic() + timeout
+        left = len(want)
+        while left and time.monotonic() < deadline:
+            for now, c, msg in self._replies(0.05):
+                st = state.get(id(c))
+                if msg.msg_type is MessageType.OFFER and st == "discover":
+                    req[id(c)] = {Opt.SERVER_ID: msg.server_id.packed, Opt.REQUESTED_IP: msg.yiaddr.packed}
+                    state[id(c)] = "request"
+                    self._send(c, MessageType.REQUEST, req[id(c)])
+                    c.sent_at = now
+                elif msg.msg_type is MessageType.ACK and st == "request":
+                    state[id(c)] = "done"
+                    c.ip, c.server, c.last_ack = msg.yiaddr, msg.server_id, now
+                    c.acks.append((c.last_sent, now, msg.yiaddr, msg.server_id, "select"))
+                    left -= 1
+                elif msg.msg_type is MessageType.NAK and st == "request":
+                    state[id(c)] = "discover"
+                    c.sent_at = 0.0
+            now = time.monotonic()
+            for c in want:
+                st = state[id(c)]
+                if st != "done" and now - c.sent_at > retry:
+                    c.sent_at = now
+                    if st == "request":
+                        self._send(c, MessageType.REQUEST, req[id(c)])
+                    else:
+                        self._send(c, MessageType.DISCOVER)
+        return {c.mac: c.ip for c in self.clients if c.ip is not None}
+
+    # -- renewing -------------------------------------------------------------------------------
+    def renew(self, duration: float, period: float = 0.5, retry: float = 0.25, t2: float = 3.0,
+              tick: Callable[[float], None] | None = None) -> None:
+        """Renew every leased client for ``duration`` s (see the module doc); ``tick(now)`` runs every loop
+        turn (a test kills a server from it at the time it chooses)."""
+        now = time.monotonic()
+        live = [c for c in self.clients if c.ip is not None]
+        for i, c in enumerate(live):  # spread the first renewals over one period
+            c.next_send = now + period * i / max(1, len(live))
+            c.sent_at = 0.0
+        end = now + duration
+        while True:
+            now = time.monotonic()
+            if now >= end:
+                return
+            if tick is not None:
+                tick(now)
+            for c in live:
+                if now < c.next_send:
+                    continue
+                if not c.sent_at:
+                    c.sent_at = now
+                if now - c.last_ack >= t2:   # REBINDING: broadcast, any server may answer
+                    self._send(c, MessageType.REQUEST, ciaddr=c.ip)
+                else:                        # RENEWING: unicast to our server
+                    self._send(c, MessageType.REQUEST, ciaddr=c.ip, unicast_to=c.server)
+                c.next_send = now + retry
+            wait = min([c.next_send for c in live] + [end]) - time.monotonic()
+            for at, c, msg in self._replies(min(wait, 0.02)):
+                if msg.msg_type is MessageType.ACK and c.sent_at:
+                    kind = "rebind" if at - c.last_ack >= t2 else "renew"
+                    c.acks.append((c.last_sent, at, msg.yiaddr, msg.server_id, kind))
+                    c.ip, c.server, c.last_ack = msg.yiaddr, msg.server_id, at
+                    c.sent_at, c.next_send = 0.0, at + period
+                elif msg.msg_type is MessageType.NAK:
+                    c.naks.append((at, msg.server_id, msg.message))
+
+    # -- results --------------------------------------------------------------------------------
+    def first_ack_after(self, t: float) -> dict[bytes, float | None]:
+        """Per client: seconds from ``t`` to its first ACK of a request (last) sent after ``t`` (None: never);
+        an answer already on its way at ``t`` does not count."""
+        out = {}
+        for c in self.clients:
+            later = [at for sent, at, *_ in c.acks if sent >= t]
+            out[c.mac] = (min(later) - t) if later else None
+        return out
+
+    def addresses(self) -> dict[bytes, set]:
+        """Per client: every address it was ever ACKed."""
+        return {c.mac: {a[2] for a in c.acks} for c in self.clients}
+
+
+__all__ = ["SimClients", "Client", "register"]
