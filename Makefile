@@ -3,7 +3,7 @@ VENV ?= /opt/vfab-venv
 PY := $(VENV)/bin/python
 
 # `make demo` is the elastic-KVS demo; `make demo-echo` the first (echo) demo.
-.PHONY: bootstrap demo demo-echo test unit integration bench bench-smoke lint helper
+.PHONY: bootstrap demo demo-echo demo-helpers test unit integration bench bench-smoke lint helper
 
 bootstrap:
 	@VFAB_VENV=$(VENV) bash scripts/bootstrap.sh
@@ -13,6 +13,11 @@ demo: bootstrap
 
 demo-echo: bootstrap
 	$(PY) -m vfab.testbed.demo
+
+# PostMan helpers in front of an unmodified memcached (services/memcached-helper/demo.py).
+demo-helpers: bootstrap
+	$(MAKE) -C services/memcached-helper/dpdk helper
+	$(PY) -m vfab.services.memcached_helper.demo
 
 test: bootstrap
 	$(PY) -m ruff check .

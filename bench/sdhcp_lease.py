@@ -1,197 +1,336 @@
-"""Time to lease N DHCP clients from sdhcp with 1 and 2 shards (issue 9; Kea and dnsmasq come later).
+"""Time to lease 245 real udhcpc clients and 1,000 perfdhcp clients: sdhcp (1, 2, 4 shards) vs Kea vs dnsmasq.
 
-One fabric (``line,2,3``).  Per configuration a fresh sdhcp service (dhcp4
-front door) with its shards: 1 shard (``a`` on vfh1, every key) or 2 shards
-(``a`` on vfh1 the lower half of the key space, ``b`` on vfh4 the upper half,
-across the trunk).  N simulated clients on vfh3: N MACs with random low 24 bits
-(so the keys spread over both halves), each registered on vfh3's port (port
-security lets a port speak for its registered MACs only).  All N DISCOVERs
-leave at once from one raw socket (broadcast flag set, so the OFFERs and ACKs
-come back broadcast); each client REQUESTs its offer and is done at its ACK;
-a client without an answer retransmits after 1 s (4 tries in all).  The pool
-(2,033 addresses) is larger than the clients: each shard hands out only its
-slice (about half the pool with 2 shards), and random keys do not split the
-clients exactly in half.
+One fabric (``line,2,3``) and one run; every server sees the same clients,
+through the same ports, in the same namespaces:
 
-Reported per configuration: time from the first DISCOVER to the last ACK,
-clients leased, leases/s, DORA latency per client (median, p99), retransmissions,
-distinct addresses (must equal the clients leased), and the shards' counters.
-Durability: every batch is one SQLite transaction with ``synchronous=FULL``
-(the write-ahead log is fsync'd before any reply of the batch leaves); no mirrors.
-The load generator is Python on the same 2 cores as the shards: these times
-include it.
+* **245 udhcpc** (busybox 1.35, unmodified): one process per client, each in
+  its own namespace ``vfxu<i>`` with a macvlan child of vfh3's interface and
+  its own MAC (random low 24 bits, so the keys spread over every shard), all
+  registered on vfh3's port (``testbed/dhcpclients.py`` says why not 245
+  Mininet hosts).  All started at once; each exits after its lease (``-q``).
+  Its hook script records the address it got (that is the clients' side).
+* **1,000 perfdhcp clients** (ISC perfdhcp 2.2, ``kea-admin``): perfdhcp poses
+  as a relay agent (giaddr = its address, UDP port 67, its interface's MAC,
+  chaddr counting up from ``-b mac=``), so the 1,000 clients come from 4 relay
+  namespaces ``vfxr<q>`` behind vfh2, each ``perfdhcp -R 250 -n 250 -r
+  RATE/4 -W 500000``, relay *q*'s MAC and its clients' chaddrs in key quarter
+  *q*: the dhcp4 front door steers a relayed frame by the relay's MAC, so one
+  relay per quarter lets 4 shards each take their own relay's traffic (with
+  one relay for all, every frame would enter at one shard and be forwarded).
+  sdhcp serves them as trusted relays (``--opt relays=...``).  Runs at each
+  total rate of ``--rates`` (1,000, 2,000 and 4,000/s), fresh chaddrs per rate.
 
-Run: ``/opt/vfab-venv/bin/python bench/sdhcp_lease.py [--smoke] [--clients N]`` (root).
+Each server runs 3 times from scratch (no leases), and the medians are printed
+last; every run's numbers are in the results file.
+
+Servers, one after the other:
+
+* **sdhcp** with 1 shard (vfh1), 2 (vfh1, vfh4: one per switch) and 4 (vfh1,
+  vfh4, vfh5, vfh6), equal key ranges.  Durability: each batch of requests is
+  one SQLite transaction with ``synchronous=FULL`` (the WAL is fsync'd before
+  any reply of the batch leaves); no mirrors here.
+* **Kea** (kea-dhcp4 2.2) in vfh1, memfile lease file (each lease written
+  before the reply, never fsync'd: survives kill -9, not power loss), raw
+  sockets.
+* **dnsmasq** (2.90) in vfh1, ``--no-ping``, lease file in a temp dir
+  (rewritten and fsync'd on every change, before the reply).
+
+Measured on the wire (``Capture``: kernel timestamps on vfh3's and vfh2's
+interfaces, which every client frame crosses both ways): time from the first
+DISCOVER to the last ACK, clients leased (an ACK seen), leases/s, each
+client's first-DISCOVER-to-ACK latency (median, p99); perfdhcp's own drop
+counts and mean delays; distinct addresses, and any address ACKed to two
+clients (udhcpc: from the clients' hook records; perfdhcp: from the ACKs the
+relays received); the CPU time (user + system) the server's processes used
+during the phase (all shards together).  Everything shares 2 cores: the 245
+udhcpc processes starting (fork, exec, a hook per event) take a good part of
+their time, for every server alike.
+
+Run: ``/opt/vfab-venv/bin/python bench/sdhcp_lease.py [--smoke] [--rates 1000,2000] [--repeat N]
+[--servers sdhcp4,kea] [--profile DIR]`` (root; ``--smoke``: 20 udhcpc, 100 perfdhcp at 1,000/s, sdhcp with 1
+and 2 shards, Kea, dnsmasq, one run each, ~35 s).
 """
 
 from __future__ import annotations
 
 import os
 import random
-import select
-import socket
+import shutil
+import statistics
 import sys
 import time
-from ipaddress import IPv4Address
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import parser, summary, write  # noqa: E402
-from vfab.services.sdhcp import ipudp, wire  # noqa: E402
-from vfab.services.sdhcp.errors import DhcpError  # noqa: E402
-from vfab.services.sdhcp.wire import FLAG_BROADCAST, Message, MessageType, Opt  # noqa: E402
+from vfab.testbed import dhcpclients as dc  # noqa: E402
 from vfab.testbed.fabric import Testbed  # noqa: E402
 from vfab.testbed.procs import wait_for  # noqa: E402
 from vfab.vid import codec  # noqa: E402
-from vfab.vid.netns import netns  # noqa: E402
-from vfab.vid.registry import schema  # noqa: E402
 from vfab.vid.state import ctl as statectl  # noqa: E402
 
-SERVER = IPv4Address("10.77.0.1")
-OPTS = {"pool": "10.77.0.10-10.77.7.250", "mask": "21", "server": str(SERVER), "lease": "3600"}
-CONFIGS = {1: [("a", "vfh1", "0-0xffffff")], 2: [("a", "vfh1", "0-0x7fffff"), ("b", "vfh4", "0x800000-0xffffff")]}
-CLIENT_HOST = "vfh3"
-RETRY, TRIES = 1.0, 4
-BCAST_MAC, BCAST_IP = b"\xff" * 6, IPv4Address("255.255.255.255")
-PACKET_OUTGOING = 4
+SERVER, PREFIX = "10.77.0.1", 20
+FIRST, LAST = "10.77.0.10", "10.77.15.250"
+RELAYS = [f"10.77.15.{251 + q}" for q in range(4)]
+LEASE = 3600
+OPTS = {"pool": f"{FIRST}-{LAST}", "mask": str(PREFIX), "server": SERVER, "lease": str(LEASE),
+        "relays": ",".join(RELAYS)}
+Q = 0x400000   # a quarter of the key space
+SHARDS = {1: [("a", "vfh1", (0, 0xFFFFFF))],
+          2: [("a", "vfh1", (0, 2 * Q - 1)), ("b", "vfh4", (2 * Q, 0xFFFFFF))],
+          4: [("a", "vfh1", (0, Q - 1)), ("b", "vfh4", (Q, 2 * Q - 1)), ("c", "vfh5", (2 * Q, 3 * Q - 1)),
+              ("d", "vfh6", (3 * Q, 0xFFFFFF))]}
+PEER_HOST, UDHCPC_HOST, RELAY_HOST = "vfh1", "vfh3", "vfh2"
 
 
-def message(mac: bytes, xid: int, mtype: MessageType, opts: dict | None = None) -> bytes:
-    options = {Opt.MSG_TYPE: bytes([mtype]), **(opts or {})}
-    msg = Message(op=1, xid=xid, chaddr=mac, flags=FLAG_BROADCAST, options=options).serialize()
-    return ipudp.Datagram(BCAST_MAC, mac, IPv4Address(0), BCAST_IP, 68, 67, msg).serialize()
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of these processes (all their threads) so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])   # utime, stime
+    return total / tick
 
 
-def lease_all(tb: Testbed, macs: list[bytes], timeout: float) -> dict:
-    """DORA for every MAC at once from CLIENT_HOST; per-client times, addresses, retransmissions."""
-    iface = tb.hosts[CLIENT_HOST]["iface"]
-    with netns(tb.netns(CLIENT_HOST)):
-        sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ipudp.ETH_P_IP))
-    sock.bind((iface, 0))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-    sock.setblocking(False)
-    xids = {0x5D000000 + i: i for i in range(len(macs))}
-    state = ["discover"] * len(macs)        # -> request -> done
-    sent_at = [0.0] * len(macs)
-    tries = [0] * len(macs)
-    pending_req: dict[int, bytes] = {}
-    start = [0.0] * len(macs)
-    done_at = [0.0] * len(macs)
-    addr: dict[int, IPv4Address] = {}
-    retrans = 0
-    t0 = time.monotonic()
-    for i, mac in enumerate(macs):
-        sock.send(message(mac, 0x5D000000 + i, MessageType.DISCOVER))
-        start[i] = sent_at[i] = time.monotonic()
-        tries[i] = 1
-    deadline = t0 + timeout
-    left = len(macs)
-    while left and time.monotonic() < deadline:
-        ready, _, _ = select.select([sock], [], [], 0.05)
-        if ready:
-            while True:
-                try:
-                    frame, meta = sock.recvfrom(65536)
-                except BlockingIOError:
-                    break
-                if meta[2] == PACKET_OUTGOING:
-                    continue
-                try:
-                    dg = ipudp.parse(frame)
-                    if dg.dst_port != 68:
-                        continue
-                    msg = wire.parse(dg.payload)
-                except DhcpError:
-                    continue
-                i = xids.get(msg.xid)
-                if i is None or msg.chaddr != macs[i]:
-                    continue
-                if msg.msg_type is MessageType.OFFER and state[i] == "discover":
-                    req = message(macs[i], msg.xid, MessageType.REQUEST,
-                                  {Opt.SERVER_ID: SERVER.packed, Opt.REQUESTED_IP: msg.yiaddr.packed})
-                    state[i], pending_req[i], sent_at[i] = "request", req, time.monotonic()
-                    sock.send(req)
-                elif msg.msg_type is MessageType.ACK and state[i] == "request":
-                    state[i], done_at[i], addr[i] = "done", time.monotonic(), msg.yiaddr
-                    left -= 1
-                elif msg.msg_type is MessageType.NAK and state[i] == "request":
-                    state[i] = "discover"
-                    sent_at[i] = 0.0
-        now = time.monotonic()
-        if all(st == "done" or (tries[i] >= TRIES and now - sent_at[i] > RETRY) for i, st in enumerate(state)):
-            break  # the rest gave up (e.g. their shard's slice of the pool is used up)
-        for i, st in enumerate(state):
-            if st != "done" and now - sent_at[i] > RETRY and tries[i] < TRIES:
-                tries[i] += 1
-                retrans += 1
-                sent_at[i] = now
-                sock.send(pending_req[i] if st == "request" else message(macs[i], 0x5D000000 + i,
-                                                                           MessageType.DISCOVER))
-    sock.close()
-    finished = [d for d in done_at if d]
-    took = (max(finished) - t0) if finished else None
-    return {"clients": len(macs), "leased": len(finished), "time_to_lease_s": round(took, 3) if took else None,
-            "leases_per_s": round(len(finished) / took, 1) if took else 0,
-            "dora": summary([done_at[i] - start[i] for i in range(len(macs)) if done_at[i]]),
-            "retransmissions": retrans, "distinct_addresses": len(set(addr.values()))}
+def relay_mac(q: int) -> bytes:
+    return bytes([0x02, 0x5E, 0x00, q << 6, 0x00, 0x01])
 
 
-def configuration(tb: Testbed, shards: int, macs: list[bytes], timeout: float) -> dict:
+def perf_base(run: int, q: int) -> bytes:
+    """chaddr of relay q's first client in rate run ``run`` (key quarter q, as the relay)."""
+    return bytes([0x02, 0x5D, run + 1, q << 6, 0x00, 0x00])
+
+
+def start_sdhcp(tb: Testbed, shards: int, profile: str | None = None) -> tuple[str, list]:
     reg = tb.registry
-    svc = f"dhbench{shards}"
+    svc = f"dhlease{shards}"
+    data = os.path.join(tb.workdir, f"data-{svc}")
+    shutil.rmtree(data, ignore_errors=True)
     reg.create_service(svc, kind="sdhcp", frontdoors=[{"kind": "dhcp4"}])
     opts = [a for k, v in OPTS.items() for a in ("--opt", f"{k}={v}")]
     procs = []
+    for name, host, (lo, hi) in SHARDS[shards]:
+        out = os.path.join(tb.workdir, f"{svc}-{name}.out")
+        args = ["-m", "vfab.services.sdhcp", "server", "--etcd", tb.etcd_endpoint, "--service", svc,
+                "--name", name, "--iface", tb.hosts[host]["iface"], "--data", data,
+                "--listen", f"{lo:#x}-{hi:#x}", *opts]
+        if profile:  # cProfile writes its file when the shard exits (SIGTERM ends it cleanly)
+            args = ["-m", "cProfile", "-o", os.path.join(profile, f"{svc}-{name}.prof"), *args]
+        proc = tb.run_on(host, f"{svc}-{name}", args, stdout=open(out, "wb"))
+        procs.append(proc)
+        wait_for(lambda: b"ready" in open(out, "rb").read() or not proc.alive(), 30, f"shard {name}")
+        if not proc.alive():
+            raise RuntimeError(f"shard {name} died at start:\n{proc.tail()}")
+    tb.wait_revision(reg.state_revision(), timeout=30)
+    return svc, procs
+
+
+def stop_sdhcp(tb: Testbed, svc: str, procs: list) -> dict:
+    counters = {}
+    for (name, _, _), p in zip(SHARDS[int(svc[-1])], procs):
+        try:
+            counters[name] = statectl.command(tb.registry, svc, name, "STATS", {}).body["sdhcp"]["counters"]
+        except Exception as exc:  # noqa: BLE001 - a dead shard is reported, not fatal to the others' numbers
+            counters[name] = {"error": str(exc)}
+    for p in procs:
+        tb.sup.stop(p)
+    tb.registry.delete_service(svc)
+    tb.wait_revision(tb.registry.state_revision(), timeout=30)
+    return counters
+
+
+def start_peer(tb: Testbed, kind: str):
+    dc.host_address(tb, PEER_HOST, f"{SERVER}/{PREFIX}")
+    workdir = os.path.join(tb.workdir, f"peer-{kind}")
+    shutil.rmtree(workdir, ignore_errors=True)
+    if kind == "kea":
+        proc = dc.start_kea(tb, PEER_HOST, workdir, SERVER, PREFIX, FIRST, LAST, LEASE)
+    else:
+        proc = dc.start_dnsmasq(tb, PEER_HOST, workdir, FIRST, LAST, PREFIX, LEASE)
+    time.sleep(1.0)  # neither says when its sockets are open; both open them within ~0.2 s here
+    if not proc.alive():
+        raise RuntimeError(f"{kind} exited at start:\n{proc.tail()}")
+    return proc
+
+
+def udhcpc_phase(tb: Testbed, farm: dc.ClientFarm, cap: dc.Capture, pids: list[int]) -> dict:
+    farm.clear_events()
+    cpu0 = cpu_seconds(pids)
+    mark = cap.mark()
+    farm.start_udhcpc(once=True)
+    left = farm.wait_exit(40)
+    time.sleep(0.2)  # the capture thread's last frames
+    res = dc.dora(cap.messages(mark), set(farm.macs))
+    addrs = farm.addresses()
+    held = dc.held_twice(farm)
+    lat = res.pop("latencies")
+    res.pop("addresses")
+    res.update(clients=len(farm.macs), dora=summary(lat), hook_leased=len(addrs),
+               server_cpu_s=round(cpu_seconds(pids) - cpu0, 3),
+               hook_distinct=len(set(addrs.values())), hook_held_twice=held, still_running=left)
+    return res
+
+
+def perf_phase(tb: Testbed, relays: dc.ClientFarm, cap: dc.Capture, n: int, rate: int, run: int,
+               pids: list[int]) -> dict:
+    per = n // 4
+    cpu0 = cpu_seconds(pids)
+    mark = cap.mark()
+    runs = [dc.perfdhcp(relays, q, per, perf_base(run, q), max(1, rate // 4)) for q in range(4)]
+    reps = [dc.finish_perfdhcp(relays, r, timeout=per / max(1, rate // 4) + 30) for r in runs]
+    time.sleep(0.2)
+    chaddrs = {perf_base(run, q)[:4] + i.to_bytes(2, "big") for q in range(4) for i in range(per)}
+    res = dc.dora(cap.messages(mark), chaddrs)
+    lat = res.pop("latencies")
+    res.pop("addresses")
+    drops = {k: int(sum(r.get(k, {}).get("drops", 0) for r in reps)) for k in ("DISCOVER-OFFER", "REQUEST-ACK")}
+    mean = {k: round(sum(r.get(k, {}).get("avg delay", 0) for r in reps) / 4, 3)
+            for k in ("DISCOVER-OFFER", "REQUEST-ACK")}
+    res.update(clients=n, offered_rate=rate, dora=summary(lat), server_cpu_s=round(cpu_seconds(pids) - cpu0, 3),
+               perfdhcp_drops=drops, perfdhcp_mean_delay_ms=mean,
+               perfdhcp_acks=int(sum(r.get("REQUEST-ACK", {}).get("received packets", 0) for r in reps)))
+    return res
+
+
+def line(name: str, what: str, r: dict) -> str:
+    d = r["dora"]
+    extra = f", drops {r['perfdhcp_drops']}" if "perfdhcp_drops" in r else ""
+    extra += f", server CPU {r['server_cpu_s']} s"
+    return (f"{name:>9} {what:<18} {r['leased']:>4}/{r['clients']} leased in {r['time_s']} s "
+            f"({r['leases_per_s']}/s), DORA median {d.get('median_ms')} ms p99 {d.get('p99_ms')} ms, "
+            f"{r['distinct_addresses']} distinct{extra}")
+
+
+def run_server(tb: Testbed, server: str, farm: dc.ClientFarm, relays: dc.ClientFarm, cap_u: dc.Capture,
+               cap_p: dc.Capture, n_p: int, rates: list[int], profile: str | None) -> dict:
+    """One fresh server (no leases): the udhcpc clients, then perfdhcp at each rate."""
+    res: dict = {}
+    if server.startswith("sdhcp"):
+        svc, procs = start_sdhcp(tb, int(server[5:]), profile)
+        pids = [p.pid for p in procs]
+    else:
+        peer = start_peer(tb, server)
+        pids = [peer.pid]
     try:
-        for name, host, listen in CONFIGS[shards]:
-            out = os.path.join(tb.workdir, f"{svc}-{name}.out")
-            args = ["-m", "vfab.services.sdhcp", "server", "--etcd", tb.etcd_endpoint, "--service", svc,
-                    "--name", name, "--iface", tb.hosts[host]["iface"],
-                    "--data", os.path.join(tb.workdir, f"data-{svc}"), "--listen", listen, *opts]
-            proc = tb.run_on(host, f"{svc}-{name}", args, stdout=open(out, "wb"))
-            procs.append(proc)
-            wait_for(lambda: b"ready" in open(out, "rb").read() or not proc.alive(), 30, f"shard {name}")
-            if not proc.alive():
-                raise RuntimeError(f"shard {name} died at start:\n{proc.tail()}")
-        tb.wait_revision(reg.state_revision())
-        res = lease_all(tb, macs, timeout)
-        res["shards"] = {name: statectl.command(reg, svc, name, "STATS", {}).body["sdhcp"]["counters"]
-                         for name, _, _ in CONFIGS[shards]}
-        return res
+        res["udhcpc"] = udhcpc_phase(tb, farm, cap_u, pids)
+        print(line(server, f"{len(farm.macs)} udhcpc", res["udhcpc"]), flush=True)
+        for run, rate in enumerate(rates):
+            r = perf_phase(tb, relays, cap_p, n_p, rate, run, pids)
+            res[f"perfdhcp_{rate}"] = r
+            print(line(server, f"{n_p} perfdhcp@{rate}/s", r), flush=True)
     finally:
-        for p in procs:
-            tb.sup.stop(p)
-        reg.delete_service(svc)
-        tb.wait_revision(reg.state_revision())
+        if server.startswith("sdhcp"):
+            res["shards"] = stop_sdhcp(tb, svc, procs)
+        else:
+            tb.sup.stop(peer)
+            dc.host_address(tb, PEER_HOST, f"{SERVER}/{PREFIX}", add=False)
+    return res
+
+
+def check(name: str, res: dict) -> list[str]:
+    bad = []
+    for phase, r in res.items():
+        if phase == "shards":
+            continue
+        if r.get("held_twice") or r.get("hook_held_twice") or r["distinct_addresses"] != r["leased"] or \
+                ("hook_distinct" in r and r["hook_distinct"] != r["hook_leased"]):
+            bad.append(f"{name}/{phase}: an address was given to two clients")
+        if phase == "udhcpc" and r["leased"] != r["clients"]:
+            bad.append(f"{name}/{phase}: {r['clients'] - r['leased']} client(s) got no lease")
+    return bad
+
+
+def medians(runs: list[dict]) -> dict:
+    """Per phase, the median over the runs of: time, leased, leases/s, DORA median and p99, drops."""
+    out = {}
+    for phase in runs[0]:
+        if phase == "shards":
+            continue
+        rs = [r[phase] for r in runs]
+        out[phase] = {"time_s": statistics.median(r["time_s"] or 0 for r in rs),
+                      "leased": statistics.median(r["leased"] for r in rs),
+                      "leases_per_s": statistics.median(r["leases_per_s"] for r in rs),
+                      "dora_median_ms": statistics.median(r["dora"].get("median_ms", 0) for r in rs),
+                      "dora_p99_ms": statistics.median(r["dora"].get("p99_ms", 0) for r in rs),
+                      "drops": statistics.median(sum(r.get("perfdhcp_drops", {}).values()) for r in rs),
+                      "server_cpu_s": statistics.median(r["server_cpu_s"] for r in rs),
+                      "times_s": [r["time_s"] for r in rs]}
+    return out
 
 
 def main() -> int:
     ap = parser(__doc__.splitlines()[0])
-    ap.add_argument("--clients", type=int, default=None, help="simulated clients (default 245, smoke 40)")
+    ap.add_argument("--udhcpc", type=int, default=None, help="real udhcpc clients (default 245, smoke 20)")
+    ap.add_argument("--perf", type=int, default=None, help="perfdhcp clients, a multiple of 4 (default 1000, "
+                                                           "smoke 100)")
+    ap.add_argument("--rates", default=None, help="perfdhcp total rates, comma-separated (default 1000,2000,4000; "
+                                                 "smoke 1000)")
+    ap.add_argument("--profile", default=None, metavar="DIR", help="run each sdhcp shard under cProfile, "
+                                                                  "its profile written to DIR")
+    ap.add_argument("--repeat", type=int, default=None, help="fresh runs per server (default 3, smoke 1)")
+    ap.add_argument("--servers", default=None, help="comma-separated subset of sdhcp1,sdhcp2,sdhcp4,kea,dnsmasq")
     args = ap.parse_args()
-    n = args.clients or (40 if args.smoke else 245)
+    n_u = args.udhcpc or (20 if args.smoke else 245)
+    n_p = (args.perf or (100 if args.smoke else 1000)) // 4 * 4
+    rates = [int(x) for x in (args.rates or ("1000" if args.smoke else "1000,2000,4000")).split(",")]
+    repeat = args.repeat or (1 if args.smoke else 3)
+    servers = (args.servers or ("sdhcp1,sdhcp2,kea,dnsmasq" if args.smoke else
+                                "sdhcp1,sdhcp2,sdhcp4,kea,dnsmasq")).split(",")
     rnd = random.Random(9)
-    keys = rnd.sample(range(1, codec.KEY_MAX), n)
-    macs = [bytes([0x02, 0x5B, 0x00]) + k.to_bytes(3, "big") for k in keys]
-    results = {}
+    macs = [bytes([0x02, 0x5B, 0x00]) + k.to_bytes(3, "big") for k in rnd.sample(range(1, codec.KEY_MAX), n_u)]
+    results: dict = {}
+    bad: list[str] = []
     with Testbed("line,2,3", poll=1.0) as tb:
-        info = tb.hosts[CLIENT_HOST]
-        for mac in macs:
-            tb.registry.put_host(schema.Host(mac=codec.int_to_mac(int.from_bytes(mac, "big")), dpid=info["dpid"],
-                                             port=info["port"], name=CLIENT_HOST))
-        tb.wait_revision(tb.registry.state_revision(), timeout=60)
-        for shards in CONFIGS:
-            r = configuration(tb, shards, macs, timeout=30 if args.smoke else 120)
-            results[f"{shards}_shard{'s' if shards > 1 else ''}"] = r
-            print(f"{shards} shard(s): {r['leased']}/{n} leased in {r['time_to_lease_s']} s "
-                  f"({r['leases_per_s']}/s), DORA median {r['dora'].get('median_ms')} ms, "
-                  f"p99 {r['dora'].get('p99_ms')} ms, {r['retransmissions']} retransmissions", flush=True)
-    write("sdhcp_lease", {"clients": n, "smoke": args.smoke, "pool": OPTS["pool"], "durability": "fsync per batch",
-                          "generator": "python raw socket, one host, all DISCOVERs at once"}, results, args.out)
-    bad = [k for k, r in results.items() if r["leased"] != n or r["distinct_addresses"] != n]
+        farm = dc.ClientFarm(tb, UDHCPC_HOST, "u", macs, tb.workdir)
+        relays = dc.ClientFarm(tb, RELAY_HOST, "r", [relay_mac(q) for q in range(4)], tb.workdir)
+        caps = []
+        try:
+            t0 = time.monotonic()
+            farm.create()
+            relays.create()
+            for q in range(4):
+                relays.sh(q, "ip", "addr", "add", f"{RELAYS[q]}/{PREFIX}", "dev", relays.names[q])
+            tb.wait_revision(tb.registry.state_revision(), timeout=60)
+            print(f"{n_u} client namespaces and 4 relays behind vfh3/vfh2 in {time.monotonic() - t0:.1f} s",
+                  flush=True)
+            cap_u, cap_p = dc.Capture(tb, UDHCPC_HOST), dc.Capture(tb, RELAY_HOST)
+            caps = [cap_u, cap_p]
+            for server in servers:
+                runs = []
+                for rep in range(repeat):
+                    res = run_server(tb, server, farm, relays, cap_u, cap_p, n_p, rates, args.profile)
+                    runs.append(res)
+                    bad += check(f"{server}#{rep + 1}", res)
+                results[server] = {"runs": runs, "median": medians(runs)}
+        finally:
+            for c in caps:
+                c.stop()
+            farm.remove()
+            relays.remove()
+    print(f"\nmedians of {repeat} run(s): time from the first DISCOVER to the last ACK (leased, drops, server CPU s)")
+    print(f"{'server':<9}{str(n_u) + ' udhcpc':>24}" + "".join(f"{f'{n_p} perfdhcp@{r}/s':>30}" for r in rates))
+    for server, res in results.items():
+        m = res["median"]
+        cells = [f"{m['udhcpc']['time_s']} s ({m['udhcpc']['leased']:.0f}, {m['udhcpc']['server_cpu_s']})"]
+        cells += [f"{m[k]['time_s']} s ({m[k]['leased']:.0f}, {m[k]['drops']:.0f}, {m[k]['server_cpu_s']})"
+                  for k in (f"perfdhcp_{r}" for r in rates)]
+        print(f"{server:<9}{cells[0]:>24}" + "".join(f"{c:>30}" for c in cells[1:]))
+    write("sdhcp_lease", {"udhcpc_clients": n_u, "perfdhcp_clients": n_p, "rates": rates, "repeat": repeat,
+                          "smoke": args.smoke,
+                          "pool": OPTS["pool"], "servers": servers,
+                          "durability": {"sdhcp": "fsync (SQLite WAL, synchronous=FULL) per batch, before the replies",
+                                         "kea": "memfile: written before the reply, never fsync'd",
+                                         "dnsmasq": "lease file rewritten and fsync'd per change"},
+                          "clients": "busybox udhcpc, one process and namespace each (macvlan behind vfh3); "
+                                     "perfdhcp as 4 relays behind vfh2"}, results, args.out)
     if bad:
-        print(f"not every client leased a distinct address in: {', '.join(bad)}")
+        print("FAILED: " + "; ".join(bad))
         return 1
     return 0
 

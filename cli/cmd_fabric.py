@@ -13,6 +13,7 @@ import click
 
 from vfab.cli.cmd_state import fmt_rate, fmt_ranges, load_by_range, op_json, ops_of, range_load
 from vfab.cli.common import STATE_DIR, STATE_FILE, errors, pass_ctx, read_state, table
+from vfab.services.memcached_helper import control as helper_control
 from vfab.testbed.net import TopoSpec
 from vfab.vid.registry import schema
 from vfab.vid.errors import RegistryError
@@ -133,12 +134,15 @@ def status(c, as_json: bool) -> None:
         rs = [r for r, _ in reg.ranges(s.name)]
         eps = reg.endpoints(s.name)
         loads = load_by_range(reg, s.name)
+        live_helpers = helper_control.live_helpers(reg, s.name)
         services.append({"name": s.name, "id": s.id, "ranges": len(rs),
                          "unassigned": sum(1 for r in rs if not r.owner),
                          "endpoints": [e.name for e in eps],
                          "orphaned": sorted({r.owner for r in rs if r.owner and r.owner not in {e.name for e in eps}}),
+                         "helpers": live_helpers,   # live PostMan helpers ('vfab helpers SERVICE' for more)
                          # per range: the owner's report (keys, req/s; null without one); state operations
                          "range_map": [{"lo": r.lo, "hi": r.hi, "owner": r.owner, "mirrors": list(r.mirrors),
+                                        "helpers": [h if h in live_helpers else f"{h} (DEAD)" for h in r.helpers],
                                         "state": r.state, "epoch": r.epoch,
                                         "keys": load[0] if (load := range_load(loads, r)) else None,
                                         "req_s": load[1] if load else None} for r in rs],
@@ -164,12 +168,13 @@ def status(c, as_json: bool) -> None:
                + (f"pid {ctl['pid']} {'running' if ctl['alive'] else 'DOWN'}" if ctl else "not started by 'vfab up'"))
     c.console.print(table("switches", ["name", "dpid", "applied revision", "flows"],
                           [[s["name"], s["dpid"], s["applied"] or "-", s["flows"] or "-"] for s in out["switches"]]))
-    c.console.print(table("services", ["name", "id", "ranges", "unassigned", "endpoints", "owners down"],
+    c.console.print(table("services", ["name", "id", "ranges", "unassigned", "endpoints", "owners down", "helpers"],
                           [[s["name"], s["id"], s["ranges"], s["unassigned"], ", ".join(s["endpoints"]) or "-",
-                            ", ".join(s["orphaned"]) or "-"] for s in services]))
+                            ", ".join(s["orphaned"]) or "-", ", ".join(s["helpers"]) or "-"] for s in services]))
     for s in services:
-        c.console.print(table(f"{s['name']}: ranges", ["lo", "hi", "owner", "mirrors", "keys", "req/s"],
+        c.console.print(table(f"{s['name']}: ranges", ["lo", "hi", "owner", "mirrors", "helpers", "keys", "req/s"],
                               [[f"{r['lo']:#08x}", f"{r['hi']:#08x}", r["owner"] or "-", ",".join(r["mirrors"]) or "-",
+                                ", ".join(r["helpers"]) or "-",
                                 "-" if r["keys"] is None else r["keys"], fmt_rate(r["req_s"])]
                                for r in s["range_map"]]))
         if s["ops"]:

@@ -16,8 +16,9 @@ import logging
 
 import click
 
+import vfab.services.memcached_helper.plugin  # noqa: F401  (registers kind memcached)
 import vfab.services.sdhcp.plugin  # noqa: F401  (registers kind sdhcp; vid-lib's BUILTIN lists echo, elastic-kvs)
-from vfab.cli import cmd_fabric, cmd_flows, cmd_ranges, cmd_state
+from vfab.cli import cmd_balancer, cmd_fabric, cmd_flows, cmd_helpers, cmd_ranges, cmd_state
 from vfab.cli.common import Ctx
 from vfab.vid import plugin
 
@@ -33,7 +34,7 @@ def cli(ctx: click.Context, etcd: str | None, verbose: bool) -> None:
     ctx.obj = Ctx(etcd)
 
 
-for module in (cmd_fabric, cmd_ranges, cmd_flows, cmd_state):
+for module in (cmd_fabric, cmd_ranges, cmd_flows, cmd_state, cmd_balancer, cmd_helpers):
     for command in module.COMMANDS:
         cli.add_command(command)
 for _plug in plugin.load().values():  # each service type brings its own command group

@@ -115,14 +115,21 @@ def value_for(key: bytes, size: int) -> bytes:
     return seed[:size]
 
 
-def make_socket(rcvbuf: int = 8 << 20) -> socket.socket:
+def make_socket(rcvbuf: int = 8 << 20, addr: str = "0.0.0.0") -> socket.socket:
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         s.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, rcvbuf)
     except OSError:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    s.bind(("0.0.0.0", 0))
+    s.bind((addr, 0))
     return s
+
+
+def client_sockets(args) -> list[socket.socket]:
+    """``--clients`` sockets, bound in turn to the addresses of ``--bind`` (a host standing for many client
+    machines: on the fabric the front door's key and the helpers' select hash come from the source address)."""
+    addrs = [a for a in args.bind.split(",") if a] or ["0.0.0.0"]
+    return [make_socket(addr=addrs[i % len(addrs)]) for i in range(args.clients)]
 
 
 def parse_addr(text: str) -> tuple[str, int]:
@@ -204,7 +211,7 @@ def cmd_load(args) -> dict:
     value_for(key): ``wrong`` counts answers with a value that is not the key's, ``missed`` answers that lack
     a key, ``lost`` requests never answered."""
     server = parse_addr(args.server)
-    socks = [make_socket() for _ in range(args.clients)]
+    socks = client_sockets(args)
     for s in socks:
         s.setblocking(False)
     by_fd = {s.fileno(): i for i, s in enumerate(socks)}
@@ -218,6 +225,12 @@ def cmd_load(args) -> dict:
              "lat": []}
     seq = 0
     t0 = time.monotonic()
+    t0_wall = time.time()
+    # --timeline BIN: answers per BIN s, and every pause of a client's answers longer than --gap-min
+    # ([client, wall-clock start, seconds]): how long a re-route or a helper failure left which clients unserved
+    last = [t0] * args.clients
+    gaps: list[list] = []
+    bins: list[int] = []
     end = t0 + args.duration
     interval = 1.0 / args.rate if args.rate > 0 else 0.0
     next_send = t0
@@ -251,6 +264,13 @@ def cmd_load(args) -> dict:
             del pending[ci][r]
             stats["answered"] += 1
             stats["lat"].append(now - t)
+            if args.timeline:
+                if now - last[ci] > args.gap_min:
+                    gaps.append([ci, round(t0_wall + (last[ci] - t0), 4), round(now - last[ci], 4)])
+                last[ci] = now
+                b = int((now - t0) / args.timeline)
+                bins.extend([0] * (b + 1 - len(bins)))
+                bins[b] += 1
             if framing_error(parts, r):
                 stats["framing"] += 1
             vals = parse_values(body)
@@ -283,6 +303,8 @@ def cmd_load(args) -> dict:
         for fd, _ in ep.poll(0.01):
             receive(by_fd[fd], time.monotonic())
     stats["lost"] = sum(len(p) for p in pending)
+    # when the lost requests were sent (wall clock, the first 200): which moment lost them
+    stats["lost_at"] = sorted(round(t0_wall + (t - t0), 4) for p in pending for t, _, _ in p.values())[:200]
     lat = sorted(stats.pop("lat"))
     elapsed = min(time.monotonic(), end) - t0
     stats["sources"] = sorted(stats["sources"])
@@ -291,6 +313,9 @@ def cmd_load(args) -> dict:
     if lat:
         stats["p50_us"] = round(lat[len(lat) // 2] * 1e6, 1)
         stats["p99_us"] = round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e6, 1)
+    if args.timeline:
+        stats.update(t0_wall=t0_wall, bin_s=args.timeline, bins=bins, gaps=gaps,
+                     last_answer=[round(t0_wall + (x - t0), 4) for x in last])
     return stats
 
 
@@ -302,7 +327,7 @@ def cmd_order(args) -> dict:
          get k ; set k v_(i+1)  -> the get must return v_i (it was sent before the set)
     All clients run interleaved, so their gets share coalesced batches.  Counts answers that break order."""
     server = parse_addr(args.server)
-    socks = [make_socket() for _ in range(args.clients)]
+    socks = client_sockets(args)
     for s in socks:
         s.settimeout(args.timeout)
     rid = [1] * len(socks)
@@ -343,7 +368,10 @@ def cmd_order(args) -> dict:
     for ci, k in enumerate(keys):  # initial value v0, acknowledged
         r = send(ci, set_cmd(k, value(ci, 0)))
         collect(ci, {r: "line"})
+    t_end = time.monotonic() + args.duration if args.duration else None
     for i in range(args.rounds):
+        if t_end is not None and time.monotonic() > t_end:
+            break
         res["rounds"] += 1
         plan = []
         for ci, k in enumerate(keys):  # get-then-set: the get must see v_i
@@ -565,12 +593,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", default="k")
     p.add_argument("--value-size", type=int, default=64)
     p.add_argument("--drain", type=float, default=1.0)
+    p.add_argument("--bind", default="", help="comma-separated source addresses, one per client in turn")
+    p.add_argument("--timeline", type=float, default=0.0, metavar="BIN",
+                   help="report answers per BIN s and pauses of each client's answers (0: off)")
+    p.add_argument("--gap-min", type=float, default=0.05, help="pauses longer than this are reported (s)")
     p = sub.add_parser("order", help="per-client order of set and get")
     p.add_argument("--server", required=True)
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--prefix", default="ord")
     p.add_argument("--pad", type=int, default=16)
+    p.add_argument("--duration", type=float, default=0.0, help="stop after this many s (0: all --rounds)")
+    p.add_argument("--bind", default="", help="comma-separated source addresses, one per client in turn")
     p.add_argument("--timeout", type=float, default=2.0)
     p = sub.add_parser("preload", help="fill memcached over TCP")
     p.add_argument("--tcp", required=True)

@@ -96,7 +96,7 @@ class Datagram:
             raise DhcpError(f"payload of {len(self.payload)} B does not fit one IPv4 datagram "
                             f"(limit {MAX_PAYLOAD} B)")
         try:
-            src, dst = IPv4Address(self.src_ip).packed, IPv4Address(self.dst_ip).packed
+            src, dst = _packed(self.src_ip), _packed(self.dst_ip)
         except ValueError:
             raise DhcpError(f"{self.src_ip!r} -> {self.dst_ip!r}: both must be IPv4 addresses") from None
         udp_len = UDP.size + len(self.payload)
@@ -105,6 +105,11 @@ class Datagram:
         udp = UDP.pack(self.src_port, self.dst_port, udp_len, 0) + bytes(self.payload)
         csum = checksum(_pseudo(src, dst, udp_len) + udp) or 0xFFFF
         return ETH.pack(self.eth_dst, self.eth_src, ETH_P_IP) + ip + udp[:6] + struct.pack("!H", csum) + udp[8:]
+
+
+def _packed(ip) -> bytes:
+    # IPv4Address(an IPv4Address) converts through the text form: skip it on every reply
+    return ip.packed if isinstance(ip, IPv4Address) else IPv4Address(ip).packed
 
 
 def parse(frame: bytes, verify: bool = True) -> Datagram:

@@ -239,6 +239,23 @@ class Store:
         return {r[0]: Addr(*r) for r in self._exec(
             "SELECT ip, holder, state, until, version FROM addr WHERE ip BETWEEN ? AND ?", (lo, hi))}
 
+    def first_free(self, lo: int, hi: int, chaddr: int, now: int) -> int | None:
+        """The lowest address in [lo, hi] that ``chaddr`` may take as free (no row, free, declined long
+        enough ago, or held by ``chaddr`` itself); None if every one is taken.
+
+        One query walking the taken rows upward in SQLite until the first gap: clients whose keys are close
+        share their first slot (perfdhcp's consecutive MACs all do), and the n-th of them passes n taken
+        addresses; reading those as Python rows made a DISCOVER cost ~1.2 ms at n ~ 500."""
+        taken = "(({t}.state={held} AND {t}.holder!=?) OR ({t}.state={declined} AND {t}.until>?))"
+        ta, tb = (taken.format(t=t, held=HELD, declined=DECLINED) for t in ("a", "b"))
+        if self._exec(f"SELECT 1 FROM addr a WHERE a.ip=? AND {ta}", (lo, chaddr, now)).fetchone() is None:
+            return lo
+        row = self._exec(
+            f"SELECT a.ip + 1 FROM addr a WHERE a.ip >= ? AND a.ip < ? AND {ta} AND NOT EXISTS "
+            f"(SELECT 1 FROM addr b WHERE b.ip = a.ip + 1 AND {tb}) ORDER BY a.ip LIMIT 1",
+            (lo, hi, chaddr, now, chaddr, now)).fetchone()
+        return row[0] if row else None
+
     def put_lease(self, row: Lease) -> tuple[Lease, bytes]:
         """Write ``row`` (inside the open transaction) as the next version of its client's lease."""
         if len(row.client_id) > MAX_CLIENT_ID:

@@ -184,14 +184,19 @@ def encode_option(code: int, value: object) -> bytes:
     return raw
 
 
+def _packed(v: object) -> bytes:
+    # IPv4Address(an IPv4Address) converts through the address's text form: avoid it on every reply
+    return v.packed if isinstance(v, IPv4Address) else IPv4Address(v).packed  # type: ignore[arg-type]
+
+
 def _encode_ips(value: object) -> bytes:
     if isinstance(value, (str, IPv4Address)):
         value = [value]
-    return b"".join(IPv4Address(v).packed for v in value)  # type: ignore[union-attr]
+    return b"".join(_packed(v) for v in value)  # type: ignore[union-attr]
 
 
 _ENCODERS = {
-    "ip": lambda v: IPv4Address(v).packed,
+    "ip": _packed,
     "ips": _encode_ips,
     "u32": lambda v: int(v).to_bytes(4, "big"),
     "u16": lambda v: int(v).to_bytes(2, "big"),

@@ -16,6 +16,9 @@
     /vfab/v1/ops/<service>/<op id>         OpRec     {id, op, source, ranges, peer, phase, done, total, ...}
                                                      a state op (one running per endpoint), leased by its source
     /vfab/v1/load/<service>/<endpoint>     Load      {at, ranges: [[lo, hi, keys, req/s]]}  leased, by it
+    /vfab/v1/balancer/<service>            BalancerStatus {at, runner, decisions, view, problems}  by the balancer
+    /vfab/v1/helpers/<service>/<endpoint>  HelperStatus {at, serves, pid, stats}  leased by a PostMan helper's
+                                                     agent (the endpoint's lease): the endpoint is a helper
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ def link_key(dpid: int, port: int) -> str:
 
 MISS_KEY = f"{ROOT}config/miss"
 FOLDERS = ("services", "service-ids", "endpoints", "ranges", "hosts", "switches", "links", "config", "applied",
-           "counters", "ops", "load")
+           "counters", "ops", "load", "balancer", "helpers")
 
 
 def op_key(service: str, op_id: str) -> str:
@@ -107,6 +110,18 @@ def load_prefix(service: str) -> str:
 
 def load_key(service: str, endpoint: str) -> str:
     return f"{ROOT}load/{service}/{endpoint}"
+
+
+def balancer_key(service: str) -> str:
+    return f"{ROOT}balancer/{service}"
+
+
+def helper_prefix(service: str) -> str:
+    return f"{ROOT}helpers/{service}/"
+
+
+def helper_key(service: str, endpoint: str) -> str:
+    return f"{ROOT}helpers/{service}/{endpoint}"
 
 
 def applied_key(dpid: int) -> str:
@@ -360,8 +375,49 @@ class Counters(Record):
                 raise VidError(f"counter {name!r} is not [packets, bytes]: {pair!r}")
 
 
-# Folders that never change what the controller compiles (its own reports, endpoints' ops and load).
-PASSIVE = ("applied", "counters", "ops", "load")
+@dataclass
+class BalancerStatus(Record):
+    """What the balancer (``vfab balancer run``) last saw and decided for one service, so 'vfab balancer
+    status' can show why: ``decisions`` newest last, each {at, action, ranges, reason, result, ...};
+    ``view`` what its model predicted per owner; ``runner`` who writes it; ``at`` its last round."""
+
+    KIND: ClassVar[str] = "balancer"
+    at: float
+    runner: str = ""
+    decisions: list = field(default_factory=list)
+    view: dict = field(default_factory=dict)
+    problems: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _need("balancer", "at", self.at, (int, float))
+        _need("balancer", "runner", self.runner, str)
+        _need("balancer", "decisions", self.decisions, list)
+        _need("balancer", "view", self.view, dict)
+        _need("balancer", "problems", self.problems, list)
+
+
+@dataclass
+class HelperStatus(Record):
+    """What a PostMan helper's agent reports (services/memcached-helper/agent.py), under the lease of the
+    helper's endpoint: ``serves`` the service address it answers for (ip:port), ``pid`` its fast path's,
+    ``stats`` numbers from its stats file (S, T, batches, keys, drops, ...), ``at`` when they were read."""
+
+    KIND: ClassVar[str] = "helper"
+    at: float
+    serves: str = ""
+    pid: int = 0
+    stats: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _need("helper", "at", self.at, (int, float))
+        _need("helper", "serves", self.serves, str)
+        _need("helper", "pid", self.pid, int)
+        _need("helper", "stats", self.stats, dict)
+
+
+# Folders that never change what the controller compiles (its own reports, endpoints' ops and load, the
+# balancer's status: its decisions reach the switches through the ranges it writes).
+PASSIVE = ("applied", "counters", "ops", "load", "balancer", "helpers")
 
 
 def parse_key(key: str) -> tuple[str, list[str]] | None:

@@ -1,0 +1,136 @@
+"""``vfab helpers``: PostMan helpers in front of a service — what they do, and switching them in and out by hand.
+
+``vfab helpers SERVICE`` shows the service's ranges with the helpers on each (live or dead, bucket weight)
+and every helper with what its agent last reported from mc-helper's stats (S, T, batches, keys per
+batch); ``vfab helpers on|off SERVICE [RANGE]`` writes ``RangeRec.helpers`` like an operator (or the
+balancer) would, through ``vfab.services.memcached_helper.control``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from vfab.cli.common import RANGE, NameType, errors, pass_ctx, table
+from vfab.services.memcached_helper import control
+
+
+class _StatusByDefault(click.Group):
+    """``vfab helpers SERVICE`` is ``vfab helpers status SERVICE``."""
+
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
+            args = ["status", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group("helpers", cls=_StatusByDefault)
+def helpers() -> None:
+    """PostMan helpers of a service: 'vfab helpers SERVICE' (status), 'vfab helpers on|off SERVICE [RANGE]'.
+
+    A helper is an endpoint of the service announced by its agent
+    (python -m vfab.services.memcached_helper.agent helper ...). Switched on
+    for a range, the range's clients reach a select group of the live helpers
+    (equal weights; one client always hashes to one helper while the set is
+    stable) with no change on the client; a helper that dies leaves the group.
+    """
+
+
+def _fmt_helpers(r: dict) -> str:
+    return ", ".join(f"{h['name']}" + ("" if h["live"] else " (DEAD)") for h in r["helpers"]) or "-"
+
+
+def _n(v, fmt="{}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+@helpers.command("status")
+@click.argument("service", type=NameType("service"))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_ctx
+@errors
+def status(c, service: str, as_json: bool) -> None:
+    """Ranges of SERVICE with their helpers, and each helper's S, T and batches (from its stats)."""
+    rep = control.report(c.registry, service)
+    if as_json:
+        click.echo(json.dumps(rep, indent=1))
+        return
+    c.console.print(table(f"{service}: ranges and helpers (bucket weights equal)",
+                          ["lo", "hi", "owner", "helpers", "served by", "epoch"],
+                          [[f"{r['lo']:#08x}", f"{r['hi']:#08x}", r["owner"] or "-", _fmt_helpers(r), r["path"],
+                            r["epoch"]] for r in rep["ranges"]]))
+    rows = []
+    for h in rep["helpers"]:
+        hist = " ".join(f"{k}:{v}" for k, v in sorted(h.get("hist", {}).items(), key=lambda kv: int(kv[0])))
+        rows.append([h["name"], "live" if h["live"] else "DEAD", h["host"] or "-", h["ranges"],
+                     _n(h.get("S_bytes")), _n(h.get("T_us")), _n(h.get("batches")), _n(h.get("keys_per_batch")),
+                     _n(h.get("gets")), _n(h.get("drops")),
+                     f"{h['conns_up']}/{h['conns']}" if h["live"] else "-", hist or "-", _n(h["age_s"])])
+    c.console.print(table(f"{service}: helpers", ["name", "state", "host", "ranges", "S B", "T µs", "batches",
+                                                  "keys/batch", "gets", "drops", "conns", "keys/batch histogram",
+                                                  "age s"], rows))
+    if not rep["helpers"]:
+        click.echo(f"no helper of {service} is up: start one with 'python -m vfab.services.memcached_helper.agent "
+                   f"helper --service {service} --name NAME --iface IFACE ...'")
+
+
+def _apply(c, service: str, changes: list, wait: bool, timeout: float) -> None:
+    if not changes:
+        click.echo(f"{service}: nothing to change")
+        return
+    for ch in changes:
+        click.echo(f"{service} {ch.rng} (owner {ch.owner}): helpers {','.join(ch.before) or '-'} -> "
+                   f"{','.join(ch.after) or '-'}")
+    rev = max(ch.revision for ch in changes)
+    msg = f"etcd revision {rev}"
+    if wait:
+        took = c.registry.wait_applied(rev, timeout=timeout)
+        msg += f"; applied on all switches in {took * 1e3:.1f} ms"
+    click.echo(msg)
+
+
+def _common(fn):
+    for dec in reversed([
+        click.argument("service", type=NameType("service")),
+        click.argument("keys", metavar="[RANGE]", type=RANGE, required=False),
+        click.option("--helper", "names", multiple=True, type=NameType("endpoint"), metavar="NAME",
+                     help="Only this helper (repeatable)."),
+        click.option("--wait/--no-wait", default=True, show_default=True,
+                     help="Wait until every switch has applied the change."),
+        click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds to wait."),
+        pass_ctx, errors,
+    ]):
+        fn = dec(fn)
+    return fn
+
+
+@helpers.command("on")
+@_common
+def on(c, service: str, keys, names: tuple[str, ...], wait: bool, timeout: float) -> None:
+    """Send RANGE of SERVICE (default: all its ranges) through helpers (default: every live helper).
+
+    The range's helpers are replaced by the ones given; each range is one
+    epoch-checked transaction (another writer makes it fail, not vanish).
+
+    Example: vfab helpers on mc --helper h1 --helper h2
+    """
+    chosen = list(names) or control.live_helpers(c.registry, service)
+    if not chosen:
+        raise click.ClickException(f"no live helper of {service!r}: start one with 'python -m "
+                                   f"vfab.services.memcached_helper.agent helper --service {service} ...'")
+    _apply(c, service, control.set_helpers(c.registry, service, keys, chosen), wait, timeout)
+
+
+@helpers.command("off")
+@_common
+def off(c, service: str, keys, names: tuple[str, ...], wait: bool, timeout: float) -> None:
+    """Take helpers out of RANGE of SERVICE (default: all ranges; --helper: only those, dead ones too).
+
+    Example: vfab helpers off mc
+    """
+    _apply(c, service, control.set_helpers(c.registry, service, keys, None, remove=list(names) or None),
+           wait, timeout)
+
+
+COMMANDS = [helpers]

@@ -1,0 +1,363 @@
+"""The control side of a memcached service on the fabric: one agent per process it runs and announces.
+
+::
+
+    python -m vfab.services.memcached_helper.agent memcached --service mc --name mc0 --iface vfh1-eth0 \\
+        --netns /proc/PID/ns/net [--listen] [--threads 1]
+    python -m vfab.services.memcached_helper.agent helper --service mc --name h1 --iface vfh2-eth0 \\
+        --netns /proc/PID/ns/net [--binary mc-helper] [--lcores 1] [--stats-file F] [-- mc-helper options]
+
+``memcached``: the helpee.  Starts Debian's memcached (``-U PORT -p PORT``) in the host's namespace and
+announces it as an ``rx=ovs`` endpoint of the service, so the service's UDP front door (``udp, ip, port,
+key=ip_src``) delivers the ranges it owns to its port rewritten to its MAC; ``--listen`` takes every
+unassigned range.  memcached itself is unmodified and knows nothing of this.
+
+``helper``: a PostMan helper.  Starts ``mc-helper`` (DPDK, ``--no-huge --no-pci
+--vdev=net_af_packet0,iface=<the host's port>``, its own ``--file-prefix``) answering for the service's
+front-door address, waits until its TCP connections to memcached are up, then announces it as an endpoint of
+the same service (the compiler looks a range's helpers up among the service's endpoints) and writes its
+``HelperStatus`` (S, T, batches: read from the stats file every ``--period`` s) under the endpoint's lease.
+It is then a *live helper*: ``vfab helpers on`` can put it into ranges' ``select`` groups.
+
+How the helper sits on the host (why it works on the fabric):
+
+- **One port, two users.**  The fast path reads and writes the host's fabric port through ``af_packet``; the
+  TCP leg to memcached is a kernel socket of the same host on the same port (the host's own IP and MAC), so
+  it needs no second interface and no user-space TCP: memcached speaks only kernel TCP, a helper keeps a
+  handful of connections carrying whole multi-gets (syscalls per batch, not per request), and TCP gives the
+  reply splitter the ordered, lossless stream it needs.  ``af_packet`` also sees the leg's TCP segments and
+  any other frame on the port; mc-helper takes only IPv4/UDP to the service address and port addressed to
+  its port's MAC and counts the rest (``net_not_mine``, ``net_not_svc``) without touching them.
+- **The host must not route.**  The frames a ``select`` bucket sends here carry the *service's* IP address;
+  the host's kernel sees them too, and with ``ip_forward`` on (a namespace inherits it from the root one)
+  it would forward each request to memcached as well: the agent turns ``net.ipv4.ip_forward`` off in the
+  helper's namespace.
+- **Replies pass port security.**  mc-helper answers from the service's IP and UDP port (so an unmodified
+  client accepts them) but from its own port's MAC, which is what table 0 admits from that port.
+
+Liveness: the agent is mc-helper's parent.  When mc-helper exits (``kill -9`` included) or its stats file
+stops advancing (``--stale`` s), the agent revokes the lease at once: endpoint and status vanish, the
+controller drops the helper's bucket, and its clients hash to the remaining helpers (or the owner) with no
+reconnect.  If the agent itself dies, mc-helper gets SIGTERM (parent-death signal) and the lease expires
+after ``--ttl`` s.  SIGTERM/SIGINT: the lease goes first (clients leave the helper), then the child stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ipaddress
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from vfab.fabric import frontdoor
+from vfab.vid import api
+from vfab.vid.errors import RegistryError, VfabError
+from vfab.vid.netns import netns as in_netns
+from vfab.vid.registry import Registry, schema
+
+from vfab.services.memcached_helper import control
+
+log = logging.getLogger("vfab.mc.agent")
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_BINARY = os.path.join(HERE, "dpdk", "build", "meson", "mc-helper")
+PR_SET_PDEATHSIG = 1
+
+
+class AgentError(VfabError):
+    pass
+
+
+def service_address(svc: schema.Service) -> tuple[str, int]:
+    """(ip, port) of the service's memcached UDP front door (kind udp)."""
+    problems: list[str] = []
+    for door in frontdoor.service_doors(svc, problems):
+        if door.kind == "udp":
+            return str(ipaddress.IPv4Address(door.params["ip"])), int(door.params["port"])
+    why = f" ({'; '.join(problems)})" if problems else ""
+    raise AgentError(f"service {svc.name!r} has no valid udp front door{why}: create it with 'vfab service add "
+                     f"{svc.name} --kind memcached --opt ip=ADDRESS' (or give its record a "
+                     '{"kind": "udp", "ip": ..., "port": 11211} front door)')
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the agent dies, however it dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def in_host(netns: str | None, cmd: list[str]) -> list[str]:
+    """``cmd`` run inside the host's network namespace (nsenter execs it: the PID is the program's)."""
+    return ["nsenter", f"--net={netns}", "--", *cmd] if netns else cmd
+
+
+class Agent:
+    """Start a child, announce it once ready, keep the lease while it lives, withdraw when it does not."""
+
+    role = "process"
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.reg = Registry(args.etcd)
+        self.svc = self.reg.service(args.service)
+        self.addr = service_address(self.svc)
+        self.child: subprocess.Popen | None = None
+        self.server: api.Server | None = None
+        self.stop = threading.Event()
+        self.exit_code = 0
+        self.logfile = None
+
+    # -- what differs per role -------------------------------------------------------------------------------
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def announced(self) -> None:
+        """Right after the endpoint is in etcd (under ``self.server.lease``)."""
+
+    def tick(self) -> str | None:
+        """Every poll while running; a reason to withdraw, or None."""
+        return None
+
+    def cleanup(self) -> None:
+        pass
+
+    # -- the life cycle ----------------------------------------------------------------------------------------
+    def spawn(self) -> None:
+        cmd = in_host(self.args.netns, self.command())
+        out = self.args.child_log
+        self.logfile = open(out, "ab") if out else None
+        log.info("%s %s: starting %s", self.role, self.args.name, " ".join(cmd))
+        self.child = subprocess.Popen(cmd, stdout=self.logfile or subprocess.DEVNULL,
+                                      stderr=subprocess.STDOUT if self.logfile else subprocess.DEVNULL,
+                                      preexec_fn=_die_with_parent)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            if self.child.poll() is not None:
+                raise AgentError(f"{self.role} exited with {self.child.returncode} before it was ready"
+                                 + (f" (log {self.args.child_log})" if self.args.child_log else ""))
+            if time.monotonic() > deadline or self.stop.is_set():
+                raise AgentError(f"{self.role} not ready after {timeout:.0f} s"
+                                 + (f" (log {self.args.child_log})" if self.args.child_log else ""))
+            time.sleep(0.05)
+
+    def announce(self) -> None:
+        self.server = api.announce(self.reg, self.svc.name, self.args.name, self.args.iface, rx="ovs",
+                                   ttl=self.args.ttl, netns=self.args.netns)
+        self.announced()
+
+    def withdraw(self, why: str) -> None:
+        """Revoke the lease now: endpoint (and status) leave etcd, the switches drop the route to us."""
+        if self.server is None:
+            return
+        server, self.server = self.server, None
+        t0 = time.monotonic()
+        server.close()
+        log.warning("%s %s: withdrawn (%s) in %.1f ms", self.role, self.args.name, why, (time.monotonic() - t0) * 1e3)
+
+    def run(self) -> int:
+        def on_signal(signum: int, _frame: object) -> None:
+            self.stop.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        try:
+            self.spawn()
+            self.wait_ready(self.args.ready_timeout)
+            self.announce()
+            print(f"ready pid={self.child.pid}", flush=True)
+            log.info("%s %s: announced (%s), %s pid %d", self.role, self.args.name, self.server.port.mac_str,
+                     self.role, self.child.pid)
+            while not self.stop.wait(self.args.poll):
+                rc = self.child.poll()
+                if rc is not None:
+                    self.withdraw(f"{self.role} pid {self.child.pid} exited with {rc}")
+                    self.exit_code = 1
+                    break
+                why = self.tick()
+                if why:
+                    self.withdraw(why)
+                    self.exit_code = 1
+                    break
+        except (VfabError, OSError) as exc:
+            log.error("%s %s: %s", self.role, self.args.name, exc)
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            self.exit_code = 1
+        finally:
+            self.withdraw("agent stopping")
+            self.stop_child()
+            self.cleanup()
+            self.reg.close()
+        return self.exit_code
+
+    def stop_child(self) -> None:
+        if self.child is None or self.child.poll() is not None:
+            return
+        self.child.terminate()
+        try:
+            self.child.wait(10)
+        except subprocess.TimeoutExpired:
+            log.warning("%s pid %d ignored SIGTERM for 10 s: killing it", self.role, self.child.pid)
+            self.child.kill()
+            self.child.wait(5)
+
+
+class MemcachedAgent(Agent):
+    role = "memcached"
+
+    def command(self) -> list[str]:
+        port = str(self.addr[1])
+        return ["memcached", "-U", port, "-p", port, "-t", str(self.args.threads), "-m", str(self.args.mem_mb),
+                "-c", "4096", "-u", "root", *self.args.extra]
+
+    def ready(self) -> bool:
+        with in_netns(self.args.netns):
+            s = socket.socket()
+        try:
+            s.settimeout(0.5)
+            return s.connect_ex(self.addr) == 0
+        finally:
+            s.close()
+
+    def announced(self) -> None:
+        if not self.args.listen:
+            return
+        for rec, _ in self.reg.ranges(self.svc.name):
+            if not rec.owner:
+                self.server.listen(rec.lo, rec.hi)
+
+
+class HelperAgent(Agent):
+    role = "mc-helper"
+
+    def __init__(self, args: argparse.Namespace):
+        super().__init__(args)
+        if not os.access(args.binary, os.X_OK):
+            raise AgentError(f"mc-helper binary {args.binary} is missing: build it with 'make helper'")
+        self.prefix = args.file_prefix or f"vfmh-{args.name}-{os.getpid()}"
+        self.stats_path = args.stats_file or f"/run/vfab-mc-helper-{args.name}-{os.getpid()}.stats"
+        self.last_publish = 0.0
+        self.last_change = time.monotonic()
+        self.last_stats: dict = {}
+        self.memcached = args.memcached or f"{self.addr[0]}:{self.addr[1]}"
+
+    def command(self) -> list[str]:
+        lcores = self.args.lcores
+        nq = sum(len(range(int(a), int(b or a) + 1)) for a, _, b in (p.partition("-") for p in lcores.split(",")))
+        vdev = f"net_af_packet0,iface={self.args.iface},framecnt=4096" + (f",qpairs={nq}" if nq > 1 else "")
+        return [self.args.binary, "-l", lcores, "--no-huge", "--no-pci", "-m", str(self.args.mem_mb),
+                f"--file-prefix={self.prefix}", f"--vdev={vdev}", "--log-level=user1,info", "--",
+                "--service", f"{self.addr[0]}:{self.addr[1]}", "--memcached", self.memcached,
+                "--stats-file", self.stats_path, "--stats-ms", str(self.args.stats_ms), *self.args.extra]
+
+    def spawn(self) -> None:
+        # The host must not forward the service's frames it receives (see the module doc).
+        res = subprocess.run(in_host(self.args.netns, ["sysctl", "-qw", "net.ipv4.ip_forward=0"]),
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            raise AgentError(f"cannot turn ip_forward off in the helper's namespace: {res.stderr.strip()}")
+        if os.path.exists(self.stats_path):
+            os.unlink(self.stats_path)
+        super().spawn()
+
+    def ready(self) -> bool:
+        st = control.read_stats(self.stats_path)
+        return bool(st) and st.get("conns", 0) > 0 and st.get("conns_up") == st.get("conns")
+
+    def publish(self, stats: dict) -> None:
+        rec = schema.HelperStatus(at=time.time(), serves=f"{self.addr[0]}:{self.addr[1]}", pid=self.child.pid,
+                                  stats={k: stats[k] for k in control.SHOWN if k in stats}
+                                  | {k: v for k, v in stats.items() if k.startswith("hist_keys_")})
+        self.reg.put(schema.helper_key(self.svc.name, self.args.name), rec.to_json(), lease=self.server.lease)
+        self.last_publish = time.monotonic()
+
+    def announced(self) -> None:
+        self.publish(control.read_stats(self.stats_path))
+
+    def tick(self) -> str | None:
+        now = time.monotonic()
+        st = control.read_stats(self.stats_path)
+        if st.get("uptime_ms") != self.last_stats.get("uptime_ms"):
+            self.last_change = now
+            self.last_stats = st
+        elif now - self.last_change > self.args.stale:
+            return f"its stats file {self.stats_path} has not changed for {now - self.last_change:.1f} s"
+        if now - self.last_publish >= self.args.period:
+            try:
+                self.publish(self.last_stats)
+            except RegistryError as exc:
+                if "lease not found" not in str(exc):
+                    log.warning("helper %s: status not written: %s", self.args.name, exc)
+                    return None
+                # Our lease expired (the agent was stopped or starved past the TTL): announce again.
+                log.warning("helper %s: lease gone; announcing again", self.args.name)
+                self.server.port.close()
+                self.server = None
+                self.announce()
+        return None
+
+    def cleanup(self) -> None:
+        shutil.rmtree(f"/var/run/dpdk/{self.prefix}", ignore_errors=True)
+        if not self.args.stats_file and os.path.exists(self.stats_path):
+            os.unlink(self.stats_path)
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--etcd", default=os.environ.get("VFAB_ETCD", "127.0.0.1:2379"),
+                   help="etcd HOST:PORT (default: $VFAB_ETCD, else 127.0.0.1:2379)")
+    p.add_argument("--service", required=True, help="the memcached service (its udp front door gives the address)")
+    p.add_argument("--name", required=True, help="this endpoint's name")
+    p.add_argument("--iface", required=True, help="the host's fabric port")
+    p.add_argument("--netns", default=None, metavar="PATH",
+                   help="network namespace of --iface (e.g. /proc/PID/ns/net of a testbed host); etcd is reached "
+                        "from ours")
+    p.add_argument("--ttl", type=int, default=2, help="endpoint lease TTL in s (default 2)")
+    p.add_argument("--poll", type=float, default=0.02, help="s between checks of the child (default 0.02)")
+    p.add_argument("--ready-timeout", type=float, default=30.0, help="s to wait for the child to be ready")
+    p.add_argument("--child-log", default=None, help="file for the child's output (default: discarded)")
+    p.add_argument("--mem-mb", type=int, default=64, help="memory of the child in MB (default 64)")
+    p.add_argument("extra", nargs="*", help="after --: more options for the child")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m vfab.services.memcached_helper.agent",
+                                description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="role", required=True)
+    m = sub.add_parser("memcached", help="run and announce the helpee (Debian's memcached)")
+    add_common(m)
+    m.add_argument("--threads", type=int, default=1, help="memcached worker threads (default 1)")
+    m.add_argument("--listen", action="store_true", help="take every unassigned range of the service")
+    h = sub.add_parser("helper", help="run and announce a helper (mc-helper on DPDK)")
+    add_common(h)
+    h.add_argument("--binary", default=DEFAULT_BINARY, help=f"mc-helper (default {DEFAULT_BINARY})")
+    h.add_argument("--lcores", default="1", help="DPDK lcores (-l), one queue pair each (default 1)")
+    h.add_argument("--memcached", default=None, metavar="IP:PORT",
+                   help="where the TCP leg goes (default: the service address)")
+    h.add_argument("--stats-file", default=None, help="mc-helper's stats file (default under /run)")
+    h.add_argument("--stats-ms", type=int, default=100, help="stats file period in ms (default 100)")
+    h.add_argument("--period", type=float, default=1.0, help="s between status records in etcd (default 1)")
+    h.add_argument("--stale", type=float, default=3.0,
+                   help="withdraw when the stats file has not changed for this many s (default 3)")
+    h.add_argument("--file-prefix", default=None, help="DPDK --file-prefix (default vfmh-NAME-PID)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        agent = MemcachedAgent(args) if args.role == "memcached" else HelperAgent(args)
+    except (VfabError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

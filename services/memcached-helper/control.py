@@ -1,0 +1,208 @@
+"""Helpers on the fabric: who is a helper, what each reports, and switching them in and out of ranges.
+
+The one place that reads and writes the helper side of the registry, used by ``vfab helpers``, the demo,
+the tests, and (through :func:`apply_decision` / :func:`apply_helpers`) the balancer.
+
+- **A helper is an endpoint of the helpee's service** (the compiler builds a range's ``select`` group
+  from ``RangeRec.helpers`` looked up among that service's endpoints) that also has a
+  ``HelperStatus`` record (``/vfab/v1/helpers/<service>/<name>``) under the same lease: the agent
+  (``agent.py``) writes both and both vanish together when its lease is revoked or expires.
+- **Switching helpers in** writes ``RangeRec.helpers`` like an operator would: one epoch-checked
+  transaction per range (``Registry.assign`` keeping owner, mirrors and state), so a concurrent
+  operator or balancer makes it fail with Conflict instead of being overwritten.  The switches then
+  send the range's frames to a ``select`` group with one bucket per *live* helper; a helper named
+  there whose endpoint is gone simply has no bucket (and with none live the owner gets the range back).
+- **Bucket weights are equal.**  ``RangeRec`` carries names only; weights from spare capacity would need a
+  ``weights`` list in the record, in ``Registry.assign``/``coalesce`` (which copy ranges) and in the
+  compiler's ``Bucket(1, ...)``.  Until then a helper's share is 1/N of the clients by the switch's hash.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from vfab.vid.errors import Conflict, NotFound, VidError
+from vfab.vid.ranges import Range
+from vfab.vid.registry import Registry, schema
+
+# Numbers of mc-helper's stats file worth showing per helper (the file has many more, per lcore/connection).
+SHOWN = ("uptime_ms", "conns", "conns_up", "rx_dgrams", "rx_get", "rx_gets", "rx_keys", "rx_pass", "b_cmds",
+         "b_keys", "b_waiters", "b_pass", "batch_S_bytes", "batch_T_ns", "close_size", "close_time", "close_full",
+         "close_order", "drop_peers", "drop_noconn", "drop_busy", "tx_nombuf", "tx_drop", "tx_frames",
+         "w_done", "w_abort_miss", "w_abort_drop", "connects", "disconnects", "tcp_bytes_out", "tcp_bytes_in")
+DROPS = ("drop_peers", "drop_noconn", "drop_busy", "tx_nombuf", "tx_drop")
+
+
+class HelperError(VidError):
+    """A helper request that cannot be done as asked (says what is wrong and what to do)."""
+
+
+def read_stats(path: str) -> dict[str, int]:
+    """mc-helper's stats file (``name value`` per line, replaced atomically); {} if it is not there yet."""
+    out: dict[str, int] = {}
+    try:
+        with open(path) as fh:
+            for line in fh:
+                parts = line.split()
+                if len(parts) == 2:
+                    try:
+                        out[parts[0]] = int(parts[1])
+                    except ValueError:
+                        continue
+    except FileNotFoundError:
+        return {}
+    return out
+
+
+def summary(stats: dict) -> dict:
+    """The numbers shown per helper: S (bytes), T (µs), batches, keys per batch, gets, drops, histogram."""
+    hist = {k[len("hist_keys_"):]: v for k, v in stats.items() if k.startswith("hist_keys_") and v}
+    b_cmds = stats.get("b_cmds", 0)
+    return {"S_bytes": stats.get("batch_S_bytes", 0), "T_us": round(stats.get("batch_T_ns", 0) / 1e3, 1),
+            "batches": b_cmds, "keys_per_batch": round(stats.get("b_keys", 0) / b_cmds, 2) if b_cmds else None,
+            "gets": stats.get("rx_get", 0) + stats.get("rx_gets", 0), "passed": stats.get("rx_pass", 0),
+            "drops": sum(stats.get(k, 0) for k in DROPS), "conns_up": stats.get("conns_up", 0),
+            "conns": stats.get("conns", 0), "hist": hist}
+
+
+def statuses(reg: Registry, service: str) -> dict[str, schema.HelperStatus]:
+    """Live helpers of ``service`` (their agents' records) by endpoint name."""
+    _, items = reg.get_prefix(schema.helper_prefix(service))
+    return {k.rsplit("/", 1)[1]: schema.HelperStatus.from_json(v, k) for k, (v, _) in items.items()}
+
+
+def live_helpers(reg: Registry, service: str) -> list[str]:
+    """Helpers of ``service`` that are up now: a status record *and* a live endpoint (same lease)."""
+    reg.service(service)  # NotFound naming the known services
+    eps = {e.name for e in reg.endpoints(service)}
+    return sorted(n for n in statuses(reg, service) if n in eps)
+
+
+@dataclass
+class Change:
+    rng: Range
+    owner: str
+    before: list
+    after: list
+    revision: int = 0
+
+
+def _pieces(reg: Registry, service: str, rng: Range | None) -> list[tuple[schema.RangeRec, Range]]:
+    """(range record, the part of it to change) for every range ``rng`` touches (all ranges if None)."""
+    recs = [r for r, _ in reg.ranges(service)]
+    if rng is None:
+        return [(r, r.range) for r in recs]
+    out = []
+    for r in recs:
+        if r.range.overlaps(rng):
+            out.append((r, Range(max(r.lo, rng.lo), min(r.hi, rng.hi))))
+    if not out:
+        raise NotFound(f"{rng} of {service!r} is in no range of its map")
+    return out
+
+
+def set_helpers(reg: Registry, service: str, rng: Range | None, helpers: list[str] | None, *,
+                add: bool = False, remove: list[str] | None = None, retries: int = 3) -> list[Change]:
+    """Set (or with ``add``, add to; with ``remove``, take out of) the helpers of ``rng`` of ``service``.
+
+    ``rng`` None: every range of the service.  A range only partly inside ``rng`` is cut (the part outside
+    keeps its helpers).  Helpers turned *on* must be live helpers of the service (HelperError otherwise);
+    names being removed need not be (a dead helper is removed like a live one).  Each range is one
+    epoch-checked transaction; a race with another writer is retried ``retries`` times, then Conflict.
+    Returns what changed (ranges already as asked are left alone: no new epoch, no flow churn).
+    """
+    if helpers is not None:
+        if not helpers:
+            raise HelperError("no helper given: name at least one (--helper NAME), or use 'off'")
+        live = live_helpers(reg, service)
+        dead = [h for h in helpers if h not in live]
+        if dead:
+            raise HelperError(
+                f"{', '.join(map(repr, dead))} {'is' if len(dead) == 1 else 'are'} not a live helper of {service!r} "
+                f"(live helpers: {', '.join(live) or 'none'}): start one with 'python -m "
+                f"vfab.services.memcached_helper.agent helper --service {service} --name NAME ...'")
+    changes: list[Change] = []
+    for attempt in range(retries + 1):
+        try:
+            for rec, part in _pieces(reg, service, rng):
+                if helpers is None and not rec.helpers:
+                    continue
+                if helpers is not None and not rec.owner:
+                    raise HelperError(f"range {rec.range} of {service!r} has no owner: helpers stand in front of "
+                                      "an owner (assign the range first: 'vfab route')")
+                if remove is not None:
+                    after = [h for h in rec.helpers if h not in remove]
+                elif helpers is None:
+                    after = []
+                elif add:
+                    after = rec.helpers + [h for h in helpers if h not in rec.helpers]
+                else:
+                    after = list(helpers)
+                if after == rec.helpers:
+                    continue
+                rev = reg.assign(service, part, rec.owner, expect_epoch=rec.epoch, mirrors=rec.mirrors,
+                                 helpers=after, state=rec.state)
+                changes.append(Change(part, rec.owner, list(rec.helpers), after, rev))
+            break
+        except Conflict:
+            if attempt == retries:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+    if helpers is None or remove is not None:
+        rev = reg.coalesce(service)  # ranges cut by an earlier 'on RANGE' join their neighbours again
+        if rev and changes:
+            changes[-1].revision = rev
+    return changes
+
+
+def apply_decision(reg: Registry, decision: dict) -> list[Change]:
+    """The hook for the balancer: apply ``{"service": S, "range": [lo, hi] | "LO-HI" | None, "helpers": [...]}``.
+
+    ``helpers`` non-empty: those helpers serve the range (replacing the ones it had); empty or missing:
+    helpers off for the range.  ``range`` None/missing: every range of the service.  Equal bucket
+    weights (a ``weights`` entry is accepted and ignored until the range map can carry weights).
+    """
+    service = decision["service"]
+    raw = decision.get("range")
+    if raw is None:
+        rng = None
+    elif isinstance(raw, str):
+        rng = Range.parse(raw)
+    else:
+        lo, hi = raw
+        rng = Range(int(lo), int(hi))
+    helpers = list(decision.get("helpers") or [])
+    return set_helpers(reg, service, rng, helpers if helpers else None)
+
+
+def apply_helpers(reg: Registry, service: str, lo: int, hi: int, helpers: list[str]) -> int:
+    """``apply_decision`` with the balancer runner's signature (``Runner.apply_helpers``); the last revision."""
+    changes = set_helpers(reg, service, Range(lo, hi), list(helpers) or None)
+    return max((c.revision for c in changes), default=reg.state_revision())
+
+
+def report(reg: Registry, service: str) -> dict:
+    """Everything ``vfab helpers SERVICE`` shows, as data: ranges with their helpers, and each helper."""
+    eps = {e.name: e for e in reg.endpoints(service)}
+    st = statuses(reg, service)
+    now = time.time()
+    ranges, named = [], set()
+    for r, _ in reg.ranges(service):
+        named.update(r.helpers)
+        live = [h for h in r.helpers if h in eps and h in st]
+        ranges.append({"lo": r.lo, "hi": r.hi, "owner": r.owner, "epoch": r.epoch,
+                       "helpers": [{"name": h, "live": h in live, "weight": 1 if h in live else 0}
+                                   for h in r.helpers],
+                       "path": "helpers" if live else ("owner" if r.owner else "none")})
+    helpers = []
+    for name in sorted(set(st) | named):
+        rec = st.get(name)
+        ep = eps.get(name)
+        helpers.append({"name": name, "live": rec is not None and ep is not None,
+                        "mac": ep.mac if ep else None, "host": ep.host if ep else None,
+                        "serves": rec.serves if rec else None, "pid": rec.pid if rec else None,
+                        "age_s": round(now - rec.at, 1) if rec else None,
+                        "ranges": sum(1 for r in ranges if any(h["name"] == name for h in r["helpers"])),
+                        **(summary(rec.stats) if rec else {})})
+    return {"service": service, "ranges": ranges, "helpers": helpers}

@@ -1,0 +1,160 @@
+"""memcached, its helpers and its clients on a running ``vfab.testbed`` fabric (tests and the demo).
+
+::
+
+    mc = McFabric(tb, service="mc", host="vfh1")      # the service, with its udp front door at vfh1's address
+    mc.start_memcached()                              # the agent announces memcached, which owns every range
+    mc.start_helper("h1", "vfh2")                     # the agent starts mc-helper and announces it
+    mc.client("vfh3", "load", "--clients", "16", ...) # mcudp.py in a host: an unmodified memcached UDP client
+    mc.helpers_on() / mc.helpers_off()                # what 'vfab helpers on|off' writes
+
+Every process is started through the testbed's supervisor or tracked by it (stopped by PID at its teardown);
+each helper's stats file, logs and DPDK runtime folder are under the testbed's work folder or removed by the
+agent.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from vfab.testbed.procs import Proc, wait_for
+from vfab.vid.registry import schema
+
+from vfab.services.memcached_helper import control, topo
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MCUDP = os.path.join(HERE, "mcudp.py")
+AGENT = ["-m", "vfab.services.memcached_helper.agent"]
+PORT = 11211
+
+
+@dataclass
+class Running:
+    name: str
+    host: str
+    agent: Proc
+    pid: int            # memcached's or mc-helper's own PID (the agent's child)
+    stats_file: str = ""
+
+
+class McFabric:
+    def __init__(self, tb, service: str = "mc", host: str = "vfh1", binary: str | None = None):
+        self.tb = tb
+        self.service = service
+        self.host = host
+        self.ip = tb.host(host).IP()
+        self.addr = f"{self.ip}:{PORT}"
+        self.binary = binary
+        self.memcached: Running | None = None
+        self.helpers: dict[str, Running] = {}
+        reg = tb.registry
+        reg.create_service(service, kind="memcached",
+                           frontdoors=[{"kind": "udp", "ip": self.ip, "port": PORT, "key": "ip_src"}])
+
+    # -- processes -----------------------------------------------------------------------------------------------
+    def _agent(self, role: str, name: str, host: str, opts: list[str], extra: list[str]) -> Running:
+        tb = self.tb
+        out = os.path.join(tb.workdir, f"agent-{name}.out")
+        fh = open(out, "wb")
+        cmd = [sys.executable, *AGENT, role, "--etcd", tb.etcd_endpoint, "--service", self.service, "--name", name,
+               "--iface", tb.hosts[host]["iface"], "--netns", tb.netns(host),
+               "--child-log", os.path.join(tb.workdir, "logs", f"{name}-child.log"), *opts]
+        if extra:
+            cmd += ["--", *extra]
+        proc = tb.sup.start(f"agent-{name}", cmd, stdout=fh)
+        fh.close()
+
+        def ready() -> str | None:
+            if not proc.alive():
+                raise RuntimeError(f"agent {name} exited ({proc.popen.returncode}):\n{proc.tail(30)}")
+            text = open(out, errors="replace").read()
+            return text if "ready pid=" in text else None
+        text = wait_for(ready, 40, f"{role} {name} on {host} ready")
+        pid = int(text.split("ready pid=")[1].split()[0])
+        # The agent's child (memcached / mc-helper) is stopped by the agent; tracked too, in case both die.
+        tb.track(pid, f"{role}:{name}")
+        return Running(name, host, proc, pid)
+
+    def start_memcached(self, name: str = "mc0", threads: int = 1, extra: tuple[str, ...] = ()) -> Running:
+        self.memcached = self._agent("memcached", name, self.host, ["--listen", "--threads", str(threads)],
+                                     list(extra))
+        self.tb.wait_revision(self.tb.registry.state_revision())
+        return self.memcached
+
+    def start_helper(self, name: str, host: str, lcores: str = "1", extra: tuple[str, ...] = ()) -> Running:
+        stats = os.path.join(self.tb.workdir, f"{name}.stats")
+        opts = ["--lcores", lcores, "--stats-file", stats, "--file-prefix", f"vfmh{name}"]
+        if self.binary:
+            opts += ["--binary", self.binary]
+        run = self._agent("helper", name, host, opts, list(extra))
+        run.stats_file = stats
+        self.helpers[name] = run
+        return run
+
+    def stop(self, run: Running) -> int | None:
+        rc = self.tb.sup.stop(run.agent, grace=15)
+        self.tb.untrack(run.pid)
+        self.helpers.pop(run.name, None)
+        return rc
+
+    def kill_helper(self, name: str) -> float:
+        """``kill -9`` the helper's mc-helper (not its agent); the wall-clock time of the kill."""
+        run = self.helpers[name]
+        t = time.time()
+        os.kill(run.pid, signal.SIGKILL)
+        return t
+
+    def stats(self, name: str) -> dict[str, int]:
+        return control.read_stats(self.helpers[name].stats_file)
+
+    # -- clients -------------------------------------------------------------------------------------------------
+    def client(self, host: str, cmd: str, *args: str) -> subprocess.Popen:
+        """``mcudp.py CMD --server <memcached address> ARGS`` inside ``host`` (JSON on stdout: ``topo.finish``)."""
+        server = [] if cmd in ("preload", "store") else ["--server", self.addr]
+        return subprocess.Popen(["nsenter", f"--net={self.tb.netns(host)}", "--", sys.executable, MCUDP, cmd,
+                                 *server, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def client_addresses(self, host: str, n: int) -> list[str]:
+        """``n`` more IPv4 addresses on ``host``'s port (10.<100+N>.0.<i>, inside Mininet's 10/8), so one host
+        stands for ``n`` client machines: the front door keys a client by its source address and OVS's
+        select group hashes UDP by addresses only (not ports), so one address reaches one helper."""
+        num = int(host.removeprefix("vfh"))
+        ips = [f"10.{100 + num}.0.{i + 1}" for i in range(n)]
+        for ip in ips:
+            res = subprocess.run(["nsenter", f"--net={self.tb.netns(host)}", "--", "ip", "addr", "replace",
+                                  f"{ip}/8", "dev", self.tb.hosts[host]["iface"]], capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"cannot add {ip} to {host}: {res.stderr.strip()}")
+        return ips
+
+    def preload(self, host: str, keys: int, prefix: str = "k", value_size: int = 64) -> dict:
+        return topo.finish(self.client(host, "preload", "--tcp", self.addr, "--keys", str(keys), "--prefix", prefix,
+                                       "--value-size", str(value_size)), 120)
+
+    # -- helpers on and off -------------------------------------------------------------------------------------
+    def helpers_on(self, names: list[str] | None = None, rng=None) -> float:
+        """Switch helpers in (default: every live one); seconds until every switch applied it."""
+        names = names or control.live_helpers(self.tb.registry, self.service)
+        changes = control.set_helpers(self.tb.registry, self.service, rng, names)
+        return self.tb.wait_revision(max(c.revision for c in changes)) if changes else 0.0
+
+    def helpers_off(self, rng=None) -> float:
+        changes = control.set_helpers(self.tb.registry, self.service, rng, None)
+        return self.tb.wait_revision(max(c.revision for c in changes)) if changes else 0.0
+
+    def endpoint_gone(self, name: str, timeout: float) -> float:
+        """Wait until endpoint ``name`` left etcd; the wall-clock time it was seen gone."""
+        reg = self.tb.registry
+
+        def gone() -> bool:
+            return reg.get(schema.endpoint_key(self.service, name)) is None
+        wait_for(gone, timeout, f"endpoint {name} to leave etcd", interval=0.005)
+        return time.time()
+
+    def memcached_cpu_s(self) -> float:
+        return topo.proc_cpu_s(self.memcached.pid)

@@ -1,0 +1,461 @@
+"""Many real DHCP clients behind one fabric port, the servers they are measured against, and a wire capture.
+
+Mininet makes one namespace per host and one switch port per namespace; 245
+(or 1,000) of them make the build and teardown slow and the flow tables large
+for nothing the benchmarks need.  :class:`ClientFarm` gives each client its own
+named namespace ``vfx<tag><i>`` with one macvlan device of the same name, a
+child of a testbed host's interface (mode ``private``: children never hear
+each other, only the fabric).  So every client has its own MAC, its own
+kernel stack (its address is configured, unicast renewals and ARP work) and
+runs an unmodified client, while the fabric sees one host port sourcing many
+MACs: each is registered on that port (port security admits a port's
+registered MACs only; the dhcp4 front door keys on the frame's source).  The
+namespaces are written into the testbed's run record before they exist, so a
+run that dies is swept by the next testbed.
+
+The lower device already has transmit checksum offload off (the testbed does
+that); a macvlan's own ``tx-checksum-ip-generic`` is fixed on but harmless:
+the kernel completes the checksum when the frame reaches the lower device.
+
+:class:`Capture` reads every DHCP frame that crosses a host's interface (the
+macvlans' frames cross their lower device both ways) with kernel receive
+timestamps, so the same clock times every server from the clients' side:
+the first DISCOVER, each client's ACK, the addresses the ACKs carried.
+
+ISC ``perfdhcp`` (``kea-admin``) always poses as a relay agent for DHCPv4: it
+sends from UDP port 67 with ``giaddr`` set to its own address and ``hops`` 1,
+from its interface's MAC, with ``chaddr`` running up from its ``-b mac=``
+template (sequentially, not at random).  A server answers it at
+giaddr:67.  :func:`perfdhcp` runs one in a farm namespace and parses its report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import struct
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address
+
+from vfab.services.sdhcp import wire
+from vfab.services.sdhcp.errors import DhcpError
+from vfab.services.sdhcp.wire import MessageType
+from vfab.vid import codec
+from vfab.vid.netns import netns
+from vfab.vid.registry import schema
+
+NETNS_DIR = "/run/netns"
+ETH_P_ALL = 0x0003
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+PACKET_OUTGOING = 4
+
+# One line per event: "<event> <ip> <unix time>"; udhcpc passes the event as $1 and the rest in the environment.
+UDHCPC_HOOK = """#!/bin/sh
+# vfab client farm: record each event; configure the address when asked to (ADDR=1)
+f="{dir}/$interface"
+case "$1" in
+  bound|renew)
+    [ "{addr}" = 1 ] && ip addr replace "$ip/$subnet" dev "$interface"
+    echo "$1 $ip $(date +%s.%N)" >> "$f" ;;
+  deconfig)
+    [ "{addr}" = 1 ] && ip -4 addr flush dev "$interface"
+    echo "$1 - $(date +%s.%N)" >> "$f" ;;
+  *) echo "$1 - $(date +%s.%N)" >> "$f" ;;
+esac
+exit 0
+"""
+
+
+def _ip_batch(lines: list[str], netns_pid: int | None = None) -> None:
+    cmd = ["ip", "-batch", "-"]
+    if netns_pid is not None:
+        cmd = ["nsenter", "-t", str(netns_pid), "-n", *cmd]
+    res = subprocess.run(cmd, input="\n".join(lines) + "\n", capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip()[:600]}")
+
+
+class ClientFarm:
+    """``len(macs)`` client namespaces ``vfx<tag><i>``, each with a macvlan child of ``host``'s interface."""
+
+    def __init__(self, tb, host: str, tag: str, macs: list[bytes], workdir: str):
+        if len(tag) > 3 or not tag.isalnum():
+            raise ValueError(f"tag {tag!r}: 1-3 letters or digits (interface names are at most 15 characters)")
+        self.tb, self.host, self.tag, self.macs = tb, host, tag, list(macs)
+        self.lower = tb.hosts[host]["iface"]
+        self.names = [f"vfx{tag}{i}" for i in range(len(macs))]
+        self.dir = os.path.join(workdir, f"farm-{tag}")
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.created = False
+
+    # -- life cycle ---------------------------------------------------------
+    def create(self) -> "ClientFarm":
+        """Namespaces, macvlans (up, with their MACs), the MACs registered on the host's port."""
+        os.makedirs(self.dir, exist_ok=True)
+        self.tb.record.add("netns", *self.names)
+        self.created = True
+        _ip_batch([f"netns add {n}" for n in self.names])
+        pid = self.tb.host(self.host).pid
+        lines = []
+        for n, mac in zip(self.names, self.macs):
+            lines += [f"link add link {self.lower} name {n} address {codec.int_to_mac(int.from_bytes(mac, 'big'))} "
+                      "type macvlan mode private", f"link set {n} netns {n}"]
+        _ip_batch(lines, pid)
+        for n in self.names:
+            with netns(os.path.join(NETNS_DIR, n)):
+                _ip_batch(["link set lo up", f"link set {n} up"])
+        info = self.tb.hosts[self.host]
+        for n, mac in zip(self.names, self.macs):
+            self.tb.registry.put_host(schema.Host(mac=codec.int_to_mac(int.from_bytes(mac, "big")),
+                                                  dpid=info["dpid"], port=info["port"], name=n))
+        return self
+
+    def remove(self) -> None:
+        self.stop_all()
+        if self.created:
+            existing = set(os.listdir(NETNS_DIR)) if os.path.isdir(NETNS_DIR) else set()
+            gone = [n for n in self.names if n in existing]
+            if gone:
+                _ip_batch([f"netns del {n}" for n in gone])
+            self.created = False
+
+    def __enter__(self) -> "ClientFarm":
+        return self.create()
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def ns(self, i: int) -> str:
+        return os.path.join(NETNS_DIR, self.names[i])
+
+    def sh(self, i: int, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(["nsenter", f"--net={self.ns(i)}", *cmd], capture_output=True, text=True, check=check)
+
+    # -- udhcpc ---------------------------------------------------------------
+    def hook(self, configure: bool) -> str:
+        path = os.path.join(self.dir, f"hook{int(configure)}.sh")
+        with open(path, "w") as fh:
+            fh.write(UDHCPC_HOOK.format(dir=self.dir, addr=int(configure)))
+        os.chmod(path, 0o755)
+        return path
+
+    def start_udhcpc(self, which: list[int] | None = None, once: bool = True, configure: bool = False,
+                     extra: tuple[str, ...] = ()) -> None:
+        """One busybox udhcpc per client (``once``: exit after the lease, or when none came after 5 tries)."""
+        hook = self.hook(configure)
+        for i in range(len(self.names)) if which is None else which:
+            n = self.names[i]
+            cmd = ["nsenter", f"--net={self.ns(i)}", "busybox", "udhcpc", "-f", "-i", n, "-s", hook,
+                   "-t", "5", "-T", "2", *(("-q", "-n") if once else ("-A", "2")), *extra]
+            p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            self.tb.track(p.pid, f"udhcpc@{n}")
+            self.procs[i] = p
+
+    def wait_exit(self, timeout: float) -> int:
+        """Wait until every client process ended (or ``timeout``); the number still running."""
+        deadline = time.monotonic() + timeout
+        for i, p in list(self.procs.items()):
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        left = 0
+        for i, p in list(self.procs.items()):
+            if p.poll() is None:
+                left += 1
+            else:
+                self.tb.untrack(p.pid)
+                del self.procs[i]
+        return left
+
+    def signal(self, sig: int, which: list[int] | None = None) -> int:
+        sent = 0
+        for i, p in self.procs.items():
+            if (which is None or i in which) and p.poll() is None:
+                os.kill(p.pid, sig)
+                sent += 1
+        return sent
+
+    def stop_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+            self.tb.untrack(p.pid)
+        self.procs.clear()
+
+    def events(self, i: int) -> list[tuple[str, str, float]]:
+        """(event, address or '-', unix time) as the client's hook recorded them."""
+        try:
+            with open(os.path.join(self.dir, self.names[i])) as fh:
+                rows = [ln.split() for ln in fh]
+        except FileNotFoundError:
+            return []
+        return [(r[0], r[1], float(r[2])) for r in rows if len(r) == 3]
+
+    def clear_events(self) -> None:
+        for n in self.names:
+            try:
+                os.unlink(os.path.join(self.dir, n))
+            except FileNotFoundError:
+                pass
+
+    def addresses(self) -> dict[int, str]:
+        """Each client's address now, by its hook (the last bound/renew not followed by a deconfig)."""
+        out = {}
+        for i in range(len(self.names)):
+            cur = None
+            for ev, ip, _ in self.events(i):
+                if ev in ("bound", "renew"):
+                    cur = ip
+                elif ev in ("deconfig", "leasefail", "nak"):
+                    cur = None if ev == "deconfig" else cur
+            if cur is not None:
+                out[i] = cur
+        return out
+
+    def configured(self, i: int) -> list[str]:
+        """The IPv4 addresses on client ``i``'s interface (the kernel's view)."""
+        out = json.loads(self.sh(i, "ip", "-j", "-4", "addr", "show", "dev", self.names[i]).stdout or "[]")
+        return [a["local"] for a in (out[0].get("addr_info", []) if out else [])]
+
+
+def held_twice(farm: ClientFarm, until: float | None = None) -> list[str]:
+    """Addresses two clients held at the same time, from the clients' own event logs.
+
+    A client holds an address from its ``bound``/``renew`` until its next
+    ``deconfig`` or a bound/renew with another address (or ``until``, default now)."""
+    end = until or time.time()
+    spans: dict[str, list[tuple[float, float, int]]] = {}
+    for i in range(len(farm.names)):
+        cur, since = None, 0.0
+        for ev, ip, t in farm.events(i) + [("end", "-", end)]:
+            if ev in ("bound", "renew") and ip == cur:
+                continue
+            if cur is not None and (ev in ("bound", "renew", "deconfig", "end")):
+                spans.setdefault(cur, []).append((since, t, i))
+                cur = None
+            if ev in ("bound", "renew"):
+                cur, since = ip, t
+    bad = []
+    for ip, lst in spans.items():
+        lst.sort()
+        for (a0, a1, ai), (b0, b1, bi) in zip(lst, lst[1:]):
+            if ai != bi and b0 < a1:
+                bad.append(f"{ip}: {farm.names[ai]} {a0:.3f}-{a1:.3f} and {farm.names[bi]} from {b0:.3f}")
+    return bad
+
+
+# -- the wire -----------------------------------------------------------------------------------
+@dataclass
+class Seen:
+    t: float              # kernel receive time (unix)
+    out: bool             # sent by this side (a client or relay behind the port)
+    type: MessageType
+    chaddr: bytes
+    xid: int
+    yiaddr: IPv4Address
+
+
+class Capture:
+    """Every DHCP message crossing a testbed host's interface, with kernel timestamps (a thread)."""
+
+    def __init__(self, tb, host: str):
+        with netns(tb.netns(host)):
+            self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+        self.sock.bind((tb.hosts[host]["iface"], ETH_P_ALL))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 20)
+        self.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        self.sock.settimeout(0.1)
+        self.frames: list[tuple[float, bool, bytes]] = []
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"capture-{host}")
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                data, anc, _, addr = self.sock.recvmsg(2048, 64)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            if len(data) < 42 or data[12:14] != b"\x08\x00" or data[23] != 17:
+                continue
+            t = time.time()
+            for level, kind, val in anc:
+                if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
+                    sec, nsec = struct.unpack("qq", val[:16])
+                    t = sec + nsec / 1e9
+            self.frames.append((t, addr[2] == PACKET_OUTGOING, data))
+
+    def mark(self) -> int:
+        return len(self.frames)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(2)
+        self.sock.close()
+
+    def messages(self, since: int = 0) -> list[Seen]:
+        out = []
+        for t, outgoing, data in self.frames[since:]:
+            ihl = (data[14] & 0x0F) * 4
+            udp = 14 + ihl
+            sport, dport = struct.unpack_from("!HH", data, udp)
+            if 67 not in (sport, dport) and 68 not in (sport, dport):
+                continue
+            try:
+                m = wire.parse(bytes(data[udp + 8:]))
+            except DhcpError:
+                continue
+            if m.msg_type is None:
+                continue
+            out.append(Seen(t, outgoing, m.msg_type, bytes(m.chaddr), m.xid, m.yiaddr))
+        return out
+
+
+def dora(seen: list[Seen], chaddrs: set[bytes] | None = None) -> dict:
+    """From the clients' side: time from the first DISCOVER to the last ACK, leases, latencies, addresses.
+
+    A client's latency runs from its first DISCOVER to its first ACK.  ``addresses``: chaddr → the address
+    of its last ACK.  ``held_twice``: addresses ACKed to more than one chaddr."""
+    first: dict[bytes, float] = {}
+    acked: dict[bytes, float] = {}
+    addr: dict[bytes, IPv4Address] = {}
+    discovers = requests = naks = 0
+    for s in sorted(seen, key=lambda s: s.t):
+        if chaddrs is not None and s.chaddr not in chaddrs:
+            continue
+        if s.out and s.type is MessageType.DISCOVER:
+            discovers += 1
+            first.setdefault(s.chaddr, s.t)
+        elif s.out and s.type is MessageType.REQUEST:
+            requests += 1
+        elif not s.out and s.type is MessageType.ACK and s.chaddr in first:
+            acked.setdefault(s.chaddr, s.t)
+            addr[s.chaddr] = s.yiaddr
+        elif not s.out and s.type is MessageType.NAK:
+            naks += 1
+    lat = [acked[c] - first[c] for c in acked]
+    t0 = min(first.values()) if first else None
+    took = (max(acked.values()) - t0) if acked else None
+    holders: dict[IPv4Address, set] = {}
+    for c, a in addr.items():
+        holders.setdefault(a, set()).add(c)
+    return {"clients": len(first), "leased": len(acked), "time_s": round(took, 3) if took else None,
+            "leases_per_s": round(len(acked) / took, 1) if took else 0.0, "latencies": lat,
+            "discovers": discovers, "requests": requests, "naks": naks,
+            "distinct_addresses": len(holders), "addresses": addr,
+            "held_twice": sorted(str(a) for a, cs in holders.items() if len(cs) > 1)}
+
+
+# -- perfdhcp ---------------------------------------------------------------------------------------
+@dataclass
+class PerfRun:
+    popen: subprocess.Popen
+    out: str
+    report: dict = field(default_factory=dict)
+
+
+def perfdhcp(farm: ClientFarm, i: int, clients: int, base_mac: bytes, rate: int | None, wait_us: int = 500000,
+             avalanche: bool = False, tb=None) -> PerfRun:
+    """Start perfdhcp in farm namespace ``i``: ``clients`` DORAs from chaddr ``base_mac`` upwards."""
+    out = os.path.join(farm.dir, f"perfdhcp-{farm.names[i]}-{int(time.time() * 1e3)}.txt")
+    mac = ":".join(f"{b:02x}" for b in base_mac)
+    cmd = ["nsenter", f"--net={farm.ns(i)}", "perfdhcp", "-4", "-R", str(clients), "-b", f"mac={mac}",
+           "-W", str(wait_us), "-l", farm.names[i]]
+    cmd += ["--scenario", "avalanche"] if avalanche else ["-n", str(clients), "-r", str(rate)]
+    p = subprocess.Popen(cmd, stdout=open(out, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    farm.tb.track(p.pid, f"perfdhcp@{farm.names[i]}")
+    return PerfRun(p, out)
+
+
+def finish_perfdhcp(farm: ClientFarm, run: PerfRun, timeout: float) -> dict:
+    try:
+        run.popen.wait(timeout)
+    except subprocess.TimeoutExpired:
+        run.popen.send_signal(signal.SIGINT)   # it prints its report on SIGINT
+        try:
+            run.popen.wait(5)
+        except subprocess.TimeoutExpired:
+            run.popen.kill()
+            run.popen.wait(5)
+    farm.tb.untrack(run.popen.pid)
+    text = open(run.out).read()
+    run.report = parse_perfdhcp(text)
+    run.report["exit"] = run.popen.returncode
+    return run.report
+
+
+def parse_perfdhcp(text: str) -> dict:
+    """perfdhcp's report: per exchange ("DISCOVER-OFFER", "REQUEST-ACK") its counters and delays (ms), and the rate."""
+    rep: dict = {}
+    section = None
+    for line in text.splitlines():
+        if "Statistics for:" in line:
+            section = line.split("Statistics for:")[1].strip(" *")
+            rep[section] = {}
+            continue
+        m = re.match(r"\s*Rate:\s+([0-9.]+)", line)
+        if m:
+            rep["rate"] = float(m.group(1))
+            continue
+        m = re.match(r"\s*([a-z][a-z ]+?):\s+([0-9.]+)", line)
+        if m and section:
+            rep[section][m.group(1).strip()] = float(m.group(2))
+    return rep
+
+
+# -- peers: Kea and dnsmasq in a testbed host --------------------------------------------------------
+def kea_config(iface: str, server: str, prefix: int, first: str, last: str, lease: int, leases: str) -> dict:
+    """kea-dhcp4 with memfile (each lease written before the reply, never fsync'd) and raw sockets."""
+    net = IPv4Address(int(IPv4Address(server)) & ~((1 << (32 - prefix)) - 1))
+    return {"Dhcp4": {
+        "interfaces-config": {"interfaces": [f"{iface}/{server}"], "dhcp-socket-type": "raw"},
+        "lease-database": {"type": "memfile", "persist": True, "name": leases, "lfc-interval": 0},
+        "valid-lifetime": lease, "renew-timer": lease // 2, "rebind-timer": lease * 7 // 8,
+        "subnet4": [{"subnet": f"{net}/{prefix}", "pools": [{"pool": f"{first} - {last}"}], "interface": iface}],
+        "loggers": [{"name": "kea-dhcp4", "output_options": [{"output": "stdout"}], "severity": "WARN"}]}}
+
+
+def start_kea(tb, host: str, workdir: str, server: str, prefix: int, first: str, last: str, lease: int):
+    d = os.path.join(workdir, "kea")
+    os.makedirs(d, exist_ok=True)
+    conf = os.path.join(d, "kea-dhcp4.json")
+    with open(conf, "w") as fh:
+        json.dump(kea_config(tb.hosts[host]["iface"], server, prefix, first, last, lease,
+                             os.path.join(d, "leases.csv")), fh, indent=1)
+    env = {"KEA_PIDFILE_DIR": d, "KEA_LOCKFILE_DIR": d, "KEA_LOGGER_DESTINATION": "stdout"}
+    return tb.sup.start("kea-dhcp4", ["nsenter", "-t", str(tb.host(host).pid), "-n", "kea-dhcp4", "-c", conf],
+                        env=env)
+
+
+def start_dnsmasq(tb, host: str, workdir: str, first: str, last: str, prefix: int, lease: int):
+    """dnsmasq as a DHCP server only (no DNS, no ping before an offer); it fsyncs its lease file per change."""
+    d = os.path.join(workdir, "dnsmasq")
+    os.makedirs(d, exist_ok=True)
+    mask = str(IPv4Address((0xFFFFFFFF << (32 - prefix)) & 0xFFFFFFFF))
+    cmd = ["nsenter", "-t", str(tb.host(host).pid), "-n", "dnsmasq", "--keep-in-foreground", "--conf-file=/dev/null",
+           "--port=0", "--no-ping", "--dhcp-authoritative", f"--interface={tb.hosts[host]['iface']}",
+           "--bind-interfaces", f"--dhcp-range={first},{last},{mask},{max(lease, 120)}",
+           f"--dhcp-leasefile={d}/leases", f"--pid-file={d}/pid", "--dhcp-lease-max=100000", "--user=root",
+           "--log-facility=-"]
+    return tb.sup.start("dnsmasq", cmd)
+
+
+def host_address(tb, host: str, cidr: str, add: bool = True) -> None:
+    """Add (or remove) an address on a testbed host's interface (the peers need one in the pool's subnet)."""
+    subprocess.run(["nsenter", "-t", str(tb.host(host).pid), "-n", "ip", "addr", "add" if add else "del", cidr,
+                    "dev", tb.hosts[host]["iface"]], check=add, capture_output=True)

@@ -1,0 +1,124 @@
+"""``vfab helpers`` and ``services/memcached-helper/control.py`` against a real etcd (no fabric, no DPDK).
+
+A helper here is what its agent writes: an endpoint of the service plus a ``HelperStatus`` under the same
+lease.  The fabric tests (tests/integration/test_mc_fabric.py) run the real thing.
+"""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from vfab.cli.main import cli
+from vfab.services.memcached_helper import control
+from vfab.vid.errors import NotFound
+from vfab.vid.ranges import Range
+from vfab.vid.registry import schema
+
+STATS = {"batch_S_bytes": 4101, "batch_T_ns": 14000, "b_cmds": 10, "b_keys": 120, "rx_get": 120, "conns": 2,
+         "conns_up": 2, "hist_keys_8": 6, "hist_keys_16": 4, "drop_busy": 3}
+
+
+@pytest.fixture
+def run(registry):
+    def invoke(*args: str):
+        return CliRunner().invoke(cli, ["--etcd", registry.endpoint, *args])
+    return invoke
+
+
+def add_helper(reg, name: str, mac: str) -> int:
+    lease = reg.announce(schema.Endpoint(service="mc", name=name, mac=mac), ttl=30)
+    reg.put(schema.helper_key("mc", name), schema.HelperStatus(at=1.0, serves="10.0.0.1:11211", pid=7,
+                                                                stats=STATS).to_json(), lease=lease)
+    return lease
+
+
+@pytest.fixture
+def mc(registry):
+    registry.create_service("mc", kind="memcached",
+                            frontdoors=[{"kind": "udp", "ip": "10.0.0.1", "port": 11211, "key": "ip_src"}])
+    registry.announce(schema.Endpoint(service="mc", name="mc0", mac="00:00:00:00:00:01"), ttl=30)
+    registry.assign("mc", Range(0, 0xFFFFFF), "mc0")
+    leases = {"h1": add_helper(registry, "h1", "00:00:00:00:00:02"),
+              "h2": add_helper(registry, "h2", "00:00:00:00:00:05")}
+    registry.announce(schema.Endpoint(service="mc", name="other", mac="00:00:00:00:00:09"), ttl=30)
+    return leases
+
+
+def ranges(reg):
+    return [(r.lo, r.hi, r.owner, r.helpers) for r, _ in reg.ranges("mc")]
+
+
+def test_live_helpers_are_endpoints_with_a_status(registry, mc):
+    assert control.live_helpers(registry, "mc") == ["h1", "h2"]   # not mc0, not "other"
+    with pytest.raises(NotFound, match="does not exist"):
+        control.live_helpers(registry, "nosuch")
+
+
+def test_on_and_off_for_all_ranges(run, registry, mc):
+    res = run("helpers", "on", "mc", "--no-wait")
+    assert res.exit_code == 0 and "helpers - -> h1,h2" in res.output, res.output
+    assert ranges(registry) == [(0, 0xFFFFFF, "mc0", ["h1", "h2"])]
+    res = run("helpers", "on", "mc", "--no-wait")
+    assert res.exit_code == 0 and "nothing to change" in res.output       # no new epoch, no flow churn
+    res = run("helpers", "off", "mc", "--no-wait")
+    assert res.exit_code == 0 and "h1,h2 -> -" in res.output
+    assert ranges(registry) == [(0, 0xFFFFFF, "mc0", [])]
+
+
+def test_on_a_range_cuts_it_and_off_joins_it_again(run, registry, mc):
+    res = run("helpers", "on", "mc", "0-0x7fffff", "--helper", "h2", "--no-wait")
+    assert res.exit_code == 0, res.output
+    assert ranges(registry) == [(0, 0x7FFFFF, "mc0", ["h2"]), (0x800000, 0xFFFFFF, "mc0", [])]
+    epoch = max(r.epoch for r, _ in registry.ranges("mc"))
+    res = run("helpers", "off", "mc", "--helper", "h2", "--no-wait")
+    assert res.exit_code == 0 and "h2 -> -" in res.output, res.output
+    assert ranges(registry) == [(0, 0xFFFFFF, "mc0", [])]
+    assert registry.ranges("mc")[0][0].epoch > epoch
+
+
+def test_bad_requests_say_what_is_wrong(run, registry, mc):
+    res = run("helpers", "on", "mc", "--helper", "h9", "--no-wait")
+    assert res.exit_code == 2 and "'h9' is not a live helper of 'mc' (live helpers: h1, h2)" in res.output
+    res = run("helpers", "on", "mc", "--helper", "other", "--no-wait")     # an endpoint, but no helper
+    assert res.exit_code == 2 and "'other' is not a live helper" in res.output
+    res = run("helpers", "on", "nosuch")
+    assert res.exit_code == 1 and "does not exist" in res.output
+    res = run("helpers", "on", "mc", "5-1")
+    assert res.exit_code == 2 and "lo must be <= hi" in res.output
+    registry.assign("mc", Range(0x10, 0x1F), "")                              # an unassigned range
+    res = run("helpers", "on", "mc", "0-0x20", "--no-wait")
+    assert res.exit_code == 2 and "has no owner" in res.output, res.output
+    assert "Traceback" not in res.output
+
+
+def test_no_live_helper(run, registry, mc):
+    for lease in mc.values():
+        registry.revoke(lease)
+    res = run("helpers", "on", "mc")
+    assert res.exit_code == 1 and "no live helper of 'mc'" in res.output
+
+
+def test_status_shows_stats_and_dead_helpers(run, registry, mc):
+    control.set_helpers(registry, "mc", None, ["h1", "h2"])
+    registry.revoke(mc["h2"])                                    # h2's agent is gone: endpoint and status
+    res = run("helpers", "mc")
+    assert res.exit_code == 0, res.output
+    assert "h2 (DEAD)" in res.output and "DEAD" in res.output and "helpers" in res.output
+    rep = control.report(registry, "mc")
+    h1 = next(h for h in rep["helpers"] if h["name"] == "h1")
+    assert (h1["live"], h1["S_bytes"], h1["T_us"], h1["batches"], h1["keys_per_batch"], h1["drops"]) == \
+        (True, 4101, 14.0, 10, 12.0, 3)
+    assert h1["hist"] == {"8": 6, "16": 4}
+    assert rep["ranges"][0]["path"] == "helpers"
+    res = run("status")
+    assert res.exit_code == 0 and "h2 (DEAD)" in res.output, res.output
+
+
+def test_balancer_hooks(registry, mc):
+    changes = control.apply_decision(registry, {"service": "mc", "range": [0, 0xFFF], "helpers": ["h1"],
+                                                "weights": [100]})
+    assert [(c.rng, c.after) for c in changes] == [(Range(0, 0xFFF), ["h1"])]
+    rev = control.apply_helpers(registry, "mc", 0, 0xFFF, [])
+    assert rev > 0 and ranges(registry) == [(0, 0xFFFFFF, "mc0", [])]
+    assert control.apply_decision(registry, {"service": "mc", "range": "0-0xfff", "helpers": []}) == []
