@@ -24,7 +24,7 @@ from ipaddress import IPv4Address
 
 import pytest
 
-from bench.sdhcp_lease import CLIENT_HOST, lease_all, message
+from vfab.testbed.dhcpburst import CLIENT_HOST, lease_all, message
 from vfab.services.sdhcp import ipudp, wire
 from vfab.services.sdhcp.errors import DhcpError
 from vfab.services.sdhcp.wire import MessageType, Opt
