@@ -58,23 +58,32 @@ def _why(exc: sqlite3.Error, path: str) -> str:
     return f"{text} ({path})"
 
 # A rowid table: rows of ~1 KB in a WITHOUT ROWID table (the key's B-tree holding the whole row) made bulk
-# copies 3-4x slower.  kv_live counts live keys per range from the index alone (load reports, op totals).
-# ``gen``: the copy generation a row arrived with (0 = written here); see begin_copy.  kv_vkey_gen finds a
-# range's rows of earlier generations from the index alone: clearing after a copy that overwrote every row
-# reads no table row (with an index on vkey only it read all of them, ~0.3 s per 100k keys of 1 KB, on the
-# loop's thread).
+# copies 3-4x slower.  Every index leads with the VID key: a copy arrives in vkey order, so the rows and
+# every index grow at their right edge and a chunk's transaction dirties few pages (a UNIQUE index on the
+# key alone took each chunk's ~250 keys in random order and rewrote ~250 of its leaf pages per chunk).  A
+# key is looked up as (vkey, k); vkey is a hash of k.  kv_live counts live keys per range from the index
+# alone (load reports, op totals).  ``gen``: the copy generation a row arrived with (0 = written here); see
+# begin_copy.  kv_vkey_gen finds a range's rows of earlier generations from the index alone: clearing after
+# a copy that overwrote every row reads no table row (with an index on vkey only it read all of them, ~0.3 s
+# per 100k keys of 1 KB, on the loop's thread).
 SCHEMA = """
-CREATE TABLE IF NOT EXISTS kv (id INTEGER PRIMARY KEY, k BLOB NOT NULL UNIQUE, vkey INTEGER NOT NULL, value BLOB,
-                               version INTEGER NOT NULL, recent BLOB NOT NULL, gen INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS kv (id INTEGER PRIMARY KEY, k BLOB NOT NULL, vkey INTEGER NOT NULL, value BLOB,
+                               version INTEGER NOT NULL, recent BLOB NOT NULL, gen INTEGER NOT NULL DEFAULT 0,
+                               UNIQUE (vkey, k));
 CREATE INDEX IF NOT EXISTS kv_vkey_gen ON kv (vkey, gen);
 CREATE INDEX IF NOT EXISTS kv_live ON kv (vkey) WHERE value IS NOT NULL;
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
-MIGRATE_WITHOUT_ROWID = """
+# Earlier layouts (a WITHOUT ROWID table keyed on k; a rowid table with k UNIQUE), converted on open in one
+# transaction.  The old table's indexes follow it through the rename: drop them so SCHEMA makes new ones.
+MIGRATE = """
 ALTER TABLE kv RENAME TO kv_old;
 DROP INDEX IF EXISTS kv_vkey;
+DROP INDEX IF EXISTS kv_vkey_gen;
+DROP INDEX IF EXISTS kv_live;
 """ + SCHEMA + """
-INSERT INTO kv (k, vkey, value, version, recent) SELECT k, vkey, value, version, recent FROM kv_old;
+INSERT INTO kv (k, vkey, value, version, recent, gen) SELECT k, vkey, value, version, recent, {gen} FROM kv_old
+    ORDER BY vkey;
 DROP TABLE kv_old;
 """
 
@@ -120,12 +129,11 @@ class Store:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._local = threading.local()
         old = self.db.execute("SELECT sql FROM sqlite_master WHERE name='kv'").fetchone()
-        if old is not None and "WITHOUT ROWID" in old[0]:
+        if old is not None and "UNIQUE (vkey, k)" not in old[0]:
             log.warning("%s: converting the store to the current layout (one transaction)", path)
-            self.db.executescript("BEGIN IMMEDIATE;" + MIGRATE_WITHOUT_ROWID + "COMMIT;")
-        elif old is not None and "gen INTEGER" not in old[0]:
-            self.db.execute("ALTER TABLE kv ADD COLUMN gen INTEGER NOT NULL DEFAULT 0")
-        self.db.executescript(SCHEMA + "DROP INDEX IF EXISTS kv_vkey;")   # kv_vkey_gen replaces it
+            gen = "gen" if "gen INTEGER" in old[0] else "0"
+            self.db.executescript("BEGIN IMMEDIATE;" + MIGRATE.format(gen=gen) + "COMMIT;")
+        self.db.executescript(SCHEMA)
 
     @property
     def db(self) -> sqlite3.Connection:
@@ -183,7 +191,7 @@ class Store:
 
     def row(self, k: bytes) -> tuple[bytes | None, int, bytes] | None:
         """(value or None if deleted, version, recent) of a key, or None if never written."""
-        return self._exec("SELECT value, version, recent FROM kv WHERE k=?", (k,)).fetchone()
+        return self._exec("SELECT value, version, recent FROM kv WHERE vkey=? AND k=?", (vkey(k), k)).fetchone()
 
     def record(self, k: bytes) -> bytes:
         """The state record of a key as it is now (b"" if never written)."""
@@ -207,7 +215,7 @@ class Store:
             # Deleting a missing key changes nothing but is remembered, so a retry answers the same.
             recent = recent_add(recent, client, reqid)
             if row is not None:
-                self._exec("UPDATE kv SET recent=? WHERE k=?", (recent, k))
+                self._exec("UPDATE kv SET recent=? WHERE vkey=? AND k=?", (recent, vkey(k), k))
             return version, True, b""
         version += 1
         recent = recent_add(recent, client, reqid)
@@ -216,7 +224,8 @@ class Store:
             self._exec("INSERT INTO kv (k, vkey, value, version, recent) VALUES (?,?,?,?,?)",
                        (k, vk, value, version, recent))
         else:  # in place: the row keeps its id, its index entries stay unless it turns live or dead
-            self._exec("UPDATE kv SET value=?, version=?, recent=? WHERE k=?", (value, version, recent, k))
+            self._exec("UPDATE kv SET value=?, version=?, recent=? WHERE vkey=? AND k=?",
+                       (value, version, recent, vk, k))
         return version, True, pack_record(k, vk, value, version, recent)
 
     # -- state transfer --------------------------------------------------------
@@ -235,7 +244,8 @@ class Store:
             blob, n = [], 0
             size = 0
             for k, vk, value, version, recent in db.execute(
-                    "SELECT k, vkey, value, version, recent FROM kv WHERE vkey BETWEEN ? AND ?", (rng.lo, rng.hi)):
+                    "SELECT k, vkey, value, version, recent FROM kv WHERE vkey BETWEEN ? AND ? ORDER BY vkey",
+                    (rng.lo, rng.hi)):
                 rec = pack_record(k, vk, value, version, recent)
                 blob.append(rec)
                 size += len(rec)
@@ -277,7 +287,7 @@ class Store:
             before = db.total_changes
             db.executemany(
                 "INSERT INTO kv (k, vkey, value, version, recent, gen) VALUES (?,?,?,?,?,?) "
-                "ON CONFLICT(k) DO UPDATE SET value=excluded.value, version=excluded.version, "
+                "ON CONFLICT(vkey, k) DO UPDATE SET value=excluded.value, version=excluded.version, "
                 f"recent=excluded.recent, gen=excluded.gen WHERE {cond}",
                 [(k, vk, value, version, recent, g) for k, vk, value, version, recent in rows])
             return db.total_changes - before

@@ -532,6 +532,35 @@ def test_a_store_of_the_previous_layout_is_converted_with_its_data(tmp_path):
         s.close()
 
 
+def test_a_store_keyed_on_k_alone_is_converted_with_its_data_and_generations(tmp_path):
+    """The layout before every index led with the VID key (k UNIQUE on its own): converted on open, rows,
+    tombstones and copy generations kept, and a copy's conflict target is (vkey, k) afterwards."""
+    import sqlite3
+
+    path = str(tmp_path / "old.sqlite")
+    with sqlite3.connect(path) as conn:
+        conn.executescript("""
+            CREATE TABLE kv (id INTEGER PRIMARY KEY, k BLOB NOT NULL UNIQUE, vkey INTEGER NOT NULL, value BLOB,
+                             version INTEGER NOT NULL, recent BLOB NOT NULL, gen INTEGER NOT NULL DEFAULT 0);
+            CREATE INDEX kv_vkey_gen ON kv (vkey, gen);
+            CREATE INDEX kv_live ON kv (vkey) WHERE value IS NOT NULL;""")
+        conn.execute("INSERT INTO kv (k, vkey, value, version, recent, gen) VALUES (?,?,?,?,?,?)",
+                     (b"k", vkey(b"k"), b"v", 3, b"", 2))
+        conn.execute("INSERT INTO kv (k, vkey, value, version, recent, gen) VALUES (?,?,?,?,?,?)",
+                     (b"gone", vkey(b"gone"), None, 2, b"", 0))
+    s = Store(path)
+    try:
+        sql = s.db.execute("SELECT sql FROM sqlite_master WHERE name='kv'").fetchone()[0]
+        assert "UNIQUE (vkey, k)" in sql and "k BLOB NOT NULL UNIQUE" not in sql
+        assert s.row(b"k") == (b"v", 3, b"") and s.row(b"gone") == (None, 2, b"")
+        assert s.db.execute("SELECT gen FROM kv WHERE k=?", (b"k",)).fetchone() == (2,)
+        assert s.count(Range(0, 0xFFFFFF)) == 1
+        assert s.apply([pack_record(b"k", vkey(b"k"), b"v4", 4, b"")]) == 1
+        assert s.row(b"k") == (b"v4", 4, b"")
+    finally:
+        s.close()
+
+
 def test_a_copy_generation_wins_over_stale_rows_whatever_their_versions(tmp_path):
     """A stale copy can hold a version that was never acknowledged (an owner died before replicating it)
     and collides with the acknowledged one: a new copy must replace it, and drop what it did not replace."""
