@@ -57,15 +57,18 @@ def _why(exc: sqlite3.Error, path: str) -> str:
         return f"{text} ({path}): the store is read-only; check permissions and mounts"
     return f"{text} ({path})"
 
-# A rowid table: rows of ~1 KB in a WITHOUT ROWID table (the key's B-tree holding the whole row) made bulk
-# copies 3-4x slower.  Every index leads with the VID key: a copy arrives in vkey order, so the rows and
-# every index grow at their right edge and a chunk's transaction dirties few pages (a UNIQUE index on the
-# key alone took each chunk's ~250 keys in random order and rewrote ~250 of its leaf pages per chunk).  A
-# key is looked up as (vkey, k); vkey is a hash of k.  kv_live counts live keys per range from the index
-# alone (load reports, op totals).  ``gen``: the copy generation a row arrived with (0 = written here); see
-# begin_copy.  kv_vkey_gen finds a range's rows of earlier generations from the index alone: clearing after
-# a copy that overwrote every row reads no table row (with an index on vkey only it read all of them, ~0.3 s
-# per 100k keys of 1 KB, on the loop's thread).
+# A rowid table clustered by VID key: a row's id is (vkey << ID_BITS) + n, the next free n of its vkey, so
+# a range's rows lie together in the table in vkey order.  A copy arrives in vkey order: a fresh one appends
+# at the table's right edge, one over an older copy (a merge back) rewrites each page once, a drop deletes
+# whole pages.  (With ids in arrival order, a merge's upserts hit table pages at random: 3-4x slower.  Rows of
+# ~1 KB in a WITHOUT ROWID table spill into overflow pages: also 3-4x slower.)  Every index leads with the
+# VID key too; a key is looked up as (vkey, k), vkey being a hash of k.  Should 2^ID_BITS keys ever share one
+# vkey, further ones take ordinary rowids (correct, only not clustered).  kv_live counts live keys per range
+# from the index alone (load reports, op totals).  ``gen``: the copy generation a row arrived with (0 =
+# written here); see begin_copy.  kv_vkey_gen finds a range's rows of earlier generations from the index
+# alone: clearing after a copy that overwrote every row reads no table row.
+ID_BITS = 20
+LAYOUT = 2            # PRAGMA user_version of this layout; older stores are converted on open
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (id INTEGER PRIMARY KEY, k BLOB NOT NULL, vkey INTEGER NOT NULL, value BLOB,
                                version INTEGER NOT NULL, recent BLOB NOT NULL, gen INTEGER NOT NULL DEFAULT 0,
@@ -74,17 +77,23 @@ CREATE INDEX IF NOT EXISTS kv_vkey_gen ON kv (vkey, gen);
 CREATE INDEX IF NOT EXISTS kv_live ON kv (vkey) WHERE value IS NOT NULL;
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
-# Earlier layouts (a WITHOUT ROWID table keyed on k; a rowid table with k UNIQUE), converted on open in one
-# transaction.  The old table's indexes follow it through the rename: drop them so SCHEMA makes new ones.
+# The id a new row of vkey ?1 gets: the next free one of its block (NULL, an ordinary rowid, if it is full).
+NEW_ID = f"""(SELECT CASE WHEN max(id) IS NULL THEN ?1 << {ID_BITS} WHEN max(id) < (?1 << {ID_BITS}) + {(1 << ID_BITS) - 1}
+              THEN max(id) + 1 END FROM kv WHERE id BETWEEN ?1 << {ID_BITS} AND (?1 << {ID_BITS}) + {(1 << ID_BITS) - 1})"""
+# Earlier layouts (a WITHOUT ROWID table keyed on k; rowid tables with k UNIQUE and ids in arrival order),
+# converted on open in one transaction.  The old table's indexes follow it through the rename: drop them so
+# SCHEMA makes new ones.
 MIGRATE = """
 ALTER TABLE kv RENAME TO kv_old;
 DROP INDEX IF EXISTS kv_vkey;
 DROP INDEX IF EXISTS kv_vkey_gen;
 DROP INDEX IF EXISTS kv_live;
-""" + SCHEMA + """
-INSERT INTO kv (k, vkey, value, version, recent, gen) SELECT k, vkey, value, version, recent, {gen} FROM kv_old
-    ORDER BY vkey;
+""" + SCHEMA + f"""
+INSERT INTO kv (id, k, vkey, value, version, recent, gen)
+    SELECT CASE WHEN n < {1 << ID_BITS} THEN (vkey << {ID_BITS}) + n END, k, vkey, value, version, recent, {{gen}}
+    FROM (SELECT *, row_number() OVER (PARTITION BY vkey ORDER BY k) - 1 AS n FROM kv_old) ORDER BY vkey;
 DROP TABLE kv_old;
+PRAGMA user_version = {LAYOUT};
 """
 
 
@@ -129,11 +138,12 @@ class Store:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._local = threading.local()
         old = self.db.execute("SELECT sql FROM sqlite_master WHERE name='kv'").fetchone()
-        if old is not None and "UNIQUE (vkey, k)" not in old[0]:
+        if old is None:
+            self.db.executescript(SCHEMA + f"PRAGMA user_version = {LAYOUT};")
+        elif self.db.execute("PRAGMA user_version").fetchone()[0] < LAYOUT:
             log.warning("%s: converting the store to the current layout (one transaction)", path)
             gen = "gen" if "gen INTEGER" in old[0] else "0"
             self.db.executescript("BEGIN IMMEDIATE;" + MIGRATE.format(gen=gen) + "COMMIT;")
-        self.db.executescript(SCHEMA)
 
     @property
     def db(self) -> sqlite3.Connection:
@@ -221,8 +231,8 @@ class Store:
         recent = recent_add(recent, client, reqid)
         vk = vkey(k)
         if row is None:
-            self._exec("INSERT INTO kv (k, vkey, value, version, recent) VALUES (?,?,?,?,?)",
-                       (k, vk, value, version, recent))
+            self._exec(f"INSERT INTO kv (id, k, vkey, value, version, recent) VALUES ({NEW_ID},?2,?1,?3,?4,?5)",
+                       (vk, k, value, version, recent))
         else:  # in place: the row keeps its id, its index entries stay unless it turns live or dead
             self._exec("UPDATE kv SET value=?, version=?, recent=? WHERE vkey=? AND k=?",
                        (value, version, recent, vk, k))
@@ -286,10 +296,10 @@ class Store:
         def run(db: sqlite3.Connection) -> int:
             before = db.total_changes
             db.executemany(
-                "INSERT INTO kv (k, vkey, value, version, recent, gen) VALUES (?,?,?,?,?,?) "
+                f"INSERT INTO kv (id, k, vkey, value, version, recent, gen) VALUES ({NEW_ID},?2,?1,?3,?4,?5,?6) "
                 "ON CONFLICT(vkey, k) DO UPDATE SET value=excluded.value, version=excluded.version, "
                 f"recent=excluded.recent, gen=excluded.gen WHERE {cond}",
-                [(k, vk, value, version, recent, g) for k, vk, value, version, recent in rows])
+                [(vk, k, value, version, recent, g) for k, vk, value, version, recent in rows])
             return db.total_changes - before
 
         return self._txn(run, durable)

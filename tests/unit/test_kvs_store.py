@@ -533,8 +533,9 @@ def test_a_store_of_the_previous_layout_is_converted_with_its_data(tmp_path):
 
 
 def test_a_store_keyed_on_k_alone_is_converted_with_its_data_and_generations(tmp_path):
-    """The layout before every index led with the VID key (k UNIQUE on its own): converted on open, rows,
-    tombstones and copy generations kept, and a copy's conflict target is (vkey, k) afterwards."""
+    """The layout before the table was clustered by VID key (k UNIQUE on its own, ids in arrival order):
+    converted on open, rows, tombstones and copy generations kept, ids clustered, and a copy's conflict
+    target is (vkey, k) afterwards."""
     import sqlite3
 
     path = str(tmp_path / "old.sqlite")
@@ -554,11 +555,45 @@ def test_a_store_keyed_on_k_alone_is_converted_with_its_data_and_generations(tmp
         assert "UNIQUE (vkey, k)" in sql and "k BLOB NOT NULL UNIQUE" not in sql
         assert s.row(b"k") == (b"v", 3, b"") and s.row(b"gone") == (None, 2, b"")
         assert s.db.execute("SELECT gen FROM kv WHERE k=?", (b"k",)).fetchone() == (2,)
+        assert s.db.execute("SELECT count(*) FROM kv WHERE id >> 20 != vkey").fetchone() == (0,)
         assert s.count(Range(0, 0xFFFFFF)) == 1
         assert s.apply([pack_record(b"k", vkey(b"k"), b"v4", 4, b"")]) == 1
         assert s.row(b"k") == (b"v4", 4, b"")
     finally:
         s.close()
+
+
+def test_rows_are_clustered_by_vid_key_and_a_full_block_still_takes_new_keys(tmp_path):
+    """A row's id is (vkey << 20) + n, whether written here or arriving in a copy, so a range's rows lie
+    together; a vkey whose block of ids is full (never in practice: 2^20 keys with one 24-bit hash) still
+    takes new keys, under ordinary rowids."""
+    s = Store(str(tmp_path / "c.sqlite"))
+    t = Store(str(tmp_path / "t.sqlite"))
+    try:
+        keys = [f"key-{i}".encode() for i in range(300)]
+        s.begin()
+        for k in keys:
+            s.write(k, b"v", 1, 1)
+        s.commit()
+        t.apply([blob for blob, _ in s.snapshot(Range(0, 0xFFFFFF))], gen=t.begin_copy())
+        for store in (s, t):
+            ids = store.db.execute("SELECT id, vkey FROM kv").fetchall()
+            assert len(ids) == len(keys)
+            assert all(i >> 20 == vk for i, vk in ids)
+        # a key whose vkey's block is full (its last id taken by a row of another key)
+        k = b"late"
+        top = (vkey(k) << 20) + (1 << 20) - 1
+        s.db.execute("INSERT INTO kv (id, k, vkey, value, version, recent) VALUES (?,?,?,?,?,?)",
+                     (top, b"squatter", vkey(k), b"x", 1, b""))
+        s.begin()
+        s.write(k, b"still stored", 1, 2)
+        s.commit()
+        assert s.row(k) == (b"still stored", 1, s.row(k)[2])
+        assert s.db.execute("SELECT id FROM kv WHERE k=?", (k,)).fetchone()[0] > top
+        assert t.apply([pack_record(k, vkey(k), b"copied", 1, b"")]) == 1 and t.row(k)[0] == b"copied"
+    finally:
+        s.close()
+        t.close()
 
 
 def test_a_copy_generation_wins_over_stale_rows_whatever_their_versions(tmp_path):
