@@ -28,6 +28,8 @@ Run: ``/opt/vfab-venv/bin/python bench/reroute.py [--smoke]`` (root).
 
 from __future__ import annotations
 
+import array
+
 import json
 import math
 import os
@@ -58,6 +60,7 @@ THIRD = (codec.KEY_MAX + 1) // 3
 R = Range(0, THIRD - 1)           # compiles to several masked flows, like a real range
 REST = Range(THIRD, codec.KEY_MAX)
 SWITCH_WAIT = 2.0                 # a cut-over that has not reached every client by then is a failure
+SENT_RING = 65536                  # send times kept per client port (~30 s at one frame per 0.5 ms)
 SEQ_AT = 14 + 8                   # offset of the vfab header's seq field in a frame
 
 
@@ -121,8 +124,17 @@ class Sender(threading.Thread):
         self.interval, self.max_pps = interval, max_pps
         self.active = 0
         self.sent = [0] * len(ports)
+        # wall time of each of a port's last SENT_RING frames, by sequence number: tells a frame that reached
+        # an old owner late because it was queued (sent before a cut-over) from one sent after it
+        self.sent_at = [array.array("d", bytes(8 * SENT_RING)) for _ in ports]
         self.stopping = False
         self.ticks = 0
+
+    def sent_time(self, i: int, seq: int) -> float | None:
+        """When port ``i`` sent frame ``seq`` (None if that is too long ago)."""
+        if seq < 0 or self.sent[i] - seq > SENT_RING:
+            return None
+        return self.sent_at[i][seq % SENT_RING]
 
     def tick_for(self, n: int) -> float:
         return max(self.interval, n / self.max_pps) if n else self.interval
@@ -135,6 +147,7 @@ class Sender(threading.Thread):
                 try:
                     frame = self.frames[i]
                     struct.pack_into("!I", frame, SEQ_AT, self.sent[i])
+                    self.sent_at[i][self.sent[i] % SENT_RING] = time.time()
                     self.ports[i].sock.send(frame)
                     self.sent[i] += 1
                 except OSError:

@@ -37,7 +37,7 @@ if __package__ in (None, ""):
 
 from bench.common import parser, write  # noqa: E402
 from bench.reroute import Receiver, Sender, ms_stats, wait_flowing, wait_switched  # noqa: E402
-from vfab.testbed.busy import BusySender, datapath_flows  # noqa: E402
+from vfab.testbed.busy import BusySender, datapath_state  # noqa: E402
 from vfab.testbed.fabric import Testbed  # noqa: E402
 from vfab.vid import codec  # noqa: E402
 from vfab.vid.frame import Frame, FrameType  # noqa: E402
@@ -132,7 +132,7 @@ def main() -> int:
                         for k in range(cutovers):
                             wait_flowing(rx[owner], srcs)
                             time.sleep(random.uniform(0.05, 0.15))
-                            flows = datapath_flows()
+                            flows, pass_ms = datapath_state()
                             new = "b" if owner == "a" else "a"
                             rx[new].arm()
                             sent_t0 = list(tx.sent)
@@ -142,13 +142,19 @@ def main() -> int:
                             at, confirmed = applied_at(reg, rev, [s1, s2], APPLIED_WAIT)
                             time.sleep(0.02)  # frames in flight land
                             old_last = max(rx[owner].last.get(s, 0.0) for s in srcs)
+                            # when the last frame the old owner got was *sent*: after "applied" it took a stale
+                            # path; before, it waited in a queue (a port's socket buffer) while the switch moved
+                            sent = [tx.sent_time(i, rx[owner].seqs[s][-1]) for i, s in enumerate(srcs)
+                                    if rx[owner].seqs.get(s)]
+                            old_sent = max((t for t in sent if t is not None), default=0.0)
                             per = {clients[i]: (rx[new].first[s] - t0) * 1e3 for i, s in enumerate(srcs)
                                    if s in rx[new].first}
-                            samples.append({"level": level, "flows": flows, "dir": f"{owner}->{new}", "ok": ok,
+                            samples.append({"level": level, "flows": flows, "pass_ms": pass_ms, "dir": f"{owner}->{new}", "ok": ok,
                                             "first": min(per.values()) if per else None,
                                             "all": max(per.values()) if ok else None, "per_client": per,
                                             "applied": (at - t0) * 1e3 if at else None, "datapath": confirmed,
                                             "old_last": (old_last - t0) * 1e3,
+                                            "old_last_sent": (old_sent - t0) * 1e3 if old_sent else None,
                                             "sent_at_t0": sent_t0})
                             owner = new
                         floor_from = list(tx.sent)
@@ -281,6 +287,9 @@ def _row(level: int, samples: list, floor: list, lost: int, where: dict) -> dict
     gap = [s["applied"] - s["all"] for s in ok if s.get("applied") is not None]
     return {"level": level, "flows_median": int(statistics.median(col(samples, "flows"))) if samples else 0,
             "flows_max": max(col(samples, "flows"), default=0), "cutovers": len(samples),
+            # the datapath's revalidation pass (upcall/show's "dump duration") before each cut-over: a flow
+            # follows a table change only when the pass reaches it, so the first packet waits ~half a pass
+            "pass": ms_stats(col(samples, "pass_ms")),
             "first": ms_stats(col(samples, "first")), "all": ms_stats(col(samples, "all")),
             "by_direction": {d: ms_stats(col([s for s in samples if s["dir"] == d], "first"))
                              for d in ("a->b", "b->a")},
@@ -290,6 +299,11 @@ def _row(level: int, samples: list, floor: list, lost: int, where: dict) -> dict
             # frames already on the wire when it was written)
             "old_path_after_applied": sum(1 for s in ok if s.get("applied") is not None
                                           and s["old_last"] > s["applied"] + 2.0),
+            # of those, frames that were sent after the report (a stale datapath flow: "applied" was wrong)
+            # rather than before it (queued in the switch while it moved)
+            "old_sent_after_applied": sum(1 for s in ok if s.get("applied") is not None
+                                          and s["old_last"] > s["applied"] + 2.0
+                                          and (s.get("old_last_sent") or 0.0) > s["applied"]),
             "datapath_confirmed": sum(1 for s in samples if s["datapath"]),
             "floor": ms_stats(col(floor, "first")), "floor_failed": sum(1 for f in floor if not f["ok"]),
             "ofctl_noop": ms_stats(col(floor, "ofctl_noop")),
@@ -303,27 +317,30 @@ def _print_row(r: dict) -> None:
     print(f"  level {r['level']}, {r['revalidators']} revalidator(s): flows ~{r['flows_median']}, first median {f.get('median_ms')} ms p99 "
           f"{f.get('p99_ms')} ms, applied median {r['applied'].get('median_ms')} ms "
           f"({r['datapath_confirmed']}/{r['cutovers']} datapath-confirmed, old path used after it: "
-          f"{r['old_path_after_applied']}), floor median {fl.get('median_ms')} ms, lost {r['lost']} "
+          f"{r['old_path_after_applied']}, sent after it: {r['old_sent_after_applied']}), floor median {fl.get('median_ms')} ms, lost {r['lost']} "
           f"({r['cutovers_with_loss']} cut-overs), failed {r['failed']}", flush=True)
 
 
 def _print_table(rows: list) -> None:
     print("cut-overs on a busy switch (line,2,3; 2 clients each every 0.5 ms; background 8,000 frames/s to N "
           "unknown MACs); ms from the etcd write")
-    print(f"{'N':>7} {'rv':>2} {'flows':>7} {'first med':>9} {'first p99':>9} {'all med':>8} {'all p99':>8} "
-          f"{'applied med':>11} {'old>appl':>8} {'floor med':>9} {'floor p99':>9} {'lost':>5} {'w/loss':>6} "
+    print(f"{'N':>7} {'rv':>2} {'flows':>7} {'pass':>5} {'first med':>9} {'first p99':>9} {'all med':>8} {'all p99':>8} "
+          f"{'applied med':>11} {'old>appl':>8} {'sent>':>5} {'floor med':>9} {'floor p99':>9} {'ofctl':>6} {'lost':>5} {'w/loss':>6} "
           f"{'fail':>4}")
     nan = float("nan")
     for r in rows:
-        print(f"{r['level']:>7} {r['revalidators']:>2} {r['flows_median']:>7} {r['first'].get('median_ms', nan):>9.2f} "
+        print(f"{r['level']:>7} {r['revalidators']:>2} {r['flows_median']:>7} {r['pass'].get('median_ms', nan):>5.0f} "
+              f"{r['first'].get('median_ms', nan):>9.2f} "
               f"{r['first'].get('p99_ms', nan):>9.2f} {r['all'].get('median_ms', nan):>8.2f} "
               f"{r['all'].get('p99_ms', nan):>8.2f} {r['applied'].get('median_ms', nan):>11.2f} "
-              f"{r['old_path_after_applied']:>8} {r['floor'].get('median_ms', nan):>9.2f} "
+              f"{r['old_path_after_applied']:>8} {r['old_sent_after_applied']:>5} {r['floor'].get('median_ms', nan):>9.2f} "
               f"{r['floor'].get('p99_ms', nan):>9.2f} {r['ofctl_noop'].get('median_ms', nan):>6.2f} {r['lost']:>5} {r['cutovers_with_loss']:>6} "
               f"{r['failed']:>4}")
-    print("first/all: first frame at the new owner from any / every client; applied: the controller's report "
+    print("pass: the datapath's last revalidation pass before the cut-over (upcall/show 'dump duration', median); "
+          "first/all: first frame at the new owner from any / every client; applied: the controller's report "
           "(a whole datapath revalidation pass after the commit); old>appl: cut-overs where a frame still reached "
-          "the old owner after the report (must be 0); floor: one ovs-ofctl add-flow on the client's switch -> first frame; ofctl: a no-op ovs-ofctl "
+          "the old owner after the report; sent>: of those, where that frame was sent after the report (a stale "
+          "datapath flow: must be 0; the others waited in a queue of the switch); floor: one ovs-ofctl add-flow on the client's switch -> first frame; ofctl: a no-op ovs-ofctl "
           "mod-flows (the process's own share of the floor)")
 
 

@@ -26,14 +26,30 @@ from vfab.vid import netns
 ETHERTYPE = 0x88B5          # IEEE local experimental: not vfab's, not IP
 MAC_BASE = 0x0A0000000000   # locally administered unicast; low nibble of octet 0 is 0xA, never a VID (0xE)
 FLOWS_RE = re.compile(r"flows\s*:\s*\(current (\d+)\)")
+DUMP_RE = re.compile(r"dump duration\s*:\s*(\d+)\s*ms")
+
+
+def _upcall_show() -> str:
+    out = subprocess.run(["ovs-appctl", "upcall/show"], capture_output=True, text=True, timeout=10)
+    if out.returncode != 0:
+        raise RuntimeError(f"ovs-appctl upcall/show failed: {out.stderr.strip() or out.stdout.strip()}")
+    return out.stdout
 
 
 def datapath_flows() -> int:
     """Flows cached in the datapath(s) right now, as ``ovs-appctl upcall/show`` counts them."""
-    out = subprocess.run(["ovs-appctl", "upcall/show"], capture_output=True, text=True, timeout=10)
-    if out.returncode != 0:
-        raise RuntimeError(f"ovs-appctl upcall/show failed: {out.stderr.strip() or out.stdout.strip()}")
-    return sum(int(m) for m in FLOWS_RE.findall(out.stdout))
+    return sum(int(m) for m in FLOWS_RE.findall(_upcall_show()))
+
+
+def datapath_state() -> tuple[int, int | None]:
+    """(flows cached, ms the last revalidation pass took) as ``ovs-appctl upcall/show`` reports them.
+
+    The pass is what a table change waits for: a cached flow follows the new tables only once the
+    revalidator reaches it, so a cut-over's first packet lands somewhere within one pass after the commit.
+    """
+    text = _upcall_show()
+    passes = [int(m) for m in DUMP_RE.findall(text)]
+    return sum(int(m) for m in FLOWS_RE.findall(text)), (max(passes) if passes else None)
 
 
 def _send(ns_path: str, iface: str, src: bytes, macs: int, rate: float, stop) -> None:
