@@ -225,3 +225,20 @@ def test_replicated_writes_overtake_queued_copy_chunks(endpoint):
     assert sorted(answered) == [10, 11, 12, 13, 14, 99]
     assert answered.index(99) <= 1, f"the replicated write waited behind the copy: answers in order {answered}"
     assert order.index("repl") <= 1 and sorted(order) == sorted([f"chunk{i}" for i in range(5)] + ["repl"])
+
+
+def test_a_long_pass_of_the_loop_is_counted_by_what_took_it(endpoint):
+    """A batch that holds the loop past STALL shows in STATS as stall_batch with its length."""
+    loop, backend, client, svc = endpoint
+    before = loop.call(lambda: loop.counters["stall_batch"])
+    slow = backend.handle_batch
+
+    def handle_slowly(requests):
+        time.sleep(0.05)
+        return slow(requests)
+
+    backend.handle_batch = handle_slowly
+    send(client, svc, 0x000011, b"000011:w:slow", 2)
+    assert [f.payload for f in replies(client, 0.5)] == [b"ok:slow"]
+    assert loop.call(lambda: loop.counters["stall_batch"]) >= before + 1
+    assert loop.call(lambda: loop.counters["stall_max_ms"]) >= 50

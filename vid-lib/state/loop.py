@@ -64,6 +64,7 @@ TICK = 0.05              # s between timer checks when idle
 # operation's thread is busy packing a snapshot, Python's default 5 ms switch interval made every such
 # handover wait up to 5 ms (several per batch).  The process serves requests: hand over sooner.
 SWITCH_INTERVAL = 0.0005
+STALL = 0.02             # s: a pass of the loop that ran longer held every request behind it that long
 
 
 class _Call:
@@ -122,6 +123,7 @@ class EndpointLoop(PeerSide, Replication):
         self._wakefd = os.eventfd(0, os.EFD_NONBLOCK)
         self._stopping = threading.Event()
         self._last_timers = 0.0
+        self._last_stall_log = 0.0
         self.watcher = ViewWatcher(self.etcd, service, self._on_view)
         self.housekeeper = Housekeeper(self)
         self.lease.on_renewed.append(self._renewed)
@@ -224,19 +226,36 @@ class EndpointLoop(PeerSide, Replication):
                     os.eventfd_read(self._wakefd)
                 except BlockingIOError:
                     pass
+            t0 = time.perf_counter()
             if self.router in events:
                 self._serve_ctl()
             for sock in [s for s in self.dealers.values() if s in events]:
                 self._dealer_in(sock)
+            t1 = time.perf_counter()
             if self.chunks:
                 self._control_reply(*self.chunks.popleft())
-            if self.inflight is not None:
-                if time.monotonic() >= self.inflight.deadline:
-                    self._finish_inflight(timed_out=True)
-                continue
-            self._run_calls()
-            self._timers()
-            self._batch()
+            t2 = t3 = time.perf_counter()
+            if self.inflight is None:
+                self._run_calls()
+                self._timers()
+                t3 = time.perf_counter()
+                self._batch()
+            elif time.monotonic() >= self.inflight.deadline:
+                self._finish_inflight(timed_out=True)
+            t4 = time.perf_counter()
+            if t4 - t0 > STALL:
+                self._stalled(t4 - t0, {"control": t1 - t0, "chunk": t2 - t1, "calls": t3 - t2, "batch": t4 - t3})
+
+    def _stalled(self, took: float, parts: dict[str, float]) -> None:
+        """Count a long pass by what took longest (``stall_<part>`` in STATS), logged at most once a second."""
+        part = max(parts, key=parts.get)
+        self.counters[f"stall_{part}"] += 1
+        self.counters["stall_max_ms"] = max(self.counters["stall_max_ms"], round(took * 1e3))
+        now = time.monotonic()
+        if now - self._last_stall_log >= 1.0:
+            self._last_stall_log = now
+            log.info("%s: one pass of the loop took %.0f ms (%s); requests behind it waited as long", self.name,
+                     took * 1e3, ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in parts.items() if v >= 0.001))
 
     def _run_calls(self) -> None:
         while self.calls and self.inflight is None:
