@@ -78,6 +78,15 @@ class Housekeeper:
             if not live or live[0] != lp.name:
                 continue
             try:
+                # The view's two watches (ranges, endpoints) can deliver a new range before its new owner's
+                # endpoint record: ask etcd itself before taking a live owner's range.
+                if any(e.name == rec.owner for e in reg.endpoints(lp.service.name)):
+                    continue
+            except RegistryError as exc:
+                log.info("%s: cannot confirm that owner %s of %s is gone (%s): not taking it over now", lp.name,
+                         rec.owner, rec.range, exc)
+                continue
+            try:
                 rev = reg.assign(lp.service.name, rec.range, lp.name, expect_epoch=rec.epoch, mirrors=live[1:],
                                  helpers=rec.helpers)
             except RegistryError as exc:

@@ -332,7 +332,7 @@ class EndpointLoop(PeerSide, Replication):
                 reqs.append(Request(frame.payload, vk, frame.src))
                 meta.append(frame)
             elif role == "incoming":
-                next(i for i in self.incoming.values() if vk in i.range).buffered.append((raw, 0))
+                next(i for i in self.incoming.values() if vk in i.range).buffered.append((raw, hops))
                 self.counters["held"] += 1
             elif role == "paused":
                 next(h for rng, h in self.paused.values() if vk in rng).append((raw, 0))

@@ -237,7 +237,10 @@ def _one_range(kind: str, source: str, peer: str, rng: Range, out: Outcome) -> G
         if kind != "mirror":
             _need((yield LoopCmd("pause", rng)), "pausing the range")
             paused = True
-            _need((yield Ask("SYNC", {"lo": rng.lo})), f"peer {peer} could not make the last writes durable")
+            # "paused": the peer, if it mirrors the range, drops the mirrored copies it buffered so far (we
+            # served or hold every one of them) instead of serving them again at COMMIT
+            _need((yield Ask("SYNC", {"lo": rng.lo, "paused": True})),
+                  f"peer {peer} could not make the last writes durable")
         if kind == "mirror":
             owner, mirrors = source, sorted(set(parent.mirrors) | {peer})
         else:
