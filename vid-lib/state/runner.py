@@ -35,7 +35,7 @@ ACK_TIMEOUT = 3.0        # s for the peer to answer a control message
 SYNC_TIMEOUT = 60.0      # s for the peer to finish a copy (drop what an earlier copy left, fsync)
 RIDE_OUT = 10.0          # s an operation waits for etcd to come back before giving up
 WINDOW = 4               # snapshot chunks in flight
-CHUNK_BYTES = 256 * 1024
+CHUNK_BYTES = 128 * 1024  # the peer's loop applies one chunk per pass (~1 ms): replicated writes wait no longer
 FINAL_RETRY = 120.0      # s the final record of an operation is retried
 KEEP_OPS = 3             # finished op records kept per endpoint
 
