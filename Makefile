@@ -3,7 +3,7 @@ VENV ?= /opt/vfab-venv
 PY := $(VENV)/bin/python
 
 # `make demo` is the elastic-KVS demo; `make demo-echo` the first (echo) demo.
-.PHONY: bootstrap demo demo-echo demo-helpers test unit integration bench bench-smoke lint helper
+.PHONY: bootstrap demo demo-echo demo-helpers demo-sdhcp test unit integration bench bench-smoke lint helper
 
 bootstrap:
 	@VFAB_VENV=$(VENV) bash scripts/bootstrap.sh
@@ -18,6 +18,10 @@ demo-echo: bootstrap
 demo-helpers: bootstrap
 	$(MAKE) -C services/memcached-helper/dpdk helper
 	$(PY) -m vfab.services.memcached_helper.demo
+
+# sdhcp: 245 udhcpc + dhclient + dhcpcd clients in a burst, a split by the balancer, a kill -9 (services/sdhcp/demo.py).
+demo-sdhcp: bootstrap
+	$(PY) -m vfab.services.sdhcp.demo
 
 test: bootstrap
 	$(PY) -m ruff check .

@@ -71,6 +71,38 @@ esac
 exit 0
 """
 
+# dhclient and dhcpcd name events in $reason and pass the address as $new_ip_address: recorded in the udhcpc
+# hook's words (bound, renew, deconfig) so the same readers work; dhcpcd sets its address itself.
+HOOK = """#!/bin/sh
+# vfab client farm ({client}): record each event like the udhcpc hook
+f="{dir}/$interface"
+t=$(date +%s.%N)
+case "$reason" in
+  BOUND|REBOOT) ev=bound ;;
+  RENEW|REBIND) ev=renew ;;
+  EXPIRE|FAIL|RELEASE|STOP|STOPPED|NAK|DEPARTED|NOCARRIER) ev=deconfig ;;
+  *) echo "$reason - $t" >> "$f"; exit 0 ;;
+esac
+if [ "$ev" = deconfig ]; then
+  [ "{client}" = dhclient ] && ip -4 addr flush dev "$interface"
+  echo "deconfig - $t" >> "$f"
+else
+  [ "{client}" = dhclient ] && ip addr replace "$new_ip_address/$new_subnet_mask" dev "$interface"
+  echo "$ev $new_ip_address $t" >> "$f"
+fi
+exit 0
+"""
+
+# Like Debian's /etc/dhcpcd.conf, minus IPv6 and its hooks.
+DHCPCD_CONF = """duid
+vendorclassid
+option domain_name_servers, domain_name, domain_search, host_name
+option rapid_commit
+require dhcp_server_identifier
+nodelay
+ipv4only
+"""
+
 
 def _ip_batch(lines: list[str], netns_pid: int | None = None) -> None:
     cmd = ["ip", "-batch", "-"]
@@ -139,11 +171,8 @@ class ClientFarm:
 
     # -- udhcpc ---------------------------------------------------------------
     def hook(self, configure: bool) -> str:
-        path = os.path.join(self.dir, f"hook{int(configure)}.sh")
-        with open(path, "w") as fh:
-            fh.write(UDHCPC_HOOK.format(dir=self.dir, addr=int(configure)))
-        os.chmod(path, 0o755)
-        return path
+        return _script(os.path.join(self.dir, f"hook{int(configure)}.sh"),
+                       UDHCPC_HOOK.format(dir=self.dir, addr=int(configure)))
 
     def start_udhcpc(self, which: list[int] | None = None, once: bool = True, configure: bool = False,
                      extra: tuple[str, ...] = ()) -> None:
@@ -156,6 +185,39 @@ class ClientFarm:
             p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
             self.tb.track(p.pid, f"udhcpc@{n}")
             self.procs[i] = p
+
+    def start_dhclient(self, i: int) -> None:
+        """ISC dhclient for client ``i`` (foreground, its own lease, pid and DUID files; the hook sets the
+        address).  It renews at T1."""
+        n, d = self.names[i], self.dir
+        hook = self._hook("dhclient")
+        conf = os.path.join(d, "dhclient.conf")
+        open(conf, "a").close()
+        files = ["-sf", hook, "-lf", f"{d}/{n}.leases", "-pf", f"{d}/{n}.pid", "-cf", conf, "-df", f"{d}/{n}.duid"]
+        self._spawn(i, "dhclient", ["dhclient", "-4", "-d", *files, n])
+
+    def start_dhcpcd(self, i: int) -> None:
+        """dhcpcd for client ``i``, in a mount namespace of its own with tmpfs ``/run`` and ``/var/lib/dhcpcd``
+        (dhcpcd instances find each other through ``/run/dhcpcd``); it sets its address itself, after
+        probing it with ARP (RFC 5227, about 5 s)."""
+        n, d = self.names[i], self.dir
+        conf = os.path.join(d, "dhcpcd.conf")
+        with open(conf, "w") as fh:
+            fh.write(DHCPCD_CONF)
+        inner = ("mount -t tmpfs vfd-run /run && mkdir -p /run/dhcpcd && mount -t tmpfs vfd-lib /var/lib/dhcpcd && "
+                 f"exec dhcpcd -B -4 -f {conf} -c {self._hook('dhcpcd')} {n}")
+        self._spawn(i, "dhcpcd", ["unshare", "-m", "--propagation", "private", "sh", "-c", inner])
+
+    def _hook(self, client: str) -> str:
+        return _script(os.path.join(self.dir, f"hook-{client}.sh"), HOOK.format(dir=self.dir, client=client))
+
+    def _spawn(self, i: int, what: str, cmd: list[str]) -> None:
+        log = open(os.path.join(self.dir, f"{self.names[i]}.{what}.log"), "ab")
+        p = subprocess.Popen(["nsenter", f"--net={self.ns(i)}", *cmd], stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        log.close()
+        self.tb.track(p.pid, f"{what}@{self.names[i]}")
+        self.procs[i] = p
 
     def wait_exit(self, timeout: float) -> int:
         """Wait until every client process ended (or ``timeout``); the number still running."""
@@ -183,15 +245,17 @@ class ClientFarm:
         return sent
 
     def stop_all(self) -> None:
+        """SIGTERM to each client's process group (its own session: dhcpcd's helpers, a running hook), then
+        SIGKILL to what is left after 5 s."""
         for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+            _signal_group(p, signal.SIGTERM)
         for p in self.procs.values():
             try:
                 p.wait(5)
             except subprocess.TimeoutExpired:
-                p.kill()
+                _signal_group(p, signal.SIGKILL)
                 p.wait(5)
+            _signal_group(p, signal.SIGKILL)   # helpers that outlived the leader
             self.tb.untrack(p.pid)
         self.procs.clear()
 
@@ -229,6 +293,31 @@ class ClientFarm:
         """The IPv4 addresses on client ``i``'s interface (the kernel's view)."""
         out = json.loads(self.sh(i, "ip", "-j", "-4", "addr", "show", "dev", self.names[i]).stdout or "[]")
         return [a["local"] for a in (out[0].get("addr_info", []) if out else [])]
+
+
+def _script(path: str, text: str) -> str:
+    """An executable script at ``path``; rewritten only when its text changed, and then by a rename (a client
+    running the old one keeps it: writing into a script being executed fails with ETXTBSY)."""
+    try:
+        with open(path) as fh:
+            if fh.read() == text:
+                return path
+    except FileNotFoundError:
+        pass
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, path)
+    return path
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    """``sig`` to the process group ``p`` leads (started with ``start_new_session``: it is ours alone)."""
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def held_twice(farm: ClientFarm, until: float | None = None) -> list[str]:

@@ -60,19 +60,39 @@ class Client:
     next_send: float = 0.0
     sent_at: float = 0.0               # when the request now outstanding was first sent
     last_sent: float = 0.0             # when it was last (re)sent
-    acks: list = field(default_factory=list)     # (last send of the request, t_ack, yiaddr, server, kind)
+    acks: list = field(default_factory=list)     # (last send of the request, t_ack, yiaddr, server, kind, first send)
     naks: list = field(default_factory=list)     # (t, server, message)
 
 
 class SimClients:
-    def __init__(self, tb, host: str, macs: list[bytes], server_mac: Callable[[IPv4Address, bytes], bytes]):
-        """``server_mac(server_ip, client_mac)``: the MAC a unicast to the client's server goes to (what the
-        client's ARP would give: for sdhcp the VID of the client's key, for Kea the server's own MAC)."""
-        self.iface = tb.hosts[host]["iface"]
+    def __init__(self, tb, host: str, macs: list[bytes], server_mac: Callable[[IPv4Address, bytes], bytes],
+                 broadcast_mac: Callable[[bytes], bytes] | None = None):
+        """Clients on testbed host ``host``'s interface.
+
+        ``server_mac(server_ip, client_mac)``: the MAC a unicast to the client's server goes to (what the
+        client's ARP would give: for sdhcp the VID of the client's key, for Kea the server's own MAC).
+        ``broadcast_mac(client_mac)``: the Ethernet destination of a broadcast (default ff:ff:ff:ff:ff:ff;
+        without a switch a test sends straight to the shard's MAC, as the dhcp4 front door would)."""
+        self._open(tb.hosts[host]["iface"], tb.netns(host), macs, server_mac, broadcast_mac)
+
+    @classmethod
+    def at(cls, iface: str, netns_path: str | None, macs: list[bytes],
+           server_mac: Callable[[IPv4Address, bytes], bytes],
+           broadcast_mac: Callable[[bytes], bytes] | None = None) -> "SimClients":
+        """Clients on any interface (``netns_path``: its namespace, None for ours), no testbed needed."""
+        self = cls.__new__(cls)
+        self._open(iface, netns_path, macs, server_mac, broadcast_mac)
+        return self
+
+    def _open(self, iface: str, netns_path: str | None, macs: list[bytes],
+              server_mac: Callable[[IPv4Address, bytes], bytes],
+              broadcast_mac: Callable[[bytes], bytes] | None) -> None:
+        self.iface = iface
         self.server_mac = server_mac
+        self.broadcast_mac = broadcast_mac or (lambda mac: BCAST_MAC)
         self.clients = [Client(mac, 0x5E000000 + i) for i, mac in enumerate(macs)]
         self._by_xid = {c.xid: c for c in self.clients}
-        with netns(tb.netns(host)):
+        with netns(netns_path):
             self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ipudp.ETH_P_IP))
         self.sock.bind((self.iface, 0))
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
@@ -97,7 +117,7 @@ class SimClients:
         if unicast_to is not None:
             dg = ipudp.Datagram(self.server_mac(unicast_to, c.mac), c.mac, ciaddr, unicast_to, 68, 67, msg)
         else:
-            dg = ipudp.Datagram(BCAST_MAC, c.mac, ciaddr, BCAST_IP, 68, 67, msg)
+            dg = ipudp.Datagram(self.broadcast_mac(c.mac), c.mac, ciaddr, BCAST_IP, 68, 67, msg)
         try:
             self.sock.send(dg.serialize())
         except BlockingIOError:
@@ -151,7 +171,8 @@ class SimClients:
                 elif msg.msg_type is MessageType.ACK and st == "request":
                     state[id(c)] = "done"
                     c.ip, c.server, c.last_ack = msg.yiaddr, msg.server_id, now
-                    c.acks.append((c.last_sent, now, msg.yiaddr, msg.server_id, "select"))
+                    c.acks.append((c.last_sent, now, msg.yiaddr, msg.server_id, "select", c.sent_at))
+                    c.sent_at = 0.0
                     left -= 1
                 elif msg.msg_type is MessageType.NAK and st == "request":
                     state[id(c)] = "discover"
@@ -169,21 +190,23 @@ class SimClients:
 
     # -- renewing -------------------------------------------------------------------------------
     def renew(self, duration: float, period: float = 0.5, retry: float = 0.25, t2: float = 3.0,
-              tick: Callable[[float], None] | None = None) -> None:
+              tick: Callable[[float], bool | None] | None = None, finish: bool = False) -> None:
         """Renew every leased client for ``duration`` s (see the module doc); ``tick(now)`` runs every loop
-        turn (a test kills a server from it at the time it chooses)."""
+        turn (a test kills a server from it at the time it chooses) and ends the renewing early by returning
+        True.  A request still unanswered at the end stays in :meth:`waiting`, and the next call goes on
+        retransmitting it (its wait counts from its first send).  ``finish``: send nothing new, only
+        retransmit the unanswered requests, and end once each is answered (or after ``duration``)."""
         now = time.monotonic()
-        live = [c for c in self.clients if c.ip is not None]
-        for i, c in enumerate(live):  # spread the first renewals over one period
-            c.next_send = now + period * i / max(1, len(live))
-            c.sent_at = 0.0
+        live = [c for c in self.clients if c.ip is not None and (c.sent_at or not finish)]
+        for i, c in enumerate(live):  # spread the first renewals over one period; unanswered ones go now
+            c.next_send = now if c.sent_at else now + period * i / max(1, len(live))
         end = now + duration
         while True:
             now = time.monotonic()
-            if now >= end:
+            if now >= end or (finish and not any(c.sent_at for c in live)):
                 return
-            if tick is not None:
-                tick(now)
+            if tick is not None and tick(now):
+                return
             for c in live:
                 if now < c.next_send:
                     continue
@@ -198,9 +221,9 @@ class SimClients:
             for at, c, msg in self._replies(min(wait, 0.02)):
                 if msg.msg_type is MessageType.ACK and c.sent_at:
                     kind = "rebind" if at - c.last_ack >= t2 else "renew"
-                    c.acks.append((c.last_sent, at, msg.yiaddr, msg.server_id, kind))
+                    c.acks.append((c.last_sent, at, msg.yiaddr, msg.server_id, kind, c.sent_at))
                     c.ip, c.server, c.last_ack = msg.yiaddr, msg.server_id, at
-                    c.sent_at, c.next_send = 0.0, at + period
+                    c.sent_at, c.next_send = 0.0, end if finish else at + period
                 elif msg.msg_type is MessageType.NAK:
                     c.naks.append((at, msg.server_id, msg.message))
 
@@ -213,6 +236,15 @@ class SimClients:
             later = [at for sent, at, *_ in c.acks if sent >= t]
             out[c.mac] = (min(later) - t) if later else None
         return out
+
+    def longest_wait(self) -> float:
+        """The longest time (s) any client waited from a request's first send to its ACK."""
+        return max((a[1] - a[5] for c in self.clients for a in c.acks), default=0.0)
+
+    def waiting(self, now: float | None = None) -> dict[bytes, float]:
+        """Leased clients whose last request is still unanswered and for how long (s)."""
+        now = time.monotonic() if now is None else now
+        return {c.mac: now - c.sent_at for c in self.clients if c.sent_at and c.ip is not None}
 
     def addresses(self) -> dict[bytes, set]:
         """Per client: every address it was ever ACKed."""

@@ -1,73 +1,143 @@
-"""``vfab sdhcp status SERVICE``: each shard's ranges, slice of the pool, leases and counters.
+"""``vfab sdhcp status SERVICE``: each shard's ranges, pool use, leases, counters and rates.
 
 Asks every live shard of the service for its STATS over its control socket
 (the same socket 'vfab split' talks to), so the numbers are the shard's own,
-read at once.
+read at once.  Rates come from two places:
+
+* **req/s**: the shard's load report in etcd (requests per second it served
+  in its ranges over the last second: what the balancer splits and merges on);
+* **offers/acks/naks per s** and **dropped/s**: the difference of two STATS
+  answers ``--interval`` seconds apart (0 skips them and answers at once).
+
+A shard that stopped answering (killed, stalled) is listed with the error;
+owners that are gone from etcd show as ``(down)`` in ``vfab ranges``.
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 import click
 
+from vfab.cli.cmd_state import load_by_range
 from vfab.cli.common import NameType, errors, pass_ctx, table
 from vfab.vid.errors import StateError
 from vfab.vid.state import ctl
 
 DROPS = ("malformed", "wrong_op", "bad_chaddr", "wrong_type", "spoofed", "relayed_dropped", "bad_frames")
+RATED = ("offers", "acks", "naks")
 
 
 @click.group("sdhcp")
 def sdhcp() -> None:
-    """Inspect an sdhcp (DHCP) service: shards, pool use, leases."""
+    """Inspect an sdhcp (DHCP) service: shards, pool use, leases, rates."""
 
 
-def shard_stats(reg, service: str) -> list[dict]:
-    """One entry per live shard: name, owned ranges, and its STATS (or the error asking it)."""
+def _ask(reg, service: str, shard: str) -> dict:
+    body = ctl.command(reg, service, shard, "STATS", {}, timeout=3.0).body
+    return {**(body.get("sdhcp") or {}), "loop": body.get("counters", {})}
+
+
+def dropped(counters: dict) -> int:
+    return sum(counters.get(d, 0) for d in DROPS)
+
+
+def shard_stats(reg, service: str, interval: float = 0.0) -> list[dict]:
+    """One entry per live shard: name, owned and mirrored ranges, its STATS (or the error asking it),
+    ``req_s`` from its load report, and with ``interval`` > 0 ``rates`` (per second over that interval)."""
     ranges = reg.ranges(service)
+    loads = load_by_range(reg, service)
     out = []
     for ep in sorted(reg.endpoints(service), key=lambda e: e.name):
         if not ep.ctl:
             continue
-        owned = [f"{r.lo:#08x}-{r.hi:#08x}" for r, _ in ranges if r.owner == ep.name]
-        mirrors = [f"{r.lo:#08x}-{r.hi:#08x}" for r, _ in ranges if ep.name in r.mirrors]
-        entry = {"shard": ep.name, "owns": owned, "mirrors": mirrors}
+        mine = [r for r, _ in ranges if r.owner == ep.name]
+        entry: dict = {"shard": ep.name, "owns": [f"{r.lo:#08x}-{r.hi:#08x}" for r in mine],
+                       "mirrors": [f"{r.lo:#08x}-{r.hi:#08x}" for r, _ in ranges if ep.name in r.mirrors]}
+        reported = [loads[(ep.name, r.lo)][1] for r in mine if (ep.name, r.lo) in loads]
+        entry["req_s"] = round(sum(reported), 1) if reported else None
         try:
-            body = ctl.command(reg, service, ep.name, "STATS", {}, timeout=3.0).body
-            entry.update(body.get("sdhcp") or {})
-            entry["loop"] = body.get("counters", {})
+            entry.update(_ask(reg, service, ep.name))
+            entry["_t"] = time.monotonic()
         except StateError as exc:
             entry["error"] = str(exc)
         out.append(entry)
+    if interval > 0 and any("error" not in e for e in out):
+        time.sleep(interval)
+        for e in out:
+            if "error" in e:
+                continue
+            try:
+                now = _ask(reg, service, e["shard"])
+            except StateError as exc:
+                e["error"] = f"second STATS: {exc}"
+                continue
+            dt = time.monotonic() - e["_t"]
+            was, new = e.get("counters", {}), now.get("counters", {})
+            e["rates"] = {k: round((new.get(k, 0) - was.get(k, 0)) / dt, 1) for k in RATED}
+            e["rates"]["dropped"] = round((dropped(new) - dropped(was)) / dt, 1)
+            e.update({k: v for k, v in now.items() if k != "loop"})
+    for e in out:
+        e.pop("_t", None)
+        if "slice" in e:
+            e["pool_use"] = round(100.0 * e.get("held", 0) / e["slice"], 1) if e["slice"] else 0.0
     return out
+
+
+def _rate(x) -> str:
+    return "-" if x is None else f"{x:g}"
 
 
 @sdhcp.command("status")
 @click.argument("service", type=NameType("service"))
+@click.option("--interval", type=click.FloatRange(0, 60), default=1.0, show_default=True,
+              help="Seconds between the two STATS reads the DHCP rates come from; 0: no rates, answer at once.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_ctx
 @errors
-def status(c, service: str, as_json: bool) -> None:
-    """Per shard of SERVICE: owned ranges, its slice of the pool (addresses it may hand out), bound and
-    offered leases, held and declined addresses, DHCP counters and dropped input."""
+def status(c, service: str, interval: float, as_json: bool) -> None:
+    """Per shard of SERVICE: owned (or mirrored) ranges; its slice of the pool (the addresses it may hand
+    out) and pool use (addresses held in it); bound and offered leases; declined addresses; requests/s
+    (its load report, what the balancer sees); offers, ACKs, NAKs and dropped input per second (over
+    --interval); totals since start.  A last row adds the shards up.
+
+    Example: vfab sdhcp status dhcp --interval 2
+    """
     reg = c.registry
     reg.service(service)  # NotFound names the service
-    shards = shard_stats(reg, service)
+    shards = shard_stats(reg, service, interval)
     if as_json:
         click.echo(json.dumps(shards, indent=2, sort_keys=True))
         return
     rows = []
+    tot = {"slice": 0, "held": 0, "bound": 0, "offered": 0, "declined": 0, "req_s": 0.0, "dropped": 0}
+    tot_rates = {k: 0.0 for k in (*RATED, "dropped")}
     for s in shards:
+        owns = ",".join(s["owns"]) or ("mirror " + ",".join(s["mirrors"]) if s["mirrors"] else "-")
         if "error" in s:
-            rows.append([s["shard"], ",".join(s["owns"]) or "-", "?", "?", "?", "?", "?", s["error"]])
+            rows.append([s["shard"], owns, *["?"] * 8, s["error"]])
             continue
         k = s.get("counters", {})
-        dropped = sum(k.get(d, 0) for d in DROPS)
-        rows.append([s["shard"], ",".join(s["owns"]) or ("mirror" if s["mirrors"] else "-"), s.get("slice", 0),
-                     s.get("bound", 0), s.get("offered", 0), f"{s.get('held', 0)}/{s.get('declined', 0)}",
-                     f"{k.get('offers', 0)}/{k.get('acks', 0)}/{k.get('naks', 0)}/{k.get('releases', 0)}",
-                     dropped])
-    c.console.print(table(f"sdhcp {service}" + (f": {shards[0]['pool']}" if shards and "pool" in shards[0] else ""),
-                          ["shard", "owns", "slice", "bound", "offered", "held/declined",
-                           "offers/acks/naks/releases", "dropped"], rows))
+        r = s.get("rates")
+        for name in ("slice", "held", "bound", "offered", "declined"):
+            tot[name] += s.get(name, 0)
+        tot["req_s"] += s["req_s"] or 0.0
+        tot["dropped"] += dropped(k)
+        for name in tot_rates:
+            tot_rates[name] += (r or {}).get(name, 0.0)
+        rows.append([s["shard"], owns, s.get("slice", 0), f"{s.get('held', 0)} ({s.get('pool_use', 0.0):g}%)",
+                     s.get("bound", 0), s.get("offered", 0), s.get("declined", 0), _rate(s["req_s"]),
+                     "/".join(_rate(r[n]) for n in RATED) if r else "-", _rate(r["dropped"]) if r else "-",
+                     f"{k.get('offers', 0)}/{k.get('acks', 0)}/{k.get('naks', 0)}/{k.get('releases', 0)}/"
+                     f"{dropped(k)}"])
+    if len(rows) > 1:
+        use = round(100.0 * tot["held"] / tot["slice"], 1) if tot["slice"] else 0.0
+        rows.append(["all", "", tot["slice"], f"{tot['held']} ({use:g}%)", tot["bound"], tot["offered"],
+                     tot["declined"], _rate(round(tot["req_s"], 1)),
+                     "/".join(_rate(round(tot_rates[n], 1)) for n in RATED) if interval > 0 else "-",
+                     _rate(round(tot_rates["dropped"], 1)) if interval > 0 else "-", ""])
+    pool = next((s["pool"] for s in shards if "pool" in s), "")
+    c.console.print(table(f"sdhcp {service}" + (f": {pool}" if pool else ""),
+                          ["shard", "owns", "slice", "in use", "bound", "offered", "declined", "req/s",
+                           "offers/acks/naks per s", "dropped/s", "offers/acks/naks/releases/dropped"], rows))

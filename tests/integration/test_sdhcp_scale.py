@@ -9,6 +9,8 @@ vfh3's port), arrive in three waves while the shards change under them:
     wave 1 arrives        split   s1's upper quarter 0x400000-0x7fffff -> s3
     wave 2 arrives        move    s2 (the upper half) -> s4
     wave 3 arrives, all renew     merge   s3's quarter back into s1
+    all renew                     mirror  s4 (the upper half) on s2, idle since the move
+    all renew                     kill -9 of s4: s2 takes the upper half over, its clients renew there
 
 The lease is 20 s, so every client also renews by itself every 10 s (busybox
 udhcpc renews at half the lease, whatever T1 says), unicast to the one server
@@ -19,8 +21,9 @@ clients at once, every client ends with exactly one address, and the kernel
 of each namespace holds the address its client was given.
 
 Then 1,000 perfdhcp clients (4 relays behind vfh2, one per key quarter, 250
-clients each at 250/s) lease from the two shards left (s1, s4): every one
-ACKed, each with an address no other client (perfdhcp or udhcpc) holds.
+clients each at 250/s) lease from the two shards left (s1, and s2, which took
+the killed s4's leases and slice over from its mirror copy): every one ACKed,
+each with an address no other client (perfdhcp or udhcpc) holds.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ OPTS = {"pool": "10.78.0.10-10.78.7.250", "mask": "21", "server": "10.78.0.1", "
 SHARDS = {"s1": ("vfh1", "0-0x7fffff"), "s2": ("vfh4", "0x800000-0xffffff"), "s3": ("vfh6", None),
           "s4": ("vfh5", None)}
 QUARTER = Range(0x400000, 0x7FFFFF)
+UPPER = Range(0x800000, 0xFFFFFF)
+TAKEOVER = 2.0       # s from the kill -9 to the mirror owning the range (issue 9: renewals served within 2 s)
 WAVES = [range(0, 82), range(82, 164), range(164, N)]
 
 
@@ -85,12 +90,13 @@ def scale(testbed, tmp_path_factory):
         for q in range(4):
             relays.sh(q, "ip", "addr", "add", f"{RELAYS[q]}/21", "dev", relays.names[q])
         testbed.wait_revision(reg.state_revision(), timeout=60)
-        yield {"farm": farm, "relays": relays, "procs": procs}
+        ctx = {"farm": farm, "relays": relays, "procs": procs, "killed": set()}
+        yield ctx
     finally:
         farm.remove()
         relays.remove()
     for name, p in procs.items():
-        assert p.alive(), f"shard {name} died:\n{p.tail(40)}"
+        assert p.alive() or name in ctx["killed"], f"shard {name} died:\n{p.tail(40)}"
         log = open(p.logpath).read()
         assert "Traceback" not in log, log[-3000:]
 
@@ -131,6 +137,37 @@ def test_245_udhcpc_clients_across_split_move_merge(testbed, scale):
 
     owners = {r.owner for r, _ in reg.ranges(SVC)}
     assert owners == {"s1", "s4"}, reg.ranges(SVC)
+
+    # s4 (the upper half) mirrored on s2, which owns nothing since the move; then killed while all renew
+    wait_op(testbed, statectl.mirror(reg, SVC, "s4", "s2"))
+    s4_bound = stats(testbed, "s4")["bound"]
+    wait_for(lambda: stats(testbed, "s2")["mirrored"]["bound"] == s4_bound, 10,
+             f"s4's {s4_bound} leases on its mirror s2")
+    took: list[float] = []
+    killed_at: list[float] = []
+
+    def kill_s4() -> None:
+        t = time.monotonic()
+        killed_at.append(time.time())
+        testbed.sup.kill9(scale["procs"]["s4"])
+        scale["killed"].add("s4")
+        wait_for(lambda: {r.owner for r, _ in reg.ranges(SVC) if r.range.overlaps(UPPER)} == {"s2"}, 15,
+                 "s2 to take s4's ranges over")
+        took.append(time.monotonic() - t)
+    renew_all("across a kill -9 of the mirrored s4", kill_s4)
+    assert took[0] < TAKEOVER, f"s2 owned s4's ranges {took[0]:.2f} s after the kill"
+    # s4's clients (some answered by s4 just before the kill) all renew at s2 after it, by signal or by T1
+    upper = [i for i in range(N) if (int.from_bytes(farm.macs[i], "big") & codec.KEY_MAX) in UPPER]
+    assert len(upper) == s4_bound, (len(upper), s4_bound)
+    wait_for(lambda: all(any(ev == "renew" and t > killed_at[0] for ev, _, t in farm.events(i)) for i in upper), 20,
+             "every client of the killed s4 to renew at s2")
+    s2 = stats(testbed, "s2")
+    assert s2["bound"] == s4_bound, (s2["bound"], s4_bound)
+    assert s2["counters"].get("naks", 0) == 0, s2["counters"]
+    served = s2["counters"].get("renewing", 0) + s2["counters"].get("rebinding", 0)
+
+    owners = {r.owner for r, _ in reg.ranges(SVC)}
+    assert owners == {"s1", "s2"}, reg.ranges(SVC)
     twice = dc.held_twice(farm)
     assert not twice, f"addresses held by two clients at once: {twice[:10]}"
     addrs = farm.addresses()
@@ -140,12 +177,14 @@ def test_245_udhcpc_clients_across_split_move_merge(testbed, scale):
     changed = {farm.names[i]: got for i in range(N)
                if len(got := sorted({ip for ev, ip, _ in farm.events(i) if ev in ("bound", "renew")})) != 1}
     assert not changed, f"leases did not follow their clients through the operations: {dict(list(changed.items())[:5])}"
-    st = {s: stats(testbed, s) for s in SHARDS}
-    assert st["s1"]["bound"] + st["s4"]["bound"] == N, {s: v["bound"] for s, v in st.items()}
-    assert st["s2"]["bound"] == 0 and st["s3"]["bound"] == 0
+    st = {s: stats(testbed, s) for s in SHARDS if s not in scale["killed"]}
+    assert st["s1"]["bound"] + st["s2"]["bound"] == N, {s: v["bound"] for s, v in st.items()}
+    assert st["s3"]["bound"] == 0
     naks = {s: v["counters"].get("naks", 0) for s, v in st.items()}
-    print(f"{N} udhcpc clients bound in {leased_in:.1f} s across a split and a move; renewed across a merge; "
-          f"bound s1={st['s1']['bound']} s4={st['s4']['bound']}; NAKs {naks}")
+    print(f"{N} udhcpc clients bound in {leased_in:.1f} s across a split and a move; renewed across a merge "
+          f"and a kill -9 of s4 (s2 owned its ranges {took[0]:.2f} s after the kill, {s4_bound} leases, "
+          f"{served} renewals served by s2: {s2['counters']}); "
+          f"bound s1={st['s1']['bound']} s2={st['s2']['bound']}; NAKs {naks}")
     scale["udhcpc"] = addrs
 
 
@@ -172,7 +211,7 @@ def test_1000_perfdhcp_clients_from_two_shards(testbed, scale):
     assert len(perf_addrs) == PERF
     both = perf_addrs & set(scale.get("udhcpc", scale["farm"].addresses()).values())
     assert not both, f"addresses held by a udhcpc client and a perfdhcp client: {sorted(both)[:10]}"
-    bound = {s: stats(testbed, s)["bound"] for s in SHARDS}
+    bound = {s: stats(testbed, s)["bound"] for s in SHARDS if s not in scale["killed"]}
     assert sum(bound.values()) == N + PERF, bound
     print(f"{PERF} perfdhcp clients leased in {res['time_s']} s from shards {sorted(owners)}; bound {bound}; "
           f"perfdhcp drops {drops}")

@@ -36,6 +36,7 @@ from vfab.services.sdhcp import ipudp, wire
 from vfab.services.sdhcp.errors import DhcpError
 from vfab.services.sdhcp.reply import destination, reply, reply_limit
 from vfab.services.sdhcp.wire import Message, MessageType, Opt
+from vfab.testbed.dhcpclients import DHCPCD_CONF
 from vfab.vid.netns import netns
 
 SERVER_IP = IPv4Address("192.0.2.1")
@@ -179,15 +180,6 @@ esac
 exit 0
 """
 
-DHCPCD_CONF = """# like Debian's /etc/dhcpcd.conf, minus IPv6 and hooks
-duid
-vendorclassid
-option domain_name_servers, domain_name, domain_search, host_name
-option rapid_commit
-require dhcp_server_identifier
-nodelay
-ipv4only
-"""
 
 
 @dataclass
