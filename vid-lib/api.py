@@ -267,7 +267,7 @@ class Client:
         return self.port.mac
 
     def vid(self, key: int) -> bytes:
-        return codec.encode(self.service.id, key, layout=self.layout).packed
+        return codec.packed(self.service.id, key, self.layout)
 
     # -- channels ---------------------------------------------------------
     def bind(self, key: int) -> Channel:

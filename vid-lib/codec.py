@@ -13,6 +13,7 @@ A VID is 48 bits written as a locally administered unicast MAC::
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 from vfab.vid.errors import VidError
@@ -105,6 +106,14 @@ class Vid:
 def encode(service: int, key: int, cls: VidClass = VidClass.SERVICE,
            layout: Layout = Layout.PREFIX) -> Vid:
     return Vid(service, key, _vid_class(cls), layout)
+
+
+@functools.lru_cache(maxsize=65536)
+def packed(service: int, key: int, layout: Layout = Layout.PREFIX) -> bytes:
+    """``encode(service, key, layout=layout).packed``, remembered: the data path asks it once per frame
+    (a client's destination, a server's reply source), and building and checking a Vid each time cost
+    clients ~10 % of their time per request."""
+    return encode(service, key, layout=layout).packed
 
 
 def is_vid(mac: int | str | bytes) -> bool:

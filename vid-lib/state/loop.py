@@ -369,7 +369,7 @@ class EndpointLoop(PeerSide, Replication):
     def _reply(self, frame: Frame, vk: int | None, payload: bytes | None) -> None:
         if payload is None:
             return
-        src = codec.encode(self.service.id, vk, layout=self.layout).packed if vk is not None else self.port.mac
+        src = codec.packed(self.service.id, vk, self.layout) if vk is not None else self.port.mac
         self.port.send(Frame(dst=frame.src, src=src, type=FrameType.REPLY, payload=payload, channel=frame.channel,
                              seq=frame.seq, priority=frame.priority))
 
