@@ -27,8 +27,12 @@ Servers, one after the other:
 
 * **sdhcp** with 1 shard (vfh1), 2 (vfh1, vfh4: one per switch) and 4 (vfh1,
   vfh4, vfh5, vfh6), equal key ranges.  Durability: each batch of requests is
-  one SQLite transaction with ``synchronous=FULL`` (the WAL is fsync'd before
-  any reply of the batch leaves); no mirrors here.
+  one SQLite transaction; a batch holding a REQUEST, RELEASE or DECLINE is
+  committed with ``synchronous=FULL`` (the WAL is fsync'd before any ACK or
+  NAK of the batch leaves), a batch of only DISCOVERs (OFFERs: no lease yet)
+  without an fsync; no mirrors here (with mirrors, every lease is also on each
+  mirror's disk before the ACK).  sdhcp has no setting that skips the fsync
+  before an ACK, so there is no row at Kea's durability.
 * **Kea** (kea-dhcp4 2.2) in vfh1, memfile lease file (each lease written
   before the reply, never fsync'd: survives kill -9, not power loss), raw
   sockets.
@@ -41,8 +45,11 @@ DISCOVER to the last ACK, clients leased (an ACK seen), leases/s, each
 client's first-DISCOVER-to-ACK latency (median, p99); perfdhcp's own drop
 counts and mean delays; distinct addresses, and any address ACKed to two
 clients (udhcpc: from the clients' hook records; perfdhcp: from the ACKs the
-relays received); the CPU time (user + system) the server's processes used
-during the phase (all shards together).  Everything shares 2 cores: the 245
+relays received); the CPU time (user + system, and system alone) the
+server's processes used during the phase (all shards together), and per
+leased client; the servers' CPU per second while idle (measured for 2 s before
+the first phase: 4 idle shards' timers and etcd keepalives count in every
+phase's CPU).  Everything shares 2 cores: the 245
 udhcpc processes starting (fork, exec, a hook per event) take a good part of
 their time, for every server alike.
 
@@ -82,12 +89,21 @@ SHARDS = {1: [("a", "vfh1", (0, 0xFFFFFF))],
           4: [("a", "vfh1", (0, Q - 1)), ("b", "vfh4", (Q, 2 * Q - 1)), ("c", "vfh5", (2 * Q, 3 * Q - 1)),
               ("d", "vfh6", (3 * Q, 0xFFFFFF))]}
 PEER_HOST, UDHCPC_HOST, RELAY_HOST = "vfh1", "vfh3", "vfh2"
+NOT_PHASES = ("shards", "idle_cpu_per_s")   # per-run entries that are not a phase's numbers
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU time of these processes (all their threads) so far."""
+DURABILITY = {
+    "sdhcp": "fsync (SQLite WAL, synchronous=FULL) of every batch holding a REQUEST, RELEASE or DECLINE, "
+             "before its ACKs/NAKs leave; batches of only DISCOVERs (OFFERs) unsynced; no mirrors in this bench",
+    "kea": "memfile: each lease written before the reply, never fsync'd (survives kill -9, not power loss)",
+    "dnsmasq": "lease file rewritten and fsync'd on every change, before the reply",
+}
+
+
+def cpu_seconds(pids: list[int]) -> tuple[float, float]:
+    """(user + system, system) CPU time of these processes (all their threads) so far."""
     tick = os.sysconf("SC_CLK_TCK")
-    total = 0
+    total = system = 0
     for pid in pids:
         try:
             with open(f"/proc/{pid}/stat") as fh:
@@ -95,7 +111,23 @@ def cpu_seconds(pids: list[int]) -> float:
         except OSError:
             continue
         total += int(fields[11]) + int(fields[12])   # utime, stime
-    return total / tick
+        system += int(fields[12])
+    return total / tick, system / tick
+
+
+def cpu_used(pids: list[int], since: tuple[float, float], leased: int) -> dict:
+    """CPU used since ``since`` (a cpu_seconds reading): total, system, and per leased client."""
+    now = cpu_seconds(pids)
+    total, system = now[0] - since[0], now[1] - since[1]
+    return {"server_cpu_s": round(total, 3), "server_cpu_sys_s": round(system, 3),
+            "cpu_ms_per_lease": round(1000 * total / leased, 3) if leased else None}
+
+
+def idle_cpu(pids: list[int], seconds: float = 2.0) -> float:
+    """The servers' CPU seconds per second while no client asks anything."""
+    c0 = cpu_seconds(pids)[0]
+    time.sleep(seconds)
+    return round((cpu_seconds(pids)[0] - c0) / seconds, 4)
 
 
 def relay_mac(q: int) -> bytes:
@@ -172,7 +204,7 @@ def udhcpc_phase(tb: Testbed, farm: dc.ClientFarm, cap: dc.Capture, pids: list[i
     lat = res.pop("latencies")
     res.pop("addresses")
     res.update(clients=len(farm.macs), dora=summary(lat), hook_leased=len(addrs),
-               server_cpu_s=round(cpu_seconds(pids) - cpu0, 3),
+               **cpu_used(pids, cpu0, res["leased"]),
                hook_distinct=len(set(addrs.values())), hook_held_twice=held, still_running=left)
     return res
 
@@ -192,7 +224,7 @@ def perf_phase(tb: Testbed, relays: dc.ClientFarm, cap: dc.Capture, n: int, rate
     drops = {k: int(sum(r.get(k, {}).get("drops", 0) for r in reps)) for k in ("DISCOVER-OFFER", "REQUEST-ACK")}
     mean = {k: round(sum(r.get(k, {}).get("avg delay", 0) for r in reps) / 4, 3)
             for k in ("DISCOVER-OFFER", "REQUEST-ACK")}
-    res.update(clients=n, offered_rate=rate, dora=summary(lat), server_cpu_s=round(cpu_seconds(pids) - cpu0, 3),
+    res.update(clients=n, offered_rate=rate, dora=summary(lat), **cpu_used(pids, cpu0, res["leased"]),
                perfdhcp_drops=drops, perfdhcp_mean_delay_ms=mean,
                perfdhcp_acks=int(sum(r.get("REQUEST-ACK", {}).get("received packets", 0) for r in reps)))
     return res
@@ -201,7 +233,7 @@ def perf_phase(tb: Testbed, relays: dc.ClientFarm, cap: dc.Capture, n: int, rate
 def line(name: str, what: str, r: dict) -> str:
     d = r["dora"]
     extra = f", drops {r['perfdhcp_drops']}" if "perfdhcp_drops" in r else ""
-    extra += f", server CPU {r['server_cpu_s']} s"
+    extra += f", server CPU {r['server_cpu_s']} s ({r['server_cpu_sys_s']} s system, {r['cpu_ms_per_lease']} ms/lease)"
     return (f"{name:>9} {what:<18} {r['leased']:>4}/{r['clients']} leased in {r['time_s']} s "
             f"({r['leases_per_s']}/s), DORA median {d.get('median_ms')} ms p99 {d.get('p99_ms')} ms, "
             f"{r['distinct_addresses']} distinct{extra}")
@@ -218,6 +250,7 @@ def run_server(tb: Testbed, server: str, farm: dc.ClientFarm, relays: dc.ClientF
         peer = start_peer(tb, server)
         pids = [peer.pid]
     try:
+        res["idle_cpu_per_s"] = idle_cpu(pids)
         res["udhcpc"] = udhcpc_phase(tb, farm, cap_u, pids)
         print(line(server, f"{len(farm.macs)} udhcpc", res["udhcpc"]), flush=True)
         for run, rate in enumerate(rates):
@@ -236,7 +269,7 @@ def run_server(tb: Testbed, server: str, farm: dc.ClientFarm, relays: dc.ClientF
 def check(name: str, res: dict) -> list[str]:
     bad = []
     for phase, r in res.items():
-        if phase == "shards":
+        if phase in NOT_PHASES:
             continue
         if r.get("held_twice") or r.get("hook_held_twice") or r["distinct_addresses"] != r["leased"] or \
                 ("hook_distinct" in r and r["hook_distinct"] != r["hook_leased"]):
@@ -247,10 +280,10 @@ def check(name: str, res: dict) -> list[str]:
 
 
 def medians(runs: list[dict]) -> dict:
-    """Per phase, the median over the runs of: time, leased, leases/s, DORA median and p99, drops."""
-    out = {}
+    """Per phase, the median over the runs of: time, leased, leases/s, DORA median and p99, drops, CPU."""
+    out: dict = {"idle_cpu_per_s": statistics.median(r["idle_cpu_per_s"] for r in runs)}
     for phase in runs[0]:
-        if phase == "shards":
+        if phase in NOT_PHASES:
             continue
         rs = [r[phase] for r in runs]
         out[phase] = {"time_s": statistics.median(r["time_s"] or 0 for r in rs),
@@ -260,8 +293,14 @@ def medians(runs: list[dict]) -> dict:
                       "dora_p99_ms": statistics.median(r["dora"].get("p99_ms", 0) for r in rs),
                       "drops": statistics.median(sum(r.get("perfdhcp_drops", {}).values()) for r in rs),
                       "server_cpu_s": statistics.median(r["server_cpu_s"] for r in rs),
+                      "server_cpu_sys_s": statistics.median(r["server_cpu_sys_s"] for r in rs),
+                      "cpu_ms_per_lease": statistics.median(r["cpu_ms_per_lease"] or 0 for r in rs),
                       "times_s": [r["time_s"] for r in rs]}
     return out
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
 
 
 def main() -> int:
@@ -313,20 +352,28 @@ def main() -> int:
                 c.stop()
             farm.remove()
             relays.remove()
-    print(f"\nmedians of {repeat} run(s): time from the first DISCOVER to the last ACK (leased, drops, server CPU s)")
-    print(f"{'server':<9}{str(n_u) + ' udhcpc':>24}" + "".join(f"{f'{n_p} perfdhcp@{r}/s':>30}" for r in rates))
+    phases = ["udhcpc"] + [f"perfdhcp_{r}" for r in rates]
+    heads = [f"{n_u} udhcpc"] + [f"{n_p} perfdhcp@{r}/s" for r in rates]
+    print(f"\nmedians of {repeat} run(s): time from the first DISCOVER to the last ACK s "
+          "(leased, perfdhcp drops, server CPU ms per lease)")
+    print(f"{'server':<9}" + "".join(f"{h:>28}" for h in heads) + f"{'idle CPU/s':>12}")
     for server, res in results.items():
         m = res["median"]
-        cells = [f"{m['udhcpc']['time_s']} s ({m['udhcpc']['leased']:.0f}, {m['udhcpc']['server_cpu_s']})"]
-        cells += [f"{m[k]['time_s']} s ({m[k]['leased']:.0f}, {m[k]['drops']:.0f}, {m[k]['server_cpu_s']})"
-                  for k in (f"perfdhcp_{r}" for r in rates)]
-        print(f"{server:<9}{cells[0]:>24}" + "".join(f"{c:>30}" for c in cells[1:]))
+        cells = [f"{m[k]['time_s']} s ({m[k]['leased']:.0f}, {m[k]['drops']:.0f}, {m[k]['cpu_ms_per_lease']})"
+                 for k in phases]
+        print(f"{server:<9}" + "".join(f"{c:>28}" for c in cells) + f"{m['idle_cpu_per_s']:>12}")
+    if "kea" in results:
+        kea = results["kea"]["median"]
+        print("ratio to Kea (time; leased; CPU per lease)")
+        for server, res in results.items():
+            m = res["median"]
+            cells = [f"{_ratio(m[k]['time_s'], kea[k]['time_s'])}; {_ratio(m[k]['leased'], kea[k]['leased'])}; "
+                     f"{_ratio(m[k]['cpu_ms_per_lease'], kea[k]['cpu_ms_per_lease'])}" for k in phases]
+            print(f"{server:<9}" + "".join(f"{c:>28}" for c in cells))
+    print("durability: " + "; ".join(f"{k}: {v}" for k, v in DURABILITY.items()))
     write("sdhcp_lease", {"udhcpc_clients": n_u, "perfdhcp_clients": n_p, "rates": rates, "repeat": repeat,
                           "smoke": args.smoke,
-                          "pool": OPTS["pool"], "servers": servers,
-                          "durability": {"sdhcp": "fsync (SQLite WAL, synchronous=FULL) per batch, before the replies",
-                                         "kea": "memfile: written before the reply, never fsync'd",
-                                         "dnsmasq": "lease file rewritten and fsync'd per change"},
+                          "pool": OPTS["pool"], "servers": servers, "durability": DURABILITY,
                           "clients": "busybox udhcpc, one process and namespace each (macvlan behind vfh3); "
                                      "perfdhcp as 4 relays behind vfh2"}, results, args.out)
     if bad:

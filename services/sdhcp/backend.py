@@ -69,6 +69,7 @@ DECLINE_HOLD = 600_000    # ms a declined address is not handed out
 PARSED_MAX = 1024         # parsed requests kept between key_of and handle_batch
 SERVED = {MessageType.DISCOVER, MessageType.REQUEST, MessageType.DECLINE, MessageType.RELEASE,
           MessageType.INFORM}
+NO_SYNC = {MessageType.DISCOVER, MessageType.INFORM}   # batches of only these commit without an fsync
 
 
 def open_backend(datadir: str, name: str, config: Config | None = None) -> "SdhcpBackend":
@@ -160,22 +161,31 @@ class SdhcpBackend:
         ctx = _Batch(list(self.allocatable()), int(self.clock() * 1000))
         replies: list[bytes | None] = []
         records: list[tuple[int, bytes]] = []
-        self.store.begin()
+        parsed = []
+        for r in requests:
+            try:
+                parsed.append(self._read(r.payload))
+            except DhcpError:
+                self.counters["malformed"] += 1
+                parsed.append(None)
+        # Only a batch that may acknowledge, refuse or end a lease (REQUEST, RELEASE, DECLINE) waits for the
+        # disk: an OFFER promises nothing (RFC 2131 §4.3.1: the client must still REQUEST it), so a batch of
+        # DISCOVERs and INFORMs commits without an fsync (Store.begin).  Its records still reach every mirror
+        # before its replies leave (the loop sees to that), and the next durable batch's fsync covers it.
+        durable = any(p is not None and p[2].msg_type not in NO_SYNC for p in parsed)
+        self.store.begin(durable)
         try:
-            for r in requests:
-                replies.append(self._one(r, ctx, records))
+            for r, p in zip(requests, parsed):
+                replies.append(None if p is None else self._one(r, p, ctx, records))
             self.store.commit()
         except BaseException:
             self.store.rollback()
             raise
+        self.counters["batches_synced" if durable else "batches_unsynced"] += 1
         return replies, records
 
-    def _one(self, r: Request, ctx: _Batch, records: list) -> bytes | None:
-        try:
-            src, bcast, msg = self._read(r.payload)
-        except DhcpError:
-            self.counters["malformed"] += 1
-            return None
+    def _one(self, r: Request, parsed: tuple[bytes, bool, Message], ctx: _Batch, records: list) -> bytes | None:
+        src, bcast, msg = parsed
         if self._refuse(msg, src):
             return None  # counted by key_of
         c = int.from_bytes(msg.chaddr, "big")
@@ -260,14 +270,14 @@ class SdhcpBackend:
             if a is None:
                 a = st.addr(ip)
             if a is None or a.holder != c or a.state != HELD:
-                _, rec = st.put_addr(replace(a or Addr(ip), holder=c, state=HELD, until=0))
+                _, rec = st.put_addr(Addr(ip, c, HELD, 0, a.version if a is not None else 0))
                 records.append((home, rec))
         if stale is not None and stale.chaddr != c:
             _, rec = st.put_lease(replace(stale, ip=0, state=NONE, expires=ctx.now))
             records.append((stale.vkey, rec))
             self.counters["reclaimed"] += 1
-        _, rec = st.put_lease(replace(lease or Lease(c), ip=ip, state=state, expires=expires,
-                                      client_id=msg.client_id or b""))
+        _, rec = st.put_lease(Lease(c, ip, state, expires, msg.client_id or b"",
+                                    lease.version if lease is not None else 0))
         records.append((key, rec))
 
     # -- messages --------------------------------------------------------------------------------------

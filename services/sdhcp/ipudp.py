@@ -55,12 +55,17 @@ DEFAULT_TTL = 64
 
 
 def checksum(data: bytes) -> int:
-    """The Internet checksum of ``data`` (RFC 1071): one's complement of the one's complement sum."""
+    """The Internet checksum of ``data`` (RFC 1071): one's complement of the one's complement sum.
+
+    Computed without a loop: the bytes read as one big-endian number N are sum(word_i * 2**(16*k_i)), and
+    2**16 = 1 modulo 0xFFFF, so the folded 16-bit sum is N mod 0xFFFF, except that a non-zero sum that is
+    a multiple of 0xFFFF folds to 0xFFFF, not 0 (RFC 1071 §2: end-around carry)."""
     if len(data) % 2:
         data += b"\0"
-    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
-    while total > 0xFFFF:
-        total = (total & 0xFFFF) + (total >> 16)
+    n = int.from_bytes(data, "big")
+    total = n % 0xFFFF
+    if total == 0 and n:
+        total = 0xFFFF
     return ~total & 0xFFFF
 
 
@@ -84,13 +89,12 @@ class Datagram:
     tos: int = 0
 
     def serialize(self) -> bytes:
-        for name in ("eth_dst", "eth_src"):
-            mac = getattr(self, name)
+        for name, mac in (("eth_dst", self.eth_dst), ("eth_src", self.eth_src)):
             if not isinstance(mac, (bytes, bytearray)) or len(mac) != 6:
                 raise DhcpError(f"{name} {mac!r} is not a 6-byte MAC")
-        for name, bits in (("src_port", 16), ("dst_port", 16), ("ttl", 8), ("ident", 16), ("tos", 8)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or not 0 <= value < 1 << bits:
+        for name, value, bits in (("src_port", self.src_port, 16), ("dst_port", self.dst_port, 16),
+                                  ("ttl", self.ttl, 8), ("ident", self.ident, 16), ("tos", self.tos, 8)):
+            if not isinstance(value, int) or value < 0 or value >> bits:
                 raise DhcpError(f"{name} {value!r} is out of range: it is an unsigned {bits}-bit field")
         if len(self.payload) > MAX_PAYLOAD:
             raise DhcpError(f"payload of {len(self.payload)} B does not fit one IPv4 datagram "

@@ -58,6 +58,25 @@ _NOT_FROM_CALLER = {Opt.MSG_TYPE, Opt.SERVER_ID, Opt.CLIENT_ID, Opt.REQUESTED_IP
 _NAK_MAY = {Opt.MESSAGE, Opt.VENDOR_CLASS}
 
 
+_CHECKED: dict[tuple[int, object], bytes] = {}   # (code, value) -> its wire bytes, for values seen before
+_CHECKED_MAX = 1024
+
+
+def _encoded(code: int, value: object) -> bytes:
+    """``encode_option(code, value)``, remembered for bytes and addresses: a server sends the same few
+    option values (lease times, mask, its own address) in every reply, and checking them each time was a
+    good part of building one."""
+    if not isinstance(value, (bytes, IPv4Address)):
+        return encode_option(code, value)
+    key = (code, value)
+    raw = _CHECKED.get(key)
+    if raw is None:
+        raw = encode_option(code, value)
+        if len(_CHECKED) < _CHECKED_MAX:
+            _CHECKED[key] = raw
+    return raw
+
+
 class Destination(NamedTuple):
     """Where a reply goes.  ``mac`` is None when the caller must resolve it (ARP for a relay at giaddr,
     or a client whose chaddr is not an Ethernet MAC); pass ``relay_mac`` to :func:`destination` to avoid it."""
@@ -99,7 +118,7 @@ def reply(request: Message, msg_type: MessageType, server_id: IPv4Address | str,
         if nak and code not in _NAK_MAY:
             raise DhcpError(f"{option_name(code)} may not appear in a NAK: only a message (56) and vendor "
                             "class (60) may (RFC 2131 Table 3)")
-        extra[code] = encode_option(code, value)
+        extra[code] = _encoded(code, value)
     has_lease = Opt.LEASE_TIME in extra
     if wants_address and not has_lease:
         raise DhcpError(f"a {msg_type.name} to a {request.msg_type.name} must carry the lease time (option 51)")
@@ -110,13 +129,19 @@ def reply(request: Message, msg_type: MessageType, server_id: IPv4Address | str,
     if times != sorted(times):
         raise DhcpError(f"T1 <= T2 <= lease time is required (RFC 2131 §4.4.5), got {times}")
 
-    opts = {Opt.MSG_TYPE: bytes((msg_type,)), Opt.SERVER_ID: encode_option(Opt.SERVER_ID, server_id), **extra}
+    opts = {Opt.MSG_TYPE: bytes((msg_type,)), Opt.SERVER_ID: _encoded(Opt.SERVER_ID, server_id), **extra}
     if request.client_id is not None:
         opts[Opt.CLIENT_ID] = request.client_id  # RFC 6842
     flags = request.flags | (FLAG_BROADCAST if nak and request.giaddr != ZERO else 0)
-    return Message(op=BOOTREPLY, xid=request.xid, chaddr=request.chaddr, options=opts, htype=request.htype,
-                   flags=flags, ciaddr=request.ciaddr if msg_type == MessageType.ACK else ZERO,
-                   yiaddr=yiaddr, siaddr=siaddr, giaddr=request.giaddr, sname=sname, file=file)
+    ciaddr = request.ciaddr if msg_type == MessageType.ACK else ZERO
+    if sname or file:
+        return Message(op=BOOTREPLY, xid=request.xid, chaddr=request.chaddr, options=opts, htype=request.htype,
+                       flags=flags, ciaddr=ciaddr, yiaddr=yiaddr, siaddr=siaddr, giaddr=request.giaddr,
+                       sname=sname, file=file)
+    # Every field is checked already: the request's by its own construction, the options by encode_option,
+    # the addresses by as_ip (Message._checked_already says why this matters).
+    return Message._checked_already(BOOTREPLY, request.xid, request.chaddr, opts, request.htype, 0, 0, flags, ciaddr,
+                                    yiaddr, siaddr, request.giaddr, b"", b"")
 
 
 def destination(request: Message, reply_msg: Message, relay_mac: bytes | None = None) -> Destination:

@@ -1,4 +1,5 @@
-"""Durable leases of one sdhcp shard: SQLite in WAL mode, ``synchronous=FULL``, one transaction per batch.
+"""Durable leases of one sdhcp shard: SQLite in WAL mode, one transaction per batch, fsync'd (``synchronous=FULL``)
+unless the batch acknowledges nothing (``Store.begin``).
 
 Two kinds of rows, each stored under the VID key that decides who owns it (the
 state layer copies, replicates and drops records by that key):
@@ -37,7 +38,7 @@ import os
 import sqlite3
 import struct
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterator
 
 from vfab.services.sdhcp.config import Config, parse_opts
@@ -64,6 +65,8 @@ FREE, HELD, DECLINED = 0, 1, 2
 ADDR_STATES = {FREE: "free", HELD: "held", DECLINED: "declined"}
 
 DROP_CHUNK = 2000
+HINT_MS = 1000            # how long a first_free search hint is trusted (see Store.first_free)
+HINTS_MAX = 4096          # hints kept (one per segment searched); all are forgotten past this
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS lease (chaddr INTEGER PRIMARY KEY, vkey INTEGER NOT NULL, ip INTEGER NOT NULL,
@@ -184,6 +187,8 @@ class Store:
                        "SET value=excluded.value", (json.dumps(self.config.to_opts(), sort_keys=True),))
         self.pool = Pool(int(self.config.first), self.config.size)
         self.fp = self.config.fingerprint
+        # (lo, hi) of a first_free search -> (ip, ms): at ms every address in [lo, ip) was taken
+        self._hints: dict[tuple[int, int], tuple[int, int]] = {}
 
     @property
     def db(self) -> sqlite3.Connection:
@@ -212,14 +217,23 @@ class Store:
             raise StoreError(_why(exc, self.path)) from None
 
     # -- the data path: one transaction per batch ------------------------------------------
-    def begin(self) -> None:
+    def begin(self, durable: bool = True) -> None:
+        """Open the batch's transaction.  ``durable`` (the default): its commit fsyncs the write-ahead log
+        (synchronous=FULL).  ``durable=False`` (a batch that acknowledges nothing, see ``backend.py``): its
+        commit does not wait for the disk; it is atomic, a power loss can lose it (and only it and other
+        such batches after the last fsync), and the next durable commit's fsync makes it durable too."""
+        relaxed = getattr(self._local, "relaxed", False)
+        if relaxed == durable:  # the PRAGMA cannot change inside a transaction: set it before BEGIN
+            self._exec("PRAGMA synchronous=" + ("FULL" if durable else "NORMAL"))
+            self._local.relaxed = not durable
         self._exec("BEGIN IMMEDIATE")
 
     def commit(self) -> None:
-        """Commit the batch: with synchronous=FULL the write-ahead log is fsync'd before this returns."""
+        """Commit the batch: after a durable ``begin`` the write-ahead log is fsync'd before this returns."""
         self._exec("COMMIT")
 
     def rollback(self) -> None:
+        self._hints.clear()  # the batch's grants are undone: addresses below a hint may be free again
         try:
             if self.db.in_transaction:
                 self.db.execute("ROLLBACK")
@@ -245,7 +259,31 @@ class Store:
 
         One query walking the taken rows upward in SQLite until the first gap: clients whose keys are close
         share their first slot (perfdhcp's consecutive MACs all do), and the n-th of them passes n taken
-        addresses; reading those as Python rows made a DISCOVER cost ~1.2 ms at n ~ 500."""
+        addresses; reading those as Python rows made a DISCOVER cost ~1.2 ms at n ~ 500.  Even in SQLite that
+        walk made a burst of n such DISCOVERs O(n²) (~20% of a shard's time under 1,000 perfdhcp clients,
+        py-spy), so the search remembers where it ended (a **hint**: every address of [lo, ip) was taken)
+        and the next search of the same segment starts there.  A hint is forgotten whenever an address may
+        have become free (an address row written free or declined, records applied or dropped, a rolled back
+        batch) and trusted for ``HINT_MS`` only (a declined address whose hold ran out meanwhile, or one
+        below the hint held by ``chaddr`` itself, is found again after that); a search from a hint that
+        finds nothing searches the whole segment.  A hint only decides where to look: the address returned
+        is always checked free by the query itself."""
+        hint = self._hints.get((lo, hi))
+        since = now
+        if hint is not None and lo < hint[0] <= hi and 0 <= now - hint[1] < HINT_MS:
+            ip = self._first_free(hint[0], hi, chaddr, now)
+            since = hint[1]
+            if ip is None:
+                ip, since = self._first_free(lo, hi, chaddr, now), now
+        else:
+            ip = self._first_free(lo, hi, chaddr, now)
+        if ip is not None:
+            if len(self._hints) >= HINTS_MAX:
+                self._hints.clear()
+            self._hints[(lo, hi)] = (ip, since)
+        return ip
+
+    def _first_free(self, lo: int, hi: int, chaddr: int, now: int) -> int | None:
         taken = "(({t}.state={held} AND {t}.holder!=?) OR ({t}.state={declined} AND {t}.until>?))"
         ta, tb = (taken.format(t=t, held=HELD, declined=DECLINED) for t in ("a", "b"))
         if self._exec(f"SELECT 1 FROM addr a WHERE a.ip=? AND {ta}", (lo, chaddr, now)).fetchone() is None:
@@ -258,9 +296,7 @@ class Store:
 
     def put_lease(self, row: Lease) -> tuple[Lease, bytes]:
         """Write ``row`` (inside the open transaction) as the next version of its client's lease."""
-        if len(row.client_id) > MAX_CLIENT_ID:
-            row = replace(row, client_id=row.client_id[:MAX_CLIENT_ID])
-        new = replace(row, version=row.version + 1)
+        new = Lease(row.chaddr, row.ip, row.state, row.expires, row.client_id[:MAX_CLIENT_ID], row.version + 1)
         self._exec("INSERT INTO lease (chaddr, vkey, ip, state, expires, client_id, version) VALUES (?,?,?,?,?,?,?) "
                    "ON CONFLICT(chaddr) DO UPDATE SET ip=excluded.ip, state=excluded.state, "
                    "expires=excluded.expires, client_id=excluded.client_id, version=excluded.version",
@@ -269,7 +305,9 @@ class Store:
 
     def put_addr(self, row: Addr) -> tuple[Addr, bytes]:
         """Write ``row`` (inside the open transaction) as the next version of its address."""
-        new = replace(row, version=row.version + 1)
+        new = Addr(row.ip, row.holder, row.state, row.until, row.version + 1)
+        if new.state != HELD:
+            self._hints.clear()  # an address may have become free below a hint
         self._exec("INSERT INTO addr (ip, vkey, holder, state, until, version) VALUES (?,?,?,?,?,?) "
                    "ON CONFLICT(ip) DO UPDATE SET holder=excluded.holder, state=excluded.state, "
                    "until=excluded.until, version=excluded.version",
@@ -355,6 +393,7 @@ class Store:
                                          f"{self.config.describe()}")
                     addrs.append(row)
         g = gen or 0
+        self._hints.clear()  # rows arrive from another shard: any address may have changed
         newer = "excluded.version > {t}.version" + (" OR {t}.gen < excluded.gen" if gen else "")
 
         def run(db: sqlite3.Connection) -> int:
@@ -379,6 +418,9 @@ class Store:
         try:
             if not durable:
                 db.execute("PRAGMA synchronous=NORMAL")
+            elif getattr(self._local, "relaxed", False):  # left relaxed by a batch (begin): durable again
+                db.execute("PRAGMA synchronous=FULL")
+                self._local.relaxed = False
             db.execute("BEGIN IMMEDIATE")
             out = fn(db)
             db.execute("COMMIT")
@@ -392,6 +434,7 @@ class Store:
         finally:
             if not durable:
                 db.execute("PRAGMA synchronous=FULL")
+                self._local.relaxed = False
 
     def sync(self) -> None:
         """Make every earlier commit durable: fsync the write-ahead log (never open/close the database file
@@ -411,6 +454,7 @@ class Store:
         """Forget the rows of ``rng`` (about ``limit`` of them: fewer means none are left); with ``below_gen``
         only rows of earlier copy generations.  Unsynced: a drop lost to a crash is redone by ``keep_only``."""
         extra, args = ("", ()) if below_gen is None else (" AND gen < ?", (below_gen,))
+        self._hints.clear()  # dropped rows free their addresses
         total = 0
         for table, key in (("lease", "chaddr"), ("addr", "ip")):
             while limit is None or total < limit:

@@ -63,6 +63,7 @@ trailing NULs of ``sname``/``file`` and keeps ``chaddr[:hlen]`` only, and
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 from dataclasses import dataclass, field
 from ipaddress import AddressValueError, IPv4Address
@@ -81,6 +82,8 @@ FLAG_BROADCAST = 0x8000
 BOOTREQUEST, BOOTREPLY = 1, 2
 HTYPE_ETHERNET = 1
 ZERO = IPv4Address(0)
+_ZERO4 = bytes(4)
+_NO_MSG_TYPE = "no message type (option 53): this is plain BOOTP or a broken DHCP message; sdhcp serves DHCP only"
 PAD, END = 0, 255
 OVERLOAD_FILE, OVERLOAD_SNAME = 1, 2
 
@@ -273,9 +276,23 @@ class Message:
             _check_option(code, bytes(value))
             opts[code] = bytes(value)
         if Opt.MSG_TYPE not in opts:
-            raise DhcpError("no message type (option 53): this is plain BOOTP or a broken DHCP message; "
-                            "sdhcp serves DHCP only")
+            raise DhcpError(_NO_MSG_TYPE)
         put(self, "options", opts)
+
+    @classmethod
+    def _checked_already(cls, op: int, xid: int, chaddr: bytes, options: dict[int, bytes], htype: int, hops: int,
+                         secs: int, flags: int, ciaddr: IPv4Address, yiaddr: IPv4Address, siaddr: IPv4Address,
+                         giaddr: IPv4Address, sname: bytes, file: bytes) -> "Message":
+        """A Message from fields that already hold what ``__post_init__`` would make of them (every value
+        in range, addresses as IPv4Address, ``sname``/``file`` without trailing NULs, options checked and
+        53 among them).  For :func:`parse` and ``reply.reply``, which check exactly that themselves:
+        checking each message twice was the largest part of a shard's Python per request (profile under
+        perfdhcp).  Everyone else builds a Message the ordinary way."""
+        m = object.__new__(cls)
+        m.__dict__.update(op=op, xid=xid, chaddr=chaddr, options=options, htype=htype, hops=hops, secs=secs,
+                          flags=flags, ciaddr=ciaddr, yiaddr=yiaddr, siaddr=siaddr, giaddr=giaddr, sname=sname,
+                          file=file)
+        return m
 
     # ------------------------------------------------------------------ typed accessors
 
@@ -298,8 +315,10 @@ class Message:
         v = self.options.get(code, b"")
         return [IPv4Address(v[i:i + 4]) for i in range(0, len(v), 4)]
 
-    @property
+    @functools.cached_property
     def msg_type(self) -> MessageType:
+        # cached in the instance's __dict__ (a frozen dataclass allows that; equality looks at fields only):
+        # a shard asks it several times per request
         return MessageType(self.options[Opt.MSG_TYPE][0])
 
     @property
@@ -485,6 +504,16 @@ def parse(data: bytes) -> Message:
         if overload[0] & OVERLOAD_SNAME:
             _collect(_scan(buf, SNAME_OFF, SNAME_OFF + SNAME_LEN, "sname"), opts, "sname")
             sname = b""
-    return Message(op=op, xid=xid, chaddr=chaddr[:hlen], options=opts, htype=htype, hops=hops, secs=secs,
-                   flags=flags, ciaddr=IPv4Address(ciaddr), yiaddr=IPv4Address(yiaddr),
-                   siaddr=IPv4Address(siaddr), giaddr=IPv4Address(giaddr), sname=sname, file=file)
+    # What Message.__post_init__ would check of these fields (the header's fields are in range by their
+    # struct sizes, op and hlen are checked above): every option, and that 53 is there.
+    for code, value in opts.items():
+        _check_option(code, value)
+    if Opt.MSG_TYPE not in opts:
+        raise DhcpError(_NO_MSG_TYPE)
+    return Message._checked_already(op, xid, chaddr[:hlen], opts, htype, hops, secs, flags, _ip4(ciaddr),
+                                    _ip4(yiaddr), _ip4(siaddr), _ip4(giaddr), sname.rstrip(b"\0"),
+                                    file.rstrip(b"\0"))
+
+
+def _ip4(packed: bytes) -> IPv4Address:
+    return ZERO if packed == _ZERO4 else IPv4Address(packed)

@@ -22,7 +22,7 @@ from vfab.services.sdhcp.backend import SdhcpBackend
 from vfab.services.sdhcp.config import parse_opts
 from vfab.services.sdhcp.errors import DhcpError
 from vfab.services.sdhcp.port import dhcp_filter
-from vfab.services.sdhcp.store import BOUND, RELEASED, Store, StoreError
+from vfab.services.sdhcp.store import BOUND, DECLINED, FREE, HELD, HINT_MS, RELEASED, Addr, Store, StoreError
 from vfab.services.sdhcp.wire import Message, MessageType, Opt
 from vfab.vid import plugin
 from vfab.vid.codec import KEY_MAX
@@ -319,3 +319,79 @@ def test_server_help_teaches():
                           "--iface", "lo", "--data", "/tmp", "--opt", "pool=1.2.3.4", "--opt", "mask=24",
                           "--opt", "server=1.2.3.1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "error: --opt pool='1.2.3.4' is not a range" in bad.stderr
+
+
+# ----------------------------------------------------------------------------- batches, fsyncs, the free-address search
+
+
+def _batch(b: SdhcpBackend, payloads: list[tuple[bytes, bytes]]):
+    """Serve (mac, DHCP message) pairs as one batch, as the loop does: key_of for each, then handle_batch."""
+    reqs = []
+    for mac, payload in payloads:
+        req = frames.request(mac, payload)
+        reqs.append(Request(req, b.key_of(req), mac))
+    replies, records = b.handle_batch(reqs)
+    return [wire.parse(ipudp.parse(r).payload) for r in replies], records
+
+
+def _synchronous(b: SdhcpBackend) -> int:
+    return b.store.db.execute("PRAGMA synchronous").fetchone()[0]   # 1 NORMAL (no fsync), 2 FULL
+
+
+def test_a_burst_of_discovers_is_one_unsynced_transaction_and_its_requests_one_fsynced(backend, tmp_path):
+    macs = [bytes([2, 0, 0, 0x20, 0, i]) for i in range(30)]   # neighbouring keys: one first choice for all
+    offers, records = _batch(backend, [(m, dhcp(MessageType.DISCOVER, m)) for m in macs])
+    ips = [int(o.yiaddr) for o in offers]
+    assert ips == list(range(ips[0], ips[0] + 30))              # each found the next free address
+    assert backend.pool.slot(0x200000) == ips[0] - backend.pool.first
+    assert (backend.counters["batches_unsynced"], backend.counters["batches_synced"]) == (1, 0)
+    assert _synchronous(backend) == 1                           # the OFFERs' commit did not wait for the disk
+    assert len(records) == 60                                   # ... but every row is a record for the mirrors
+    acks, _ = _batch(backend, [(m, dhcp(MessageType.REQUEST, m, opts={Opt.SERVER_ID: SERVER.packed,
+                                                                      Opt.REQUESTED_IP: o.yiaddr.packed}))
+                               for m, o in zip(macs, offers)])
+    assert [a.msg_type for a in acks] == [MessageType.ACK] * 30 and [int(a.yiaddr) for a in acks] == ips
+    assert (backend.counters["batches_unsynced"], backend.counters["batches_synced"]) == (1, 1)
+    assert _synchronous(backend) == 2                           # the ACKs' commit fsync'd the log
+    # a batch mixing a DISCOVER with a RELEASE is fsync'd; records applied after a relaxed batch are too
+    extra = bytes([2, 0, 0, 0x30, 0, 1])
+    _batch(backend, [(extra, dhcp(MessageType.DISCOVER, extra))])
+    assert _synchronous(backend) == 1
+    release = dhcp(MessageType.RELEASE, macs[0], ciaddr=acks[0].yiaddr, opts={Opt.SERVER_ID: SERVER.packed})
+    requests = [frames.request(extra, dhcp(MessageType.DISCOVER, extra)), frames.request(macs[0], release)]
+    backend.handle_batch([Request(r, backend.key_of(r), r[1:7]) for r in requests])
+    assert backend.counters["releases"] == 1 and _synchronous(backend) == 2
+    mirror = SdhcpBackend(Store(str(tmp_path / "m.sqlite"), parse_opts(OPTS)))
+    mirror.handle_batch([])                                     # a batch of no lease: unsynced
+    assert _synchronous(mirror) == 1
+    assert mirror.apply([blob for _, blob in records]) == 60 and _synchronous(mirror) == 2
+    mirror.store.close()
+
+
+def test_the_free_address_search_resumes_where_it_ended_and_forgets_what_may_have_freed(backend):
+    st, now = backend.store, 1_000_000
+    lo, hi = st.pool.first, st.pool.first + 20
+    st.begin()
+    for ip in range(lo, lo + 5):
+        st.put_addr(Addr(ip, holder=0x100 + ip, state=HELD))
+    assert st.first_free(lo, hi, 1, now) == lo + 5              # a whole walk; the next starts here
+    st.put_addr(Addr(lo + 5, holder=7, state=HELD))
+    assert st.first_free(lo, hi, 1, now) == lo + 6
+    st.put_addr(Addr(lo + 2, holder=0, state=FREE, version=1))  # freed below where the search resumes
+    assert st.first_free(lo, hi, 1, now) == lo + 2
+    st.commit()
+    st.begin()                                                  # a rolled back grant frees its address
+    st.put_addr(Addr(lo + 2, holder=9, state=HELD, version=2))
+    assert st.first_free(lo, hi, 1, now) == lo + 6
+    st.rollback()
+    assert st.first_free(lo, hi, 1, now) == lo + 2
+    st.put_addr(Addr(lo + 2, holder=0, state=DECLINED, until=now + 500, version=2))
+    assert st.first_free(lo, hi, 1, now) == lo + 6              # declined: taken until now + 500
+    assert st.first_free(lo, hi, 1, now + HINT_MS) == lo + 2    # a search after HINT_MS walks again
+    st.put_addr(Addr(lo + 2, holder=9, state=HELD, version=3))
+    assert st.first_free(lo, hi, 1, now) == lo + 6
+    assert st.drop(Range(st.pool.home_of(lo), st.pool.home_of(lo))) == 1   # lo's row dropped: free again
+    assert st.first_free(lo, hi, 1, now) == lo
+    for ip in range(lo, hi + 1):                                # all taken: None, from a hint or not
+        st.put_addr(Addr(ip, holder=0x100 + ip, state=HELD, version=9))
+    assert st.first_free(lo, hi, 1, now) is None
