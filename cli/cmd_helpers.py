@@ -1,6 +1,7 @@
 """``vfab helpers``: PostMan helpers in front of a service — what they do, and switching them in and out by hand.
 
-``vfab helpers SERVICE`` shows the service's ranges with the helpers on each (live or dead, bucket weight)
+``vfab helpers SERVICE`` shows the service's ranges with the helpers on each (live or dead, bucket weight and
+the share of the range's clients it gives)
 and every helper with what its agent last reported from mc-helper's stats (S, T, batches, keys per
 batch); ``vfab helpers on|off SERVICE [RANGE]`` writes ``RangeRec.helpers`` like an operator (or the
 balancer) would, through ``vfab.services.memcached_helper.control``.
@@ -14,6 +15,7 @@ import click
 
 from vfab.cli.common import RANGE, NameType, errors, pass_ctx, table
 from vfab.services.memcached_helper import control
+from vfab.vid.registry import schema
 
 
 class _StatusByDefault(click.Group):
@@ -32,13 +34,16 @@ def helpers() -> None:
     A helper is an endpoint of the service announced by its agent
     (python -m vfab.services.memcached_helper.agent helper ...). Switched on
     for a range, the range's clients reach a select group of the live helpers
-    (equal weights; one client always hashes to one helper while the set is
+    (bucket weights from the range record: the balancer's ∝ spare capacity,
+    or --weight; one client always hashes to one helper while the set is
     stable) with no change on the client; a helper that dies leaves the group.
     """
 
 
 def _fmt_helpers(r: dict) -> str:
-    return ", ".join(f"{h['name']}" + ("" if h["live"] else " (DEAD)") for h in r["helpers"]) or "-"
+    total = sum(h["weight"] for h in r["helpers"])
+    return ", ".join(f"{h['name']}" + (f" w{h['weight']} ({100 * h['weight'] / total:.0f}%)" if h["live"] else " (DEAD)")
+                     for h in r["helpers"]) or "-"
 
 
 def _n(v, fmt="{}") -> str:
@@ -56,7 +61,7 @@ def status(c, service: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(rep, indent=1))
         return
-    c.console.print(table(f"{service}: ranges and helpers (bucket weights equal)",
+    c.console.print(table(f"{service}: ranges and helpers (bucket weight, share of the range's clients)",
                           ["lo", "hi", "owner", "helpers", "served by", "epoch"],
                           [[f"{r['lo']:#08x}", f"{r['hi']:#08x}", r["owner"] or "-", _fmt_helpers(r), r["path"],
                             r["epoch"]] for r in rep["ranges"]]))
@@ -80,8 +85,11 @@ def _apply(c, service: str, changes: list, wait: bool, timeout: float) -> None:
         click.echo(f"{service}: nothing to change")
         return
     for ch in changes:
+        wts = ""
+        if ch.weights_after:
+            wts = " weights " + ",".join(f"{h}={ch.weights_after.get(h, schema.WEIGHT_DEFAULT)}" for h in ch.after)
         click.echo(f"{service} {ch.rng} (owner {ch.owner}): helpers {','.join(ch.before) or '-'} -> "
-                   f"{','.join(ch.after) or '-'}")
+                   f"{','.join(ch.after) or '-'}{wts}")
     rev = max(ch.revision for ch in changes)
     msg = f"etcd revision {rev}"
     if wait:
@@ -105,21 +113,37 @@ def _common(fn):
     return fn
 
 
+def _weights(values: tuple[str, ...]) -> dict[str, int]:
+    out = {}
+    for v in values:
+        name, eq, w = v.partition("=")
+        if not name or not eq or not w.strip().isdigit():
+            raise click.BadParameter(f"{v!r}: write NAME=WEIGHT with WEIGHT an integer 1..65535, e.g. h1=60",
+                                     param_hint="--weight")
+        out[name] = int(w)
+    return out
+
+
 @helpers.command("on")
 @_common
-def on(c, service: str, keys, names: tuple[str, ...], wait: bool, timeout: float) -> None:
+@click.option("--weight", "weights", multiple=True, metavar="NAME=WEIGHT",
+              help="Bucket weight of a helper (1..65535, repeatable; others weigh 100): its share of the clients "
+                   "is its weight over the sum.")
+def on(c, service: str, keys, names: tuple[str, ...], wait: bool, timeout: float, weights: tuple[str, ...]) -> None:
     """Send RANGE of SERVICE (default: all its ranges) through helpers (default: every live helper).
 
-    The range's helpers are replaced by the ones given; each range is one
-    epoch-checked transaction (another writer makes it fail, not vanish).
+    The range's helpers (and weights) are replaced by the ones given; each
+    range is one epoch-checked transaction (another writer makes it fail, not
+    vanish).
 
-    Example: vfab helpers on mc --helper h1 --helper h2
+    Example: vfab helpers on mc --helper h1 --helper h2 --weight h1=60 --weight h2=30
     """
     chosen = list(names) or control.live_helpers(c.registry, service)
     if not chosen:
         raise click.ClickException(f"no live helper of {service!r}: start one with 'python -m "
                                    f"vfab.services.memcached_helper.agent helper --service {service} ...'")
-    _apply(c, service, control.set_helpers(c.registry, service, keys, chosen), wait, timeout)
+    _apply(c, service, control.set_helpers(c.registry, service, keys, chosen, weights=_weights(weights)), wait,
+           timeout)
 
 
 @helpers.command("off")

@@ -68,6 +68,8 @@ class VfabController(app_manager.OSKenApp):
         self.datapath = Datapath(self.config.ovs_rundir) if self.config.datapath_wait else None
         self.datapath_problem = ""          # logged once per distinct reason
         self.to_report: list = []           # (Report, committed at), published by _report_loop
+        self.hold: dict[int, set[int]] = {}  # groups kept until the datapath followed the round that unused them
+        self.hold_lock = threading.Lock()
         self.report_cv = threading.Condition()
         self.threads = [hub.spawn(self._watch_loop), hub.spawn(self._reconcile_loop),
                         hub.spawn(self._poll_loop), hub.spawn(self._report_loop)]
@@ -123,8 +125,10 @@ class VfabController(app_manager.OSKenApp):
         snapshot = dict(self.installed)
         with self.mirror_lock:
             items, revision = dict(self.items), self.revision
+        with self.hold_lock:
+            hold = {d: set(g) for d, g in self.hold.items() if g}
         rnd = engine.plan_round(items, revision, snapshot, settle=self.config.settle,
-                                reported=dict(self.reporter.reported), cache=self.parsed)
+                                reported=dict(self.reporter.reported), cache=self.parsed, hold=hold)
         if rnd.error:
             log.error("compile failed at revision %d (%s); keeping the switches as they are",
                       rnd.revision, rnd.error)
@@ -142,6 +146,7 @@ class VfabController(app_manager.OSKenApp):
                 self._pause(step)
             elif not self._apply(step, snapshot.get(step.dpid), rnd.revision):
                 failed.add(step.dpid)
+        self._hold_groups(rnd.held, failed)
         # Reported once every switch has its bundle and (_report_loop) the datapath follows: the reports
         # never delay a cut-over or the next round.
         committed = time.time()
@@ -168,6 +173,34 @@ class VfabController(app_manager.OSKenApp):
                             "follows them yet", exc)
                 self.datapath_problem = str(exc)
             return False
+
+    def _hold_groups(self, held: dict[int, tuple[int, ...]], failed: set[int]) -> None:
+        """Groups a round kept although no flow uses them (engine.place_groups): held until a whole revalidation
+        pass followed the commit (else ``group_hold``), then a new round deletes them."""
+        new: dict[int, set[int]] = {}
+        with self.hold_lock:
+            for dpid, gids in held.items():
+                if dpid in failed:
+                    continue
+                mine = self.hold.setdefault(dpid, set())
+                fresh = set(gids) - mine
+                if fresh:
+                    mine |= fresh
+                    new[dpid] = fresh
+        if new:
+            log.info("keeping %s one round longer (frames may still be in them)",
+                     "; ".join(f"switch {d:016x} group(s) {sorted(g)}" for d, g in sorted(new.items())))
+            hub.spawn(self._release_groups, new)
+
+    def _release_groups(self, groups: dict[int, set[int]]) -> None:
+        t0 = time.monotonic()
+        if not self._datapath_pass():
+            hub.sleep(self.config.group_hold)
+        with self.hold_lock:
+            for dpid, gids in groups.items():
+                self.hold.get(dpid, set()).difference_update(gids)
+        log.debug("released held groups after %.1f ms", (time.monotonic() - t0) * 1e3)
+        self.dirty.set()
 
     def _pause(self, step: engine.Pause) -> None:
         """Before the next switch of a hop-by-hop path turns: this one's datapath must follow its tables."""

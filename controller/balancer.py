@@ -30,6 +30,18 @@ the policy predicts the *direct* p99 from today's request rate and the CPU per r
 last time it ran without helpers; helpers go off only when that prediction stays under ``p99_off_us``
 (lower than the on threshold) for ``calm_window`` s, and not before they were on ``min_on`` s.
 
+**Or by the helpee's request rate** (``rate_on``/``rate_off``, off by default).  The model needs a helpee
+that a burst drives towards saturation.  On this testbed it does not: the largest burst Python clients
+can offer through the userspace switch (12,000 gets/s) keeps memcached at rho 0.14-0.16 and the model
+at 30-60 µs, *below* its calm prediction (45-80 µs: at 900 gets/s memcached spends 30-40 CPU-µs per get,
+at 12,000 only 12, its wake-ups amortised), so no p99 threshold separates the two.  With ``rate_on`` set,
+helpers also go on when the helpee's own request rate (``served``: memcached's ``cmd_get + cmd_set`` per
+second, read every period; the switches' counters lag a revalidation pass) stays above ``rate_on`` for
+``burst_window``; and off is then decided by that rate alone: below ``rate_off`` (``<= rate_on/2``)
+for ``calm_window`` (the direct prediction needs the offered rate, which with helpers on only the
+switches' counters give, and they lag and jump by a revalidation pass).  With helpers on, ``served`` counts the keys the helpers ask, which is the clients'
+requests less the keys a batch asks once for several clients.
+
 Which helpers: the live ones with the most spare capacity (``helper_capacity`` minus what each already
 receives), enough of them to carry the helped requests with 25 % headroom (PostMan adds helper #2 when
 one is not enough); bucket weights ∝ spare capacity.  A helper that drops requests (busy, out of peers
@@ -82,6 +94,8 @@ class BalancerConfig:
     scv_service: float = 0.0          # cs²: of service times (0 = deterministic, paper 001's assumption)
     base_us: float = 50.0             # the constant part of the latency (stacks, fabric, client)
     helper_gain: float = 6.0          # helpee CPU per request direct / through helpers (6-7x measured here)
+    rate_on: float = 0.0              # helpee requests/s above which (sustained) helpers go on too; 0 = model only
+    rate_off: float = 0.0             # with rate_on: helpee requests/s below which (sustained) they may go off
     helper_capacity: float = 400000.0  # requests/s one helper carries
     max_helpers: int = 4
     burst_window: float = 2.0         # s the burst must last before helpers go on
@@ -125,6 +139,12 @@ class BalancerConfig:
         if self.p99_off_us >= self.p99_on_us:
             raise BalancerConfigError(f"p99_off_us ({self.p99_off_us}) must be below p99_on_us ({self.p99_on_us}): "
                                       "the gap is the hysteresis that keeps helpers from flapping; e.g. half of it")
+        within("rate_on", 0, 1e9, " requests/s")
+        within("rate_off", 0, 1e9, " requests/s")
+        if self.rate_on > 0 and not 0 < self.rate_off * 2 <= self.rate_on:
+            raise BalancerConfigError(f"rate_off ({self.rate_off}/s) must be above 0 and at most half of rate_on "
+                                      f"({self.rate_on}/s): the gap is the hysteresis; e.g. rate_off = "
+                                      f"{self.rate_on / 3:g}")
         within("helper_gain", 1, 1000)
         within("helper_capacity", 1, 1e9, " requests/s")
         within("max_helpers", 1, 64)
@@ -246,10 +266,11 @@ def predict_p99_us(rho: float, service_us: float, cfg: BalancerConfig) -> float:
 
 
 def _window(since: dict, key, cond: bool | None, now: float) -> float:
-    """How long ``cond`` has held at every observation (0 when it does not hold now; None restarts)."""
+    """How long ``cond`` has held at every observation: 0 at the first observation where it holds, -1 when it does
+    not hold now (None restarts too), so ``held >= window`` is false then even for a window of 0."""
     if not cond:
         since.pop(key, None)
-        return 0.0
+        return -1.0
     start = since.setdefault(key, now)
     return now - start
 
@@ -376,16 +397,26 @@ class Balancer:
         rho_direct = lam * direct_s / cores if direct_s is not None else rho
         p99_direct = predict_p99_us(rho_direct, (direct_s or 0.0) * 1e6, cfg)
         seen["p99_direct_us"] = p99_direct
-        hot = _window(self.since, ("hot", obs.name, owner), p99 > cfg.p99_on_us, now)
-        calm = _window(self.since, ("calm", obs.name, owner), bool(helped) and p99_direct < cfg.p99_off_us, now)
+        seen["served"] = round(ep.served, 1)
+        by_rate = cfg.rate_on > 0 and ep.served > cfg.rate_on
+        hot = _window(self.since, ("hot", obs.name, owner), p99 > cfg.p99_on_us or by_rate, now)
+        # with rate_on, calm is the helpee's own rate alone: the direct prediction needs the offered rate, and with
+        # helpers on that comes from the switches' counters, which lag and jump by a revalidation pass (measured
+        # here: 12,000 requests/s read as 28,000 every other second), enough to keep "calm" from ever holding
+        calm_now = ep.served < cfg.rate_off if cfg.rate_on > 0 else p99_direct < cfg.p99_off_us
+        calm = _window(self.since, ("calm", obs.name, owner), bool(helped) and calm_now, now)
         live = obs.helpers
         # off: the whole owner at once, once calm long enough and on long enough
         if helped and calm >= cfg.calm_window and now - st.on_at >= cfg.min_on:
             todo = [r for r in helped if not r.busy and r.state == "active"]
             if todo:
-                return Decision("helpers_off", obs.name, tuple((r.lo, r.hi) for r in todo),
-                                f"predicted direct p{cfg.percentile * 100:g} {_us(p99_direct)} < "
-                                f"{cfg.p99_off_us:g} µs for {calm:.1f} s (rho alone {rho_direct:.2f})",
+                if cfg.rate_on > 0:
+                    why = (f"{ep.served:.0f} requests/s < {cfg.rate_off:g} for {calm:.1f} s (predicted direct "
+                           f"p{cfg.percentile * 100:g} {_us(p99_direct)})")
+                else:
+                    why = (f"predicted direct p{cfg.percentile * 100:g} {_us(p99_direct)} < {cfg.p99_off_us:g} µs "
+                           f"for {calm:.1f} s (rho alone {rho_direct:.2f})")
+                return Decision("helpers_off", obs.name, tuple((r.lo, r.hi) for r in todo), why,
                                 now, owner=owner, p99_us=p99_direct), seen
         # more helpers: the ones in use drop requests
         in_use = sorted({h for r in helped for h in r.helpers})
@@ -406,14 +437,19 @@ class Balancer:
         if not plain:
             return None, seen
         chosen = self._choose_ranges(plain, lam, cores, direct_s or per_req or 0.0, helped)
-        lam_h = sum(r.rate or 0.0 for r in chosen)
+        # the chosen ranges' requests; scaled up when the switches' counters (which lag a revalidation pass) count
+        # fewer requests than the helpee itself serves, as at a burst's onset
+        known = sum(r.rate or 0.0 for r in ranges)
+        lam_h = sum(r.rate or 0.0 for r in chosen) * (lam / known if 0 < known < lam else 1.0)
         if lam_h <= 0:
             lam_h = lam * len(chosen) / max(len(ranges), 1)
         need = max(1, min(cfg.max_helpers, math.ceil(lam_h * 1.25 / cfg.helper_capacity)))
         names, weights = self._pick(live, need, prefer=in_use)
+        why = (f"predicted p{cfg.percentile * 100:g} {_us(p99)} > {cfg.p99_on_us:g} µs" if p99 > cfg.p99_on_us else
+               f"{ep.served:.0f} requests/s > {cfg.rate_on:g} (predicted p{cfg.percentile * 100:g} {_us(p99)})")
         return Decision("helpers_on", obs.name, tuple((r.lo, r.hi) for r in chosen),
-                        f"predicted p{cfg.percentile * 100:g} {_us(p99)} > {cfg.p99_on_us:g} µs for {hot:.1f} s "
-                        f"(rho {rho:.2f}, {s_us:.1f} µs/request, {lam:.0f} requests/s)",
+                        f"{why} for {hot:.1f} s (rho {rho:.2f}, {s_us:.1f} µs/request, {lam:.0f} requests/s); "
+                        f"{len(names)} helper(s) for {lam_h:.0f} requests/s at {cfg.helper_capacity:g} each",
                         now, owner=owner, helpers=names, weights=weights, p99_us=p99), seen
 
     def _choose_ranges(self, plain: list[RangeObs], lam: float, cores: float, direct_s: float,

@@ -21,10 +21,11 @@ Each period, per service:
   network namespace; **helpers'** stats files (``rx_dgrams`` → requests/s, ``drop_*``/``tx_nombuf`` →
   drops/s); **sdhcp shards'** STATS (bound leases, slice, DHCP counters) for the status record.
 
-Decisions are applied the way an operator would: helpers by writing ``RangeRec.helpers`` in one
-epoch-checked transaction (``apply_helpers``; replaceable by ``vfab helpers``' own apply through
-``Runner.apply_helpers``), splits and merges by asking the owner over ZeroMQ exactly as ``vfab split``
-/ ``vfab merge`` do (``vfab.vid.state.ctl``), then following the operation's record in a thread.
+Decisions are applied the way an operator would: helpers by writing ``RangeRec.helpers`` and their
+bucket weights (``RangeRec.weights``, ∝ spare capacity) in one epoch-checked transaction
+(``apply_helpers``; replaceable by ``vfab helpers``' own apply through ``Runner.apply_helpers``), splits
+and merges by asking the owner over ZeroMQ exactly as ``vfab split`` / ``vfab merge`` do
+(``vfab.vid.state.ctl``), then following the operation's record in a thread.
 Every decision, its reason and its outcome go to ``/vfab/v1/balancer/<service>`` (``vfab balancer
 status``).
 """
@@ -128,14 +129,17 @@ class Rates:
         return r
 
 
-def apply_helpers(reg: Registry, service: str, lo: int, hi: int, helpers: list[str]) -> int:
-    """Set the helpers of range ``lo-hi`` (exactly one range of the map) in one epoch-checked transaction;
-    the etcd revision.  Owner, mirrors and state are kept."""
+def apply_helpers(reg: Registry, service: str, lo: int, hi: int, helpers: list[str],
+                  weights: dict[str, int] | None = None) -> int:
+    """Set the helpers of range ``lo-hi`` (exactly one range of the map) and their bucket weights (name ->
+    1..65535, ∝ spare capacity) in one epoch-checked transaction; the etcd revision.  Owner, mirrors and state
+    are kept."""
     rec = next((r for r, _ in reg.ranges(service) if (r.lo, r.hi) == (lo, hi)), None)
     if rec is None:
         raise StateError(f"{Range(lo, hi)} of {service!r} is no longer one range of the map: the map changed")
     return reg.assign(service, Range(lo, hi), rec.owner, expect_epoch=rec.epoch, mirrors=rec.mirrors,
-                      helpers=list(helpers), state=rec.state)
+                      helpers=list(helpers), state=rec.state,
+                      weights={h: w for h, w in (weights or {}).items() if h in helpers})
 
 
 @dataclass
@@ -311,8 +315,9 @@ class Runner:
         try:
             if d.action in ("helpers_on", "helpers_off"):
                 helpers = list(d.helpers) if d.action == "helpers_on" else []
+                weights = dict(zip(helpers, d.weights))   # bucket weights ∝ spare capacity
                 for lo, hi in d.ranges:
-                    self.apply_helpers(self.reg, d.service, lo, hi, helpers)
+                    self.apply_helpers(self.reg, d.service, lo, hi, helpers, weights)
                 entry["result"] = "done"
             else:
                 (lo, hi), = d.ranges

@@ -31,6 +31,8 @@ class ControllerConfig:
     audit_polls: int = 10              # counter polls between full-table audits
     bundle_timeout: float = 30.0       # seconds to wait for a bundle commit or a dump
     verbose: bool = False              # debug logging
+    group_hold_ms: float = 200.0       # how long a group no flow uses any more is kept when the datapath cannot be
+                                       # asked (else: until a revalidation pass followed; engine.place_groups)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -59,6 +61,8 @@ class ControllerConfig:
             raise ConfigError(f"ovs_rundir {self.ovs_rundir!r} must be an absolute path, e.g. /var/run/openvswitch")
         if not 1 <= self.audit_polls <= 100000:
             raise ConfigError(f"audit_polls {self.audit_polls} is out of range: 1..100000 counter polls")
+        if not 0 <= self.group_hold_ms <= 60000:
+            raise ConfigError(f"group_hold_ms {self.group_hold_ms} ms is out of range: 0..60000 ms")
         if not 1 <= self.bundle_timeout <= 3600:
             raise ConfigError(f"bundle_timeout {self.bundle_timeout} s is out of range: 1..3600 s")
 
@@ -66,6 +70,11 @@ class ControllerConfig:
     def settle(self) -> float:
         """The settle pause in seconds."""
         return self.settle_ms / 1e3
+
+    @property
+    def group_hold(self) -> float:
+        """The fallback hold of unused groups in seconds."""
+        return self.group_hold_ms / 1e3
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "controller config") -> "ControllerConfig":

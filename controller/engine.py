@@ -17,7 +17,25 @@ has read, the flows and groups it holds; it returns a ``Round``:
   round brings up to date, to publish only after every step ran (reports
   must not delay a cut-over), and only for switches whose commit succeeded;
 - ``problems``: malformed records and front doors that were skipped; ``error``
-  if nothing could be compiled (the switches are then left as they are).
+  if nothing could be compiled (the switches are then left as they are);
+- ``held``: per switch, groups no wanted flow uses any more that this round
+  still keeps (see below); the app plans again once the datapath followed.
+
+**Groups outlive the flows that use them by one round** (``place_groups``).
+A ``select`` group hashes a frame and recirculates it; the bucket is chosen in
+the second pass, by group id.  Deleting a group in the bundle that re-points
+its flows drops the frames caught between the two passes (ovs-vswitchd counts
+them as ``drop_action_of_pipeline``; 0-4 per helpers-off at 4,500 gets/s).
+So a group that the switch's *current* flows use, or that ``hold`` names (kept
+by an earlier round whose datapath has not yet followed), is kept in ``want``
+and reported in ``held``; it goes in the next round after the app saw a whole
+revalidation pass.  New groups come before the flows that use them (the
+bundle adds groups first: ``ofconn.commit``).  And group ids stay put: a
+wanted group takes the id of the switch's group that the same flows use now
+(the compiler numbers groups in compile order, which would otherwise renumber
+a range's group when another range's group comes or goes, turning one
+range's group into another's under frames in flight); new groups take ids the
+switch does not hold.
 
 A switch the controller has not read yet (``installed`` lacks it) gets no
 step and no report: it is planned once its tables are known.
@@ -25,10 +43,11 @@ step and no report: it is planned once its tables are known.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import itertools
+from dataclasses import dataclass, field, replace
 
 from vfab.controller.reconcile import Plan, diff, update_order
-from vfab.fabric.compiler import compile_fabric, route_destinations
+from vfab.fabric.compiler import GROUP_BASE, compile_fabric, route_destinations
 from vfab.fabric.flows import Kind, SwitchConfig, gc_paused, split_cookie
 from vfab.fabric.state import FabricState
 from vfab.fabric.topology import distances, next_hops
@@ -66,6 +85,7 @@ class Round:
     configs: dict[int, SwitchConfig] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     error: str | None = None
+    held: dict[int, tuple[int, ...]] = field(default_factory=dict)   # dpid -> groups kept one round longer
 
     @property
     def commits(self) -> list[Commit]:
@@ -73,15 +93,18 @@ class Round:
 
 
 def plan_round(items: dict[str, bytes], revision: int, installed: dict[int, Installed], *,
-               settle: float = 0.005, reported: dict[int, int] | None = None, cache: dict | None = None) -> Round:
+               settle: float = 0.005, reported: dict[int, int] | None = None, cache: dict | None = None,
+               hold: dict[int, set[int]] | None = None) -> Round:
     """One reconcile round.  ``reported``: dpid → revision already published (no report again);
-    ``cache``: records parsed in earlier rounds (``FabricState.from_items``), kept by the caller."""
+    ``cache``: records parsed in earlier rounds (``FabricState.from_items``), kept by the caller;
+    ``hold``: dpid → group ids to keep although no flow uses them (the datapath may still send frames
+    into them: the app holds a round's ``held`` groups until a revalidation pass has followed it)."""
     with gc_paused():  # the heap holds every installed flow: full collections mid-round cost more than the round
-        return _plan_round(items, revision, installed, settle, reported or {}, cache)
+        return _plan_round(items, revision, installed, settle, reported or {}, cache, hold or {})
 
 
 def _plan_round(items: dict[str, bytes], revision: int, installed: dict[int, Installed], settle: float,
-                reported: dict[int, int], cache: dict | None) -> Round:
+                reported: dict[int, int], cache: dict | None, hold: dict[int, set[int]]) -> Round:
     out = Round(revision)
     try:
         st = FabricState.from_items(items, cache)
@@ -100,7 +123,15 @@ def _plan_round(items: dict[str, bytes], revision: int, installed: dict[int, Ins
         kind, sid, lo, _ = split_cookie(cookie)
         return dests.get((sid, lo)) if kind == Kind.VID_ROUTE else None
 
-    plans = {dpid: diff(out.configs[dpid], *installed[dpid]) for dpid in sorted(installed) if dpid in out.configs}
+    plans = {}
+    for dpid in sorted(installed):
+        if dpid not in out.configs:
+            continue
+        want, kept = place_groups(out.configs[dpid], *installed[dpid], hold=hold.get(dpid, ()))
+        out.configs[dpid] = want
+        if kept:
+            out.held[dpid] = kept
+        plans[dpid] = diff(want, *installed[dpid])
     order = [dpid for dpid in update_order(plans, dest_of, dist) if plans[dpid]]
     for i, dpid in enumerate(order):
         plan = plans[dpid]
@@ -113,6 +144,59 @@ def _plan_round(items: dict[str, bytes], revision: int, installed: dict[int, Ins
             want = out.configs[dpid]
             out.reports.append(Report(dpid, revision, len(want.flows), len(want.groups)))
     return out
+
+
+def _group_refs(flows: dict) -> dict:
+    """flow key -> the group id its actions use, for the flows that use one."""
+    out = {}
+    for key, f in flows.items():
+        for a in f.actions:
+            if a[0] == "group":
+                out[key] = a[1]
+                break
+    return out
+
+
+def place_groups(want: SwitchConfig, flows: dict, groups: dict, hold=()) -> tuple[SwitchConfig, tuple[int, ...]]:
+    """``want`` with stable group ids and the groups that must outlive their flows by a round; and those.
+
+    ``flows``/``groups``: what the switch holds.  Pure; ``want`` is not modified (a new config if needed).
+    Costs one pass over the flows of a switch that holds or wants groups, nothing for the others.
+    """
+    if not want.groups and not groups:
+        return want, ()
+    have_ref = _group_refs(flows) if groups else {}
+    if want.groups:
+        want_ref = _group_refs(want.flows)
+        users: dict[int, list] = {}
+        for key, gid in want_ref.items():
+            users.setdefault(gid, []).append(key)
+        mapping: dict[int, int] = {}
+        taken: set[int] = set()
+        for gid in sorted(want.groups):   # the id the same flows use on the switch now, if the kind matches
+            for h in sorted({have_ref[k] for k in users.get(gid, ()) if k in have_ref}):
+                if h not in taken and h in groups and groups[h].type == want.groups[gid].type:
+                    mapping[gid] = h
+                    taken.add(h)
+                    break
+        fresh = (i for i in itertools.count(GROUP_BASE) if i not in groups and i not in taken)
+        for gid in sorted(want.groups):   # new groups: ids the switch does not hold (a held one may linger)
+            if gid not in mapping:
+                mapping[gid] = next(fresh)
+                taken.add(mapping[gid])
+        if any(k != v for k, v in mapping.items()):
+            flows_new = dict(want.flows)
+            for key, gid in want_ref.items():
+                f = flows_new[key]
+                flows_new[key] = replace(f, actions=tuple(("group", mapping[a[1]]) if a[0] == "group" else a
+                                                          for a in f.actions))
+            want = SwitchConfig(want.dpid, flows_new,
+                                {mapping[g]: replace(spec, group_id=mapping[g]) for g, spec in want.groups.items()})
+    used_now = set(have_ref.values())
+    kept = tuple(sorted(g for g in groups if g not in want.groups and (g in used_now or g in hold)))
+    if kept:
+        want = SwitchConfig(want.dpid, want.flows, {**want.groups, **{g: groups[g] for g in kept}})
+    return want, kept
 
 
 def _hop_by_hop(flow, cfg: SwitchConfig) -> bool:

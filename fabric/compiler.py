@@ -18,7 +18,10 @@ hop; the README, "Cut-overs on a busy switch", says why.)  ``rx=bpf``/``promisc`
 endpoints need the VID on the wire: they are reached hop by hop (next hop
 towards them, the VID kept).  Mirrors → group ``all`` (one bucket per
 endpoint); helpers → group ``select`` at the first switch, one bucket per
-helper, rewritten to the helper's MAC.  Known host MACs (500) → their port.
+helper, rewritten to the helper's MAC, weighted by the range's ``weights``
+(∝ spare capacity, from the balancer; equal when it names none).  Group ids
+here are in compile order; the controller's engine keeps each range's group
+id stable on a switch (``engine.place_groups``).  Known host MACs (500) → their port.
 VIDs of no live range (10) → the miss policy.  Everything else (0) → NORMAL.
 
 Front doors (``fabric/frontdoor.py``): per service, per registered host (its
@@ -74,18 +77,19 @@ def _deliver(sw: int, ep_hosts: list, hops: dict) -> list[tuple]:
     return list(outs)
 
 
-def _select(sw: int, ep_hosts: list, hops: dict) -> list[tuple]:
-    """One bucket per reachable helper, chosen once at the first switch.
+def _select(sw: int, ep_hosts: list, hops: dict, weight) -> list[tuple[int, tuple]]:
+    """(bucket weight, actions) per reachable helper, chosen once at the first switch.
 
     Each bucket rewrites ``eth_dst`` to the helper's MAC, so transit switches
     forward it by host route and never select again (a second selection could
     pick the trunk the frame came in on, and OVS drops output to the in-port).
+    ``weight(name)``: the helper's bucket weight (the range record's, ∝ spare capacity).
     """
     outs = []
     for ep, host in ep_hosts:
         port = host.port if host.dpid == sw else hops.get((sw, host.dpid))
         if port is not None:
-            outs.append((("set_eth_dst", _mac(ep.mac)), ("output", port)))
+            outs.append((weight(ep.name), (("set_eth_dst", _mac(ep.mac)), ("output", port))))
     return outs
 
 
@@ -185,15 +189,18 @@ def _compile(st: FabricState, hops: dict[tuple[int, int], int] | None, problems:
                     targets, gtype = [owner, *mirrors], "all"
                 else:
                     continue
-                outs = _select(sw, targets, hops) if gtype == "select" else _deliver(sw, targets, hops)
+                if gtype == "select":
+                    outs = _select(sw, targets, hops, rec.weight)
+                else:
+                    outs = [(1, a) for a in _deliver(sw, targets, hops)]
                 if not outs:
                     continue
                 if len(outs) == 1:
-                    acts = outs[0]
+                    acts = outs[0][1]
                 else:
                     gid = next_group[sw]
                     next_group[sw] += 1
-                    cfg.groups[gid] = GroupSpec(gid, gtype, tuple(Bucket(1, a) for a in outs))
+                    cfg.groups[gid] = GroupSpec(gid, gtype, tuple(Bucket(w, a) for w, a in outs))
                     acts = (("group", gid),)
                 if dst_matches is None:  # the same matches on every switch: build them once
                     dst_matches = [match(eth_dst=b) for b in blocks]

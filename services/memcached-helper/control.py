@@ -12,9 +12,10 @@ the tests, and (through :func:`apply_decision` / :func:`apply_helpers`) the bala
   operator or balancer makes it fail with Conflict instead of being overwritten.  The switches then
   send the range's frames to a ``select`` group with one bucket per *live* helper; a helper named
   there whose endpoint is gone simply has no bucket (and with none live the owner gets the range back).
-- **Bucket weights are equal.**  ``RangeRec`` carries names only; weights from spare capacity would need a
-  ``weights`` list in the record, in ``Registry.assign``/``coalesce`` (which copy ranges) and in the
-  compiler's ``Bucket(1, ...)``.  Until then a helper's share is 1/N of the clients by the switch's hash.
+- **Bucket weights** are ``RangeRec.weights`` (helper name -> 1..65535; a helper not named weighs
+  ``schema.WEIGHT_DEFAULT``): the balancer writes them ∝ each helper's spare capacity, ``vfab helpers on
+  --weight NAME=W`` by hand; the compiler puts them on the select group's buckets, so a helper's share of
+  the range's clients is its weight over the sum (in OVS's hash slots: 16 or more per group).
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ class Change:
     before: list
     after: list
     revision: int = 0
+    weights_before: dict | None = None
+    weights_after: dict | None = None
 
 
 def _pieces(reg: Registry, service: str, rng: Range | None) -> list[tuple[schema.RangeRec, Range]]:
@@ -102,16 +105,33 @@ def _pieces(reg: Registry, service: str, rng: Range | None) -> list[tuple[schema
     return out
 
 
+def _check_weights(weights: dict, helpers: list[str]) -> dict[str, int]:
+    out = {}
+    for name, w in weights.items():
+        if name not in helpers:
+            raise HelperError(f"a weight is given for {name!r}, which is not among the helpers switched on "
+                              f"({', '.join(helpers)}): weigh only those")
+        if not isinstance(w, int) or isinstance(w, bool) or not 1 <= w <= schema.WEIGHT_MAX:
+            raise HelperError(f"weight {w!r} of {name!r} is out of range: an integer 1..{schema.WEIGHT_MAX} "
+                              f"(unweighted helpers weigh {schema.WEIGHT_DEFAULT})")
+        out[name] = w
+    return out
+
+
 def set_helpers(reg: Registry, service: str, rng: Range | None, helpers: list[str] | None, *,
-                add: bool = False, remove: list[str] | None = None, retries: int = 3) -> list[Change]:
+                add: bool = False, remove: list[str] | None = None, retries: int = 3,
+                weights: dict[str, int] | None = None) -> list[Change]:
     """Set (or with ``add``, add to; with ``remove``, take out of) the helpers of ``rng`` of ``service``.
 
     ``rng`` None: every range of the service.  A range only partly inside ``rng`` is cut (the part outside
     keeps its helpers).  Helpers turned *on* must be live helpers of the service (HelperError otherwise);
     names being removed need not be (a dead helper is removed like a live one).  Each range is one
     epoch-checked transaction; a race with another writer is retried ``retries`` times, then Conflict.
+    ``weights``: bucket weights of some of ``helpers`` (the others weigh ``schema.WEIGHT_DEFAULT``); setting
+    replaces a range's weights, adding keeps those of the helpers it had, removing drops the removed ones'.
     Returns what changed (ranges already as asked are left alone: no new epoch, no flow churn).
     """
+    given = _check_weights(weights or {}, list(helpers or []))
     if helpers is not None:
         if not helpers:
             raise HelperError("no helper given: name at least one (--helper NAME), or use 'off'")
@@ -133,17 +153,19 @@ def set_helpers(reg: Registry, service: str, rng: Range | None, helpers: list[st
                                       "an owner (assign the range first: 'vfab route')")
                 if remove is not None:
                     after = [h for h in rec.helpers if h not in remove]
+                    wts = {h: w for h, w in rec.weights.items() if h in after}
                 elif helpers is None:
-                    after = []
+                    after, wts = [], {}
                 elif add:
                     after = rec.helpers + [h for h in helpers if h not in rec.helpers]
+                    wts = {**rec.weights, **given}
                 else:
-                    after = list(helpers)
-                if after == rec.helpers:
+                    after, wts = list(helpers), dict(given)
+                if after == rec.helpers and wts == rec.weights:
                     continue
                 rev = reg.assign(service, part, rec.owner, expect_epoch=rec.epoch, mirrors=rec.mirrors,
-                                 helpers=after, state=rec.state)
-                changes.append(Change(part, rec.owner, list(rec.helpers), after, rev))
+                                 helpers=after, state=rec.state, weights=wts)
+                changes.append(Change(part, rec.owner, list(rec.helpers), after, rev, dict(rec.weights), wts))
             break
         except Conflict:
             if attempt == retries:
@@ -160,8 +182,9 @@ def apply_decision(reg: Registry, decision: dict) -> list[Change]:
     """The hook for the balancer: apply ``{"service": S, "range": [lo, hi] | "LO-HI" | None, "helpers": [...]}``.
 
     ``helpers`` non-empty: those helpers serve the range (replacing the ones it had); empty or missing:
-    helpers off for the range.  ``range`` None/missing: every range of the service.  Equal bucket
-    weights (a ``weights`` entry is accepted and ignored until the range map can carry weights).
+    helpers off for the range.  ``range`` None/missing: every range of the service.  ``weights``: the
+    helpers' bucket weights, a list in the order of ``helpers`` (the balancer's ``Decision.weights``) or a
+    {name: weight} object; missing: every helper weighs ``schema.WEIGHT_DEFAULT``.
     """
     service = decision["service"]
     raw = decision.get("range")
@@ -173,12 +196,19 @@ def apply_decision(reg: Registry, decision: dict) -> list[Change]:
         lo, hi = raw
         rng = Range(int(lo), int(hi))
     helpers = list(decision.get("helpers") or [])
-    return set_helpers(reg, service, rng, helpers if helpers else None)
+    raw_w = decision.get("weights") or {}
+    if isinstance(raw_w, (list, tuple)):
+        if len(raw_w) != len(helpers):
+            raise HelperError(f"{len(raw_w)} weights for {len(helpers)} helpers: give one weight per helper, "
+                              "in the order of 'helpers'")
+        raw_w = dict(zip(helpers, raw_w))
+    return set_helpers(reg, service, rng, helpers if helpers else None, weights=raw_w if helpers else None)
 
 
-def apply_helpers(reg: Registry, service: str, lo: int, hi: int, helpers: list[str]) -> int:
+def apply_helpers(reg: Registry, service: str, lo: int, hi: int, helpers: list[str],
+                  weights: dict[str, int] | None = None) -> int:
     """``apply_decision`` with the balancer runner's signature (``Runner.apply_helpers``); the last revision."""
-    changes = set_helpers(reg, service, Range(lo, hi), list(helpers) or None)
+    changes = set_helpers(reg, service, Range(lo, hi), list(helpers) or None, weights=weights if helpers else None)
     return max((c.revision for c in changes), default=reg.state_revision())
 
 
@@ -192,7 +222,7 @@ def report(reg: Registry, service: str) -> dict:
         named.update(r.helpers)
         live = [h for h in r.helpers if h in eps and h in st]
         ranges.append({"lo": r.lo, "hi": r.hi, "owner": r.owner, "epoch": r.epoch,
-                       "helpers": [{"name": h, "live": h in live, "weight": 1 if h in live else 0}
+                       "helpers": [{"name": h, "live": h in live, "weight": r.weight(h) if h in live else 0}
                                    for h in r.helpers],
                        "path": "helpers" if live else ("owner" if r.owner else "none")})
     helpers = []

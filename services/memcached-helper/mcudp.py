@@ -15,6 +15,7 @@ It runs standalone (stdlib only) so the tests can start it inside a network name
 
     python mcudp.py run --server 10.77.0.1:11211 --script reqs.json     # scripted requests, raw replies
     python mcudp.py load --server 10.77.0.1:11211 --clients 16 ...      # many clients, gets, verified values
+    python mcudp.py load --tcp --server 10.77.0.3:22122 ...              # the same over TCP (twemproxy)
     python mcudp.py order --server 10.77.0.1:11211 --clients 8 ...      # per-client order of set/get
     python mcudp.py preload --tcp 10.78.0.1:11211 --keys 1000 ...       # fill memcached over TCP
     python mcudp.py store --tcp 10.78.0.1:11211 --items items.json      # given items over TCP
@@ -205,15 +206,52 @@ def cmd_run(args) -> dict:
 
 # ----------------------------------------------------------------- load: many clients' gets
 
+def answer_end(buf: bytes | bytearray) -> int | None:
+    """Where the first complete answer to a retrieval command ends in a TCP stream (None: not complete yet).
+    An error line, or any line that is not VALUE/END, is an answer of its own."""
+    i = 0
+    while True:
+        e = buf.find(b"\r\n", i)
+        if e < 0:
+            return None
+        line = bytes(buf[i:e])
+        if line == b"END":
+            return e + 2
+        if not line.startswith(b"VALUE "):
+            return e + 2
+        try:
+            i = e + 2 + int(line.split(b" ")[3]) + 2
+        except (IndexError, ValueError):
+            return e + 2
+        if i > len(buf):
+            return None
+
+
+def tcp_client_sockets(args, server: tuple[str, int]) -> list[socket.socket]:
+    """``--clients`` TCP connections to the server (``--tcp``), from the ``--bind`` addresses in turn."""
+    addrs = [a for a in args.bind.split(",") if a] or [""]
+    socks = []
+    for i in range(args.clients):
+        s = socket.create_connection(server, timeout=5, source_address=(addrs[i % len(addrs)], 0))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        socks.append(s)
+    return socks
+
+
 def cmd_load(args) -> dict:
     """K clients send gets of keys P0..P(N-1) (``--multi`` keys each), open loop at ``--rate`` per second in
     total, or closed loop with ``--window`` outstanding per client; every answer is checked against
     value_for(key): ``wrong`` counts answers with a value that is not the key's, ``missed`` answers that lack
-    a key, ``lost`` requests never answered."""
+    a key, ``lost`` requests never answered.  With ``--tcp`` each client is one TCP connection speaking
+    memcached's text protocol (to memcached or a proxy such as twemproxy), its requests pipelined and answered
+    in order; everything else is the same."""
     server = parse_addr(args.server)
-    socks = client_sockets(args)
+    tcp = args.tcp
+    socks = tcp_client_sockets(args, server) if tcp else client_sockets(args)
     for s in socks:
         s.setblocking(False)
+    inbuf = [bytearray() for _ in socks]     # TCP: bytes received, not yet a whole answer
+    outbuf = [bytearray() for _ in socks]    # TCP: requests not yet taken by the socket
     by_fd = {s.fileno(): i for i, s in enumerate(socks)}
     ep = select.epoll()
     for s in socks:
@@ -241,11 +279,59 @@ def cmd_load(args) -> dict:
         seq += 1
         r = rid[ci]
         rid[ci] = (r + 1) & 0xFFFF or 1
-        socks[ci].sendto(frame(b"get " + b" ".join(ks) + b"\r\n", r), server)
+        if tcp:
+            outbuf[ci] += b"get " + b" ".join(ks) + b"\r\n"
+            flush(ci)
+        else:
+            socks[ci].sendto(frame(b"get " + b" ".join(ks) + b"\r\n", r), server)
         pending[ci][r] = (now, ks, [])
         stats["sent"] += 1
 
+    def flush(ci: int) -> None:
+        if outbuf[ci]:
+            try:
+                del outbuf[ci][:socks[ci].send(outbuf[ci])]
+            except BlockingIOError:
+                pass
+
+    def account(ci: int, now: float, t: float, ks: list[bytes], body: bytes) -> None:
+        stats["answered"] += 1
+        stats["lat"].append(now - t)
+        if args.timeline:
+            if now - last[ci] > args.gap_min:
+                gaps.append([ci, round(t0_wall + (last[ci] - t0), 4), round(now - last[ci], 4)])
+            last[ci] = now
+            b = int((now - t0) / args.timeline)
+            bins.extend([0] * (b + 1 - len(bins)))
+            bins[b] += 1
+        vals = parse_values(body)
+        if any(k in vals and vals[k] != value_for(k, args.value_size) for k in ks):
+            stats["wrong"] += 1     # a value that is not the key's: never acceptable
+        elif len(vals) < len(set(ks)):
+            stats["missed"] += 1    # a miss: a legal cache answer (and the helper's after a lost connection)
+
+    def receive_tcp(ci: int, now: float) -> None:
+        s, buf = socks[ci], inbuf[ci]
+        while True:
+            try:
+                data = s.recv(1 << 20)
+            except BlockingIOError:
+                break
+            if not data:
+                raise ConnectionError(f"client {ci}: the server closed the connection")
+            buf += data
+        stats["sources"].add("%s:%d" % s.getpeername())
+        while pending[ci] and (e := answer_end(buf)) is not None:
+            r = next(iter(pending[ci]))       # answers come in request order
+            t, ks, _ = pending[ci].pop(r)
+            body = bytes(buf[:e])
+            del buf[:e]
+            account(ci, now, t, ks, body)
+
     def receive(ci: int, now: float) -> None:
+        if tcp:
+            receive_tcp(ci, now)
+            return
         s = socks[ci]
         while True:
             try:
@@ -262,22 +348,9 @@ def cmd_load(args) -> dict:
             if not answer_complete(body, "values"):
                 continue
             del pending[ci][r]
-            stats["answered"] += 1
-            stats["lat"].append(now - t)
-            if args.timeline:
-                if now - last[ci] > args.gap_min:
-                    gaps.append([ci, round(t0_wall + (last[ci] - t0), 4), round(now - last[ci], 4)])
-                last[ci] = now
-                b = int((now - t0) / args.timeline)
-                bins.extend([0] * (b + 1 - len(bins)))
-                bins[b] += 1
             if framing_error(parts, r):
                 stats["framing"] += 1
-            vals = parse_values(body)
-            if any(k in vals and vals[k] != value_for(k, args.value_size) for k in ks):
-                stats["wrong"] += 1     # a value that is not the key's: never acceptable
-            elif len(vals) < len(set(ks)):
-                stats["missed"] += 1    # a miss: a legal cache answer (and the helper's after a lost connection)
+            account(ci, now, t, ks, body)
 
     rr = 0
     while True:
@@ -295,6 +368,9 @@ def cmd_load(args) -> dict:
             for ci in range(len(socks)):
                 while len(pending[ci]) < args.window:
                     send(ci, now)
+        if tcp:
+            for ci in range(len(socks)):
+                flush(ci)
         wait = max(0.0, min(next_send - time.monotonic(), 0.002)) if interval else 0.002
         for fd, _ in ep.poll(wait):
             receive(by_fd[fd], time.monotonic())
@@ -372,6 +448,8 @@ def cmd_order(args) -> dict:
     for i in range(args.rounds):
         if t_end is not None and time.monotonic() > t_end:
             break
+        if i and args.gap:
+            time.sleep(args.gap)
         res["rounds"] += 1
         plan = []
         for ci, k in enumerate(keys):  # get-then-set: the get must see v_i
@@ -597,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeline", type=float, default=0.0, metavar="BIN",
                    help="report answers per BIN s and pauses of each client's answers (0: off)")
     p.add_argument("--gap-min", type=float, default=0.05, help="pauses longer than this are reported (s)")
+    p.add_argument("--tcp", action="store_true",
+                   help="clients are TCP connections (text protocol, pipelined), e.g. to twemproxy at --server")
     p = sub.add_parser("order", help="per-client order of set and get")
     p.add_argument("--server", required=True)
     p.add_argument("--clients", type=int, default=8)
@@ -604,6 +684,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", default="ord")
     p.add_argument("--pad", type=int, default=16)
     p.add_argument("--duration", type=float, default=0.0, help="stop after this many s (0: all --rounds)")
+    p.add_argument("--gap", type=float, default=0.0,
+                   help="s between rounds (0: back to back; a round is 5 requests per client)")
     p.add_argument("--bind", default="", help="comma-separated source addresses, one per client in turn")
     p.add_argument("--timeout", type=float, default=2.0)
     p = sub.add_parser("preload", help="fill memcached over TCP")

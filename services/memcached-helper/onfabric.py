@@ -7,6 +7,8 @@
     mc.start_helper("h1", "vfh2")                     # the agent starts mc-helper and announces it
     mc.client("vfh3", "load", "--clients", "16", ...) # mcudp.py in a host: an unmodified memcached UDP client
     mc.helpers_on() / mc.helpers_off()                # what 'vfab helpers on|off' writes
+    mc.start_balancer({"period": 0.1, ...})           # 'vfab balancer run mc' with memcached's stats and the
+                                                      # helpers' stats files: it switches helpers by itself
 
 Every process is started through the testbed's supervisor or tracked by it (stopped by PID at its teardown);
 each helper's stats file, logs and DPDK runtime folder are under the testbed's work folder or removed by the
@@ -86,9 +88,13 @@ class McFabric:
         self.tb.wait_revision(self.tb.registry.state_revision())
         return self.memcached
 
-    def start_helper(self, name: str, host: str, lcores: str = "1", extra: tuple[str, ...] = ()) -> Running:
+    def start_helper(self, name: str, host: str, lcores: str = "1", extra: tuple[str, ...] = (),
+                     stats_ms: int | None = None) -> Running:
+        """``stats_ms``: mc-helper's stats file period (the agent's default 100 ms; 10 is its floor)."""
         stats = os.path.join(self.tb.workdir, f"{name}.stats")
         opts = ["--lcores", lcores, "--stats-file", stats, "--file-prefix", f"vfmh{name}"]
+        if stats_ms is not None:
+            opts += ["--stats-ms", str(stats_ms)]
         if self.binary:
             opts += ["--binary", self.binary]
         run = self._agent("helper", name, host, opts, list(extra))
@@ -158,3 +164,39 @@ class McFabric:
 
     def memcached_cpu_s(self) -> float:
         return topo.proc_cpu_s(self.memcached.pid)
+
+    def memcached_udp_in(self) -> int:
+        """UDP datagrams memcached's host received so far (``Udp: InDatagrams`` of its namespace): the clients'
+        requests that reach memcached directly; through helpers only their TCP leg reaches it."""
+        with open(f"/proc/{self.memcached.pid}/net/snmp") as fh:
+            rows = [ln.split() for ln in fh if ln.startswith("Udp:")]
+        return int(rows[1][rows[0].index("InDatagrams")])
+
+    # -- the balancer ----------------------------------------------------------------------------------------------
+    def balancer_args(self, settings: dict) -> list[str]:
+        """``vfab balancer run`` arguments for this service: memcached's ``stats`` inside its host's namespace,
+        every helper's stats file, and ``settings`` (BalancerConfig names) as ``--set``."""
+        args = ["balancer", "run", self.service,
+                "--memcached", f"{self.service}/{self.memcached.name}={self.addr}@{self.tb.netns(self.host)}"]
+        for name, run in sorted(self.helpers.items()):
+            args += ["--helper", f"{self.service}/{name}={run.stats_file}"]
+        for k, v in settings.items():
+            args += ["--set", f"{k}={v}"]
+        return args
+
+    def start_balancer(self, settings: dict) -> Proc:
+        """``vfab balancer run`` as its own process (the testbed's supervisor stops it); its log in the workdir."""
+        out = open(os.path.join(self.tb.workdir, "balancer.out"), "wb")
+        proc = self.tb.sup.start("balancer", [sys.executable, "-m", "vfab.cli", "--etcd", self.tb.etcd_endpoint,
+                                              "-v", *self.balancer_args(settings)], stdout=out)
+        out.close()
+        return proc
+
+    def decisions(self) -> list[dict]:
+        """The balancer's decisions for this service as published in etcd (oldest first)."""
+        got = self.tb.registry.get(schema.balancer_key(self.service))
+        return schema.BalancerStatus.from_json(got[0]).decisions if got else []
+
+    def balancer_view(self) -> dict:
+        got = self.tb.registry.get(schema.balancer_key(self.service))
+        return schema.BalancerStatus.from_json(got[0]).view if got else {}

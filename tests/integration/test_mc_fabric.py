@@ -133,12 +133,11 @@ def test_helpers_switch_in_and_out_under_load(testbed, mc):
     for r in res:
         assert r["wrong"] == 0 and r["framing"] == 0, r
         assert r["sources"] == [mc.addr], r                       # replies from memcached's address, always
-    # Nothing is lost switching helpers in, nor by the helpers.  Switching them out, OVS drops the few frames
-    # that are between the select group's hash and its recirculation when the bundle deletes the group (the
-    # controller deletes unreferenced groups in the same bundle): 0-4 per switch-off here, each one counted
-    # by ovs-vswitchd as drop_action_of_pipeline.  Any other loss fails the test.
-    assert all(0 < t - t_off < 0.2 for t in lost_at), f"requests lost outside the switch-off: {lost_at}"
-    assert len(lost_at) <= drops and len(lost_at) <= 10, (len(lost_at), drops)
+    # Nothing lost switching helpers in or out (the direct path loses none at this load: the first test).  Before
+    # the controller kept a group one round longer than the flows using it, OVS dropped the 0-4 frames caught
+    # between the select group's hash and its recirculation at each switch-off (drop_action_of_pipeline).
+    assert lost_at == [], f"{len(lost_at)} requests lost around the switches (s after 'off': " \
+        f"{[round(t - t_off, 3) for t in lost_at]}; OVS pipeline drops {drops})"
     for n in HELPERS:
         got = delta(during[n], before[n], "rx_get")
         assert got > 500, f"helper {n} got {got} gets while on: {during[n]}"
@@ -154,6 +153,119 @@ def test_helpers_switch_in_and_out_under_load(testbed, mc):
     assert order["sources"] == [mc.addr]
     assert "h1" in status and "live" in status
     assert all(not r.helpers for r, _ in testbed.registry.ranges(SVC))
+
+
+def group_weights(bridge: str) -> list[dict[str, int]]:
+    """Per select group on ``bridge`` (ovs-ofctl dump-groups): bucket eth_dst MAC -> weight."""
+    out = subprocess.run(["ovs-ofctl", "-O", "OpenFlow14", "dump-groups", bridge], capture_output=True, text=True,
+                         check=True).stdout
+    groups = []
+    for ln in out.splitlines():
+        if "type=select" not in ln:
+            continue
+        got = {}
+        for b in ln.split("bucket=")[1:]:
+            w = int(b.split("weight:")[1].split(",")[0])
+            mac = b.split("set_field:")[1].split("->eth_dst")[0]
+            got[mac] = w
+        groups.append(got)
+    return groups
+
+
+def test_bucket_weights_reach_ovs(testbed, mc):
+    """'vfab helpers on --weight' (the balancer writes the same field, ∝ spare capacity): the weights are in the
+    range record, in 'vfab helpers', on every switch's select group, and the weighted helper gets more clients."""
+    out = cli_ok(testbed, "helpers", "on", SVC, "--weight", "h1=90", "--weight", "h2=30")
+    assert "weights h1=90,h2=30" in out and "applied on all switches" in out, out
+    macs = {n: testbed.registry.get(schema.endpoint_key(SVC, n)) for n in HELPERS}
+    macs = {schema.Endpoint.from_json(v[0]).mac: n for n, v in macs.items()}
+    for bridge in testbed.switches:
+        (got,) = group_weights(bridge)
+        assert {macs[m]: w for m, w in got.items()} == {"h1": 90, "h2": 30}, (bridge, got)
+    status = cli_ok(testbed, "helpers", SVC)
+    assert "h1 w90 (75%)" in status and "h2 w30 (25%)" in status, status
+    before = {n: mc.stats(n) for n in HELPERS}
+    res = [topo.finish(p, 60) for p in loads(mc, 2.0, 600, clients=12)]
+    share = {n: delta(mc.stats(n), before[n], "rx_get") for n in HELPERS}
+    print(f"\nweights h1=90 h2=30: gets h1 {share['h1']}, h2 {share['h2']} (12 client addresses)")
+    assert all(r["lost"] == 0 and r["wrong"] == 0 for r in res), res
+    assert share["h1"] > share["h2"] > 0, share
+    mc.helpers_off()
+    # the group leaves one round after the route: the switches end with no group at all
+    wait_for_groups = time.monotonic() + 5
+    while any(group_weights(b) for b in testbed.switches) and time.monotonic() < wait_for_groups:
+        time.sleep(0.05)
+    assert not any(group_weights(b) for b in testbed.switches), "a group outlived its range's helpers"
+
+
+# The balancer's settings for this testbed (controller/balancer.py, "Or by the helpee's request rate"): the
+# largest burst here keeps memcached at rho ~0.15, where the p99 model sees no queue, so helpers go on above
+# RATE_ON requests/s and off below RATE_OFF; windows short enough for a test.
+BALANCER = {"period": 0.1, "stale_after": 1.0, "min_interval": 0.5, "burst_window": 0.3, "calm_window": 1.5,
+            "min_on": 2.0, "min_off": 1.0, "rate_on": 5000, "rate_off": 2500, "helper_capacity": 8000}
+
+
+def test_balancer_switches_helpers_by_itself(testbed, mc):
+    """A burst starts; 'vfab balancer run' turns the helpers on by itself (from memcached's own stats), the burst
+    ends, and it turns them off after the calm window.  The same client processes and sockets throughout; no
+    request lost, none wrong, per-client order held across both switches."""
+    reg = testbed.registry
+    assert all(not r.helpers for r, _ in reg.ranges(SVC))
+    bal = mc.start_balancer(BALANCER)
+    try:
+        calm = [mc.client(h, "load", "--clients", "8", "--rate", "150", "--duration", "14", "--keys", str(KEYS),
+                          "--drain", "1.5", "--bind", mc.bind[h]) for h in CLIENTS]
+        # paced (<= 500 requests/s): back to back, one client alone offers ~1,900/s on a quiet machine, which
+        # with the calm load crossed RATE_ON before any burst
+        order = mc.client("vfh6", "order", "--clients", "1", "--rounds", "1000000", "--duration", "13",
+                          "--timeout", "0.5", "--gap", "0.01", "--bind", mc.bind["vfh6"])
+        time.sleep(2.0)
+        assert mc.decisions() == [], f"helpers on before any burst: {mc.decisions()}"
+        t_burst = time.time()
+        burst = loads(mc, 4.0, 3000)
+        wait = time.monotonic() + 4
+        while not any(d["action"] == "helpers_on" for d in mc.decisions()) and time.monotonic() < wait:
+            time.sleep(0.02)
+        on = next((d for d in mc.decisions() if d["action"] == "helpers_on"), None)
+        assert on is not None, f"no helpers_on within 4 s of the burst: {mc.balancer_view()}"
+        rec = next(r for r, _ in reg.ranges(SVC))
+        assert sorted(rec.helpers) == ["h1", "h2"] and set(rec.weights) <= {"h1", "h2"}, rec
+        mid = {n: mc.stats(n) for n in HELPERS}
+        res_burst = [topo.finish(p, 60) for p in burst]
+        t_end = time.time()
+        end = {n: mc.stats(n) for n in HELPERS}
+        wait = time.monotonic() + 8
+        while not any(d["action"] == "helpers_off" for d in mc.decisions()) and time.monotonic() < wait:
+            time.sleep(0.05)
+        off = next((d for d in mc.decisions() if d["action"] == "helpers_off"), None)
+        assert off is not None, f"helpers never went off after the burst: {mc.balancer_view()}"
+        t_off_seen = time.time()
+        res_calm = [topo.finish(p, 60) for p in calm]
+        ordered = topo.finish(order, 60)
+        after = {n: mc.stats(n) for n in HELPERS}
+    finally:
+        testbed.sup.stop(bal)
+    log = open(bal.logpath).read()
+    assert "Traceback" not in log, log[-3000:]
+    ds = mc.decisions()
+    print(f"\nbalancer: on {on['at'] - t_burst:.2f} s after the burst began ({on['reason']}); off "
+          f"{off['at'] - t_end:.2f} s after it ended ({off['reason']}); weights {on['weights']}")
+    print(f"burst: {sum(r['answered'] for r in res_burst)}/{sum(r['sent'] for r in res_burst)} answered, p99 "
+          f"{max(r['p99_us'] for r in res_burst):.0f} µs; calm clients: "
+          f"{sum(r['answered'] for r in res_calm)}/{sum(r['sent'] for r in res_calm)}; order: {ordered}")
+    assert [d["action"] for d in ds] == ["helpers_on", "helpers_off"], ds
+    assert all(d["result"] == "done" for d in ds), ds
+    assert "requests/s > 5000" in on["reason"] and on["at"] - t_burst < 2.0, on
+    assert off["at"] > t_end and "requests/s < 2500" in off["reason"], off
+    assert all(not r.helpers and not r.weights for r, _ in reg.ranges(SVC))
+    for r in res_burst + res_calm:
+        assert r["wrong"] == 0 and r["framing"] == 0 and r["sources"] == [mc.addr], r
+        assert r["lost"] == 0, f"lost {r['lost']} (sent at {r['lost_at'][:10]}; on {on['at']}, off {off['at']})"
+    for n in HELPERS:
+        assert delta(end[n], mid[n], "rx_get") > 500, f"helper {n} carried no burst: {end[n]}"
+    assert t_off_seen > 0 and sum(delta(after[n], end[n], "rx_get") for n in HELPERS) < \
+        sum(delta(end[n], mid[n], "rx_get") for n in HELPERS)
+    assert ordered["violations"] == 0 and ordered["missing"] == 0 and ordered["checked"] > 0, ordered
 
 
 def test_helper_killed_under_load(testbed, mc):

@@ -114,6 +114,38 @@ def test_sustained_burst_turns_helpers_on_after_the_window():
     assert d.p99_us > CFG.p99_on_us and "µs" in d.reason
 
 
+def test_rate_trigger_where_the_model_sees_no_queue():
+    """This testbed's bursts keep memcached far from saturation: the model predicts no tail, but the request
+    rate crosses rate_on.  On after the burst window, off after calm (below rate_off) and min_on; a rate
+    between rate_off and rate_on neither turns them on nor off; without rate_on nothing happens."""
+    cfg = dataclasses.replace(CFG, rate_on=6000.0, rate_off=2000.0)
+    burst = lambda t: 10000.0 if 10 <= t < 30 else 1000.0   # noqa: E731
+    assert predict_p99_us(10000 * S_US / 1e6, S_US, cfg) < cfg.p99_off_us      # the model alone: calm
+    assert Helpee(burst).play(Balancer(CFG), 0, 60) == []
+    got = Helpee(burst).play(Balancer(cfg), 0, 60)
+    assert [(d.action, d.at) for d in got] == [("helpers_on", 12.0), ("helpers_off", 35.0)], got
+    assert "10000 requests/s > 6000" in got[0].reason and "1000 requests/s < 2000" in got[1].reason
+    # helpers sized from what memcached serves when the switches' counters lag (a burst's onset)
+    lagging = dataclasses.replace(cfg, helper_capacity=8000.0)
+    d, = play(Balancer(lagging), 0, lambda t: mc(10000.0, rates=[2000.0]), 5)
+    assert d.action == "helpers_on" and d.helpers == ("h1", "h2"), d          # 10000 * 1.25 / 8000 -> 2
+    warm = Helpee(lambda t: 4000.0).play(Balancer(cfg), 0, 30)
+    assert warm == []
+    h = Helpee(lambda t: 10000.0 if t < 20 else 4000.0)
+    got = h.play(Balancer(cfg), 0, 60)
+    assert [d.action for d in got] == ["helpers_on"], got        # 4000/s: not calm enough to go off
+
+
+def test_zero_windows_act_on_one_observation_and_only_then():
+    """burst_window 0: the first observation above the trigger decides, and nothing else does (a calm service
+    must not get helpers, nor helpers that drop nothing get company)."""
+    cfg = dataclasses.replace(CFG, rate_on=6000.0, rate_off=2000.0, burst_window=0.0, calm_window=0.0, min_on=0.0,
+                              min_off=0.0)
+    got = Helpee(lambda t: 10000.0 if 5 <= t < 8 else 0.0).play(Balancer(cfg), 0, 12)
+    assert [(d.action, d.at) for d in got] == [("helpers_on", 5.0), ("helpers_off", 8.0)], got
+    assert Helpee(lambda t: 1000.0).play(Balancer(cfg), 0, 10) == []
+
+
 def test_short_spike_does_nothing():
     bal = Balancer(CFG)
     # spikes of 1 s and 2 s (the window is 2 s: a condition must hold at every sample of the window)
@@ -414,6 +446,8 @@ def test_two_services_are_independent():
     ({"burst_window": -1}, ["burst_window", "0..3600 s"]),
     ({"helper_gain": 0.5}, ["helper_gain", "1..1000"]),
     ({"split_rate": True}, ["split_rate", "number"]),
+    ({"rate_on": 6000.0, "rate_off": 4000.0}, ["rate_off", "at most half of rate_on", "e.g. rate_off = 2000"]),
+    ({"rate_on": 6000.0}, ["rate_off", "above 0"]),
 ])
 def test_config_errors_name_the_setting_the_limit_and_the_fix(changes, words):
     with pytest.raises(BalancerConfigError) as exc:
@@ -525,6 +559,7 @@ def test_runner_observes_etcd_applies_helpers_and_publishes(registry):
     run.publish("mc", clock["t"], ["one problem"], None)
     after = {r.lo: r for r, _ in registry.ranges("mc")}
     assert after[HALF].helpers == ["h2", "h1"] and after[HALF].epoch == epochs[HALF] + 1
+    assert after[HALF].weights == {"h2": 100, "h1": 40}              # the buckets' weights, ∝ spare capacity
     assert after[0].helpers == [] and after[HALF].owner == "m"
     raw, _ = registry.get(sch.balancer_key("mc"))
     st = sch.BalancerStatus.from_json(raw)
@@ -534,7 +569,7 @@ def test_runner_observes_etcd_applies_helpers_and_publishes(registry):
     assert res.exit_code == 0 and "helpers_on" in res.output and "a test burst" in res.output, res.output
     # off, then a stale map: the apply fails and says so
     run.apply(dataclasses.replace(d, action="helpers_off", helpers=(), weights=()))
-    assert {r.lo: r.helpers for r, _ in registry.ranges("mc")}[HALF] == []
+    assert {r.lo: (r.helpers, r.weights) for r, _ in registry.ranges("mc")}[HALF] == ([], {})
     with pytest.raises(Exception, match="no longer one range"):
         apply_helpers(registry, "mc", 0, KEY_MAX, ["h1"])
     run.apply(dataclasses.replace(d, ranges=((0, KEY_MAX),)))

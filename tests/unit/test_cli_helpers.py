@@ -122,3 +122,32 @@ def test_balancer_hooks(registry, mc):
     rev = control.apply_helpers(registry, "mc", 0, 0xFFF, [])
     assert rev > 0 and ranges(registry) == [(0, 0xFFFFFF, "mc0", [])]
     assert control.apply_decision(registry, {"service": "mc", "range": "0-0xfff", "helpers": []}) == []
+
+
+def test_weights_by_hand_and_from_the_balancer(run, registry, mc):
+    res = run("helpers", "on", "mc", "--weight", "h1=60", "--weight", "h2=20", "--no-wait")
+    assert res.exit_code == 0 and "h1,h2 weights h1=60,h2=20" in res.output, res.output
+    rec = registry.ranges("mc")[0][0]
+    assert rec.weights == {"h1": 60, "h2": 20}
+    res = run("helpers", "mc")
+    assert res.exit_code == 0 and "h1 w60 (75%)" in res.output and "h2 w20 (25%)" in res.output, res.output
+    assert [h["weight"] for h in control.report(registry, "mc")["ranges"][0]["helpers"]] == [60, 20]
+    res = run("helpers", "on", "mc", "--weight", "h1=60", "--weight", "h2=20", "--no-wait")
+    assert "nothing to change" in res.output
+    # removing a helper drops its weight; off drops them all
+    res = run("helpers", "off", "mc", "--helper", "h2", "--no-wait")
+    assert res.exit_code == 0 and registry.ranges("mc")[0][0].weights == {"h1": 60}, res.output
+    for bad, says in ((("--weight", "h1=0"), "out of range: an integer 1..65535"),
+                      (("--weight", "h3=5"), "not among the helpers switched on"),
+                      (("--weight", "h1"), "write NAME=WEIGHT")):
+        res = run("helpers", "on", "mc", "--no-wait", *bad)
+        assert res.exit_code == 2 and says in res.output, res.output
+    # the balancer's decision: weights in the order of its helpers
+    control.apply_decision(registry, {"service": "mc", "helpers": ["h2", "h1"], "weights": [100, 40]})
+    assert registry.ranges("mc")[0][0].weights == {"h2": 100, "h1": 40}
+    with pytest.raises(control.HelperError, match="2 weights for 1 helpers"):
+        control.apply_decision(registry, {"service": "mc", "helpers": ["h1"], "weights": [1, 2]})
+    rev = control.apply_helpers(registry, "mc", 0, 0xFFFFFF, ["h1"], {"h1": 9})
+    assert rev > 0 and registry.ranges("mc")[0][0].weights == {"h1": 9}
+    control.apply_decision(registry, {"service": "mc", "helpers": []})
+    assert registry.ranges("mc")[0][0].weights == {} and "weights" not in registry.ranges("mc")[0][0].to_json()

@@ -323,6 +323,50 @@ def test_helpers_across_the_trunk_never_lose_a_frame():
         assert len(fab.inject(S1, 7, 0x020000001000 + i, vid, ETH_TYPE)) == 1
 
 
+def test_helper_buckets_carry_the_range_weights():
+    """Weights from the range record (∝ spare capacity): the buckets carry them and the (weighted) hash
+    sends each helper its share; a helper the record does not weigh gets the default; no weights = equal."""
+    endpoints = dict(ENDPOINTS, e4=("h3", "ovs"), e5=("h4", "ovs"))
+    rest = [schema.RangeRec(lo=lo, hi=hi, owner=o, epoch=1, state="active" if o else "unassigned")
+            for lo, hi, o in RANGES[1:]]
+
+    def shares(weights: dict) -> tuple[dict, dict]:
+        rec = schema.RangeRec(lo=0, hi=0x3FFFFF, owner="e1", helpers=["e4", "e5"], epoch=1, weights=weights)
+        _, cfg, fab = build(ranges=[rec, *rest], endpoints=endpoints)
+        for sw in (S1, S2):
+            (g,) = cfg[sw].groups.values()
+            by_port = {}
+            for b in g.buckets:
+                mac = next(v for n, v in b.actions if n == "set_eth_dst")
+                by_port[mac] = b.weight
+        vid = codec.encode(SID, 0x1234).value
+        seen = {mac_i("h3"): 0, mac_i("h4"): 0}
+        for i in range(2000):
+            (got,) = fab.inject(S1, 7, 0x020000001000 + i, vid, ETH_TYPE)
+            seen[got[2]] += 1
+        return by_port, seen
+
+    weights, seen = shares({"e4": 90, "e5": 30})
+    assert weights == {mac_i("h3"): 90, mac_i("h4"): 30}
+    assert 2.4 < seen[mac_i("h3")] / seen[mac_i("h4")] < 3.6, seen        # 3:1
+    weights, seen = shares({"e5": 25})
+    assert weights == {mac_i("h3"): schema.WEIGHT_DEFAULT, mac_i("h4"): 25}
+    weights, seen = shares({})
+    assert set(weights.values()) == {schema.WEIGHT_DEFAULT} and 0.8 < seen[mac_i("h3")] / seen[mac_i("h4")] < 1.25
+
+
+def test_range_weights_are_validated():
+    for bad, says in [({"e9": 5}, "names no helper of the range"), ({"e4": 0}, "out of range: an integer 1..65535"),
+                      ({"e4": 70000}, "1..65535"), ({"e4": 1.5}, "out of range"), ({"e4": True}, "out of range")]:
+        with pytest.raises(Exception, match=says):
+            schema.RangeRec(lo=0, hi=5, owner="e1", helpers=["e4"], weights=bad)
+    rec = schema.RangeRec(lo=0, hi=5, owner="e1", helpers=["e4"])
+    assert "weights" not in rec.to_json()                    # records without weights are unchanged
+    again = schema.RangeRec.from_json(schema.RangeRec(lo=0, hi=5, owner="e1", helpers=["e4"],
+                                                      weights={"e4": 7}).to_json())
+    assert again.weights == {"e4": 7} and again.weight("e4") == 7 and rec.weight("e4") == schema.WEIGHT_DEFAULT
+
+
 # -- shape of the output -------------------------------------------------------------------
 def test_vid_route_flow_count_is_the_sum_of_mask_covers():
     st, cfg, _ = build()

@@ -291,3 +291,94 @@ def test_parse_cache_reuses_unchanged_records_only():
     for its in (items(), moved, items()):
         a, b = plan_round(its, 5, empty(), cache=c2), plan_round(its, 5, empty())
         assert a.steps == b.steps and a.reports == b.reports
+
+
+# -- groups: stable ids, deleted one round after the flows stop using them -------------------------------------
+def helped(helpers_lo=("b", "c"), helpers_hi=(), epochs=(1, 2)) -> dict[str, bytes]:
+    """a owns the lower half, c the upper; each half optionally behind helpers (a select group on every switch)."""
+    out = items(rx="ovs")
+    for (lo, hi, owner), hs, ep in zip(((0, HALF, "a"), (HALF + 1, codec.KEY_MAX, "c")), (helpers_lo, helpers_hi),
+                                       epochs):
+        out[schema.range_key("kv", lo)] = schema.RangeRec(lo=lo, hi=hi, owner=owner, helpers=list(hs),
+                                                          epoch=ep).to_json().encode()
+    return out
+
+
+def groups_used(cfg) -> set[int]:
+    return {a[1] for f in cfg.flows.values() for a in f.actions if a[0] == "group"}
+
+
+def test_helpers_off_keeps_the_group_one_round_then_deletes_it():
+    """The defect of issue 8: the group must not go in the bundle that re-points its flows away from it."""
+    on = plan_round(helped(), 5, empty())
+    held = synced(on)
+    gids = {d: groups_used(c) for d, c in on.configs.items()}
+    assert all(len(g) == 1 for g in gids.values()) and on.held == {}
+    off = plan_round(helped(helpers_lo=(), epochs=(3, 2)), 6, held)
+    for c in off.commits:
+        assert c.plan.del_groups == [], f"switch {c.dpid}: group deleted with the route change: {c.plan.summary()}"
+        assert groups_used(c.want) == set() and set(c.want.groups) == gids[c.dpid]   # unused, still there
+        assert any(f.cookie and f in c.plan.add_flows for f in c.want.flows.values())  # the route did change
+    assert off.held == {d: tuple(sorted(g)) for d, g in gids.items()}
+    after = synced(off)
+    # the app holds them until a revalidation pass followed: a round meanwhile keeps them
+    again = plan_round(helped(helpers_lo=(), epochs=(3, 2)), 7, after, hold={d: set(g) for d, g in gids.items()})
+    assert again.commits == [] and again.held == off.held
+    # then they go, alone in their bundle
+    last = plan_round(helped(helpers_lo=(), epochs=(3, 2)), 7, after)
+    assert sorted(c.dpid for c in last.commits) == [S1, S2, S3] and last.held == {}
+    for c in last.commits:
+        assert c.plan.del_groups == sorted(gids[c.dpid]) and not c.plan.add_flows and not c.plan.removed
+        assert c.want.groups == {}
+
+
+def test_helpers_on_adds_the_group_with_the_flows_that_use_it():
+    held = synced(plan_round(helped(helpers_lo=()), 5, empty()))
+    on = plan_round(helped(epochs=(3, 2)), 6, held)
+    for c in on.commits:
+        assert [g.group_id for g in c.plan.add_groups] == sorted(groups_used(c.want)) and not c.plan.del_groups
+        assert on.held == {}
+
+
+def test_group_ids_stay_put_when_another_range_leaves_its_group():
+    both = plan_round(helped(helpers_hi=("a", "b")), 5, empty())
+    held = synced(both)
+    hi_gid = {d: next(a[1] for f in c.flows.values() if split_cookie(f.cookie)[2] == HALF + 1
+                      for a in f.actions if a[0] == "group") for d, c in both.configs.items()}
+    # The lower half goes direct: the compiler would now number the upper half's group 1 (compile order)
+    rnd = plan_round(helped(helpers_lo=(), helpers_hi=("a", "b"), epochs=(3, 2)), 6, held)
+    for c in rnd.commits:
+        assert not c.plan.mod_groups and not c.plan.add_groups and not c.plan.del_groups, c.plan.summary()
+        assert all(split_cookie(f.cookie)[2] != HALF + 1 for f in c.plan.add_flows), "upper half re-pointed"
+        assert hi_gid[c.dpid] in c.want.groups
+    # A group that comes while another is held takes an id the switch does not hold.
+    held = synced(rnd)
+    new = plan_round(helped(helpers_lo=("c", "b"), helpers_hi=("a", "b"), epochs=(4, 2)), 7, held,
+                     hold={d: set(g) for d, g in rnd.held.items()})
+    for c in new.commits:
+        added = [g.group_id for g in c.plan.add_groups]
+        assert len(added) == 1 and added[0] not in held[c.dpid][1], (added, sorted(held[c.dpid][1]))
+
+
+def test_groups_converge_through_random_helper_changes():
+    """Applied as OVS would, with the app's hold released after every round: every switch ends as wanted and no
+    group a flow still uses (on the switch before the bundle) is ever deleted."""
+    rng = random.Random(3)
+    held = empty()
+    choices = [(), ("b",), ("b", "c"), ("c", "a")]
+    for i in range(30):
+        its = helped(helpers_lo=rng.choice(choices), helpers_hi=rng.choice(choices), epochs=(2 * i + 1, 2 * i + 2))
+        rnd = plan_round(its, i, held)
+        for c in rnd.commits:
+            before = groups_used(type(c.want)(c.dpid, held[c.dpid][0], held[c.dpid][1]))
+            assert not set(c.plan.del_groups) & before, f"round {i}: deleted a group in use"
+            assert not {g.group_id for g in c.plan.mod_groups} & (before - groups_used(c.want)), \
+                f"round {i}: changed a group its flows are leaving"
+            held[c.dpid] = apply(c.plan, *held[c.dpid])
+        for d, cfg in rnd.configs.items():
+            assert held[d] == (cfg.flows, cfg.groups)
+    rnd = plan_round(its, 99, held)   # one more round: nothing held any more
+    for c in rnd.commits:
+        held[c.dpid] = apply(c.plan, *held[c.dpid])
+    for d, cfg in plan_round(its, 100, held).configs.items():
+        assert set(cfg.groups) == groups_used(cfg) and held[d][1] == cfg.groups

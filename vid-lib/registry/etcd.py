@@ -312,7 +312,8 @@ class Registry:
         raise NotFound(f"key {key:#x} of service {service!r} is in no range: the range map has a gap")
 
     def assign(self, service: str, rng: Range, owner: str, *, expect_epoch: int | None = None,
-               mirrors: list | None = None, helpers: list | None = None, state: str = "active") -> int:
+               mirrors: list | None = None, helpers: list | None = None, state: str = "active",
+               weights: dict | None = None) -> int:
         """Give ``rng`` of ``service`` to ``owner`` in one transaction; returns the etcd revision.
 
         Ranges that overlap ``rng`` are cut; the parts outside keep their owner.
@@ -336,12 +337,12 @@ class Registry:
         for r, _ in hit:
             for piece in r.range.subtract(rng):
                 rec = schema.RangeRec(lo=piece.lo, hi=piece.hi, owner=r.owner, mirrors=r.mirrors,
-                                      helpers=r.helpers, epoch=top + 1, state=r.state)
+                                      helpers=r.helpers, epoch=top + 1, state=r.state, weights=r.weights)
                 puts[schema.range_key(service, piece.lo)] = rec.to_json()
             deletes.append(schema.range_key(service, r.lo))
         new = schema.RangeRec(lo=rng.lo, hi=rng.hi, owner=owner, mirrors=list(mirrors or []),
                               helpers=list(helpers or []), epoch=top + 1,
-                              state=state if owner else "unassigned")
+                              state=state if owner else "unassigned", weights=dict(weights or {}))
         puts[schema.range_key(service, rng.lo)] = new.to_json()
         deletes = [k for k in deletes if k not in puts]
         ok, rev = self.txn([self.cmp_mod(schema.range_key(service, r.lo), m) for r, m in hit], puts, deletes)
@@ -362,8 +363,8 @@ class Registry:
         runs: list[list[tuple[schema.RangeRec, int]]] = []
         for rec, mod in current:
             last = runs[-1][-1][0] if runs else None
-            if last is not None and last.hi + 1 == rec.lo and (last.owner, last.mirrors, last.helpers, last.state) \
-                    == (rec.owner, rec.mirrors, rec.helpers, rec.state):
+            if last is not None and last.hi + 1 == rec.lo and (last.owner, last.mirrors, last.helpers, last.state, last.weights) \
+                    == (rec.owner, rec.mirrors, rec.helpers, rec.state, rec.weights):
                 runs[-1].append((rec, mod))
             else:
                 runs.append([(rec, mod)])
@@ -374,7 +375,8 @@ class Registry:
         for run in joins:
             first = run[0][0]
             new = schema.RangeRec(lo=first.lo, hi=run[-1][0].hi, owner=first.owner, mirrors=first.mirrors,
-                                  helpers=first.helpers, epoch=max(r.epoch for r, _ in run) + 1, state=first.state)
+                                  helpers=first.helpers, epoch=max(r.epoch for r, _ in run) + 1, state=first.state,
+                                  weights=first.weights)
             puts[schema.range_key(service, first.lo)] = new.to_json()
             for rec, mod in run:
                 compares.append(self.cmp_mod(schema.range_key(service, rec.lo), mod))

@@ -5,7 +5,7 @@
     /vfab/v1/services/<name>               Service   {id, layout}
     /vfab/v1/service-ids/<id>              <name>    (makes ids unique)
     /vfab/v1/endpoints/<service>/<name>    Endpoint  {mac, rx, host}   leased: lease = liveness
-    /vfab/v1/ranges/<service>/<lo:06x>     RangeRec  {lo, hi, owner, mirrors, helpers, epoch, state}
+    /vfab/v1/ranges/<service>/<lo:06x>     RangeRec  {lo, hi, owner, mirrors, helpers, epoch, state[, weights]}
     /vfab/v1/hosts/<mac>                   Host      {dpid, port, name}  where a MAC attaches
     /vfab/v1/switches/<dpid:016x>          Switch    {dpid, name}
     /vfab/v1/links/<dpid:016x>/<port>      Link      {dpid, port, peer_dpid, peer_port}
@@ -37,6 +37,8 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 MISS_POLICIES = ("drop", "controller", "flood")
 RX_MODES = ("ovs", "bpf", "promisc")
 RANGE_STATES = ("active", "unassigned", "moving")
+WEIGHT_DEFAULT = 100    # a helper's bucket weight when its range names none (the balancer's weights are 1..100)
+WEIGHT_MAX = 65535
 
 
 def check_name(kind: str, name: str) -> str:
@@ -228,6 +230,19 @@ class RangeRec(Record):
     helpers: list = field(default_factory=list)
     epoch: int = 0
     state: str = "active"
+    # Bucket weights of the helpers' select group, by helper name (OpenFlow's 16-bit weight, 1..65535); a helper
+    # not named here weighs WEIGHT_DEFAULT.  Written by the balancer (∝ spare capacity) or 'vfab helpers on
+    # --weight'.  Left out of the JSON when empty, so records without helpers read and compare as before.
+    weights: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        if not d["weights"]:
+            del d["weights"]
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
+
+    def weight(self, helper: str) -> int:
+        return self.weights.get(helper, WEIGHT_DEFAULT)
 
     def __post_init__(self) -> None:
         for n in ("lo", "hi", "epoch"):
@@ -240,6 +255,14 @@ class RangeRec(Record):
         _need("range", "helpers", self.helpers, list)
         for n in (*self.mirrors, *self.helpers):
             check_name("mirror/helper endpoint", n)
+        _need("range", "weights", self.weights, dict)
+        for n, w in self.weights.items():
+            if n not in self.helpers:
+                raise VidError(f"range weight for {n!r} names no helper of the range (helpers: "
+                               f"{', '.join(self.helpers) or 'none'}): weights are per helper")
+            if not isinstance(w, int) or isinstance(w, bool) or not 1 <= w <= WEIGHT_MAX:
+                raise VidError(f"range weight {w!r} of helper {n!r} is out of range: an integer 1..{WEIGHT_MAX} "
+                               "(OpenFlow's bucket weight; take a helper out instead of weighting it 0)")
         if self.state not in RANGE_STATES:
             raise VidError(f"range state {self.state!r} is unknown: {', '.join(RANGE_STATES)}")
 
