@@ -11,6 +11,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BENCHES = ["reroute.py", "reroute_busy.py", "own_flows.py", "flow_install.py", "routing_overhead.py", "filtered_receive.py", "kvs_throughput.py",
            "kvs_ops.py",
            "helper_batching.py",
+           "helper_activation.py",
+           "helper_failover.py",
+           "helper_throughput.py",
            "sdhcp_lease.py",
            "sdhcp_failover.py",
            "sdhcp_ops.py"]

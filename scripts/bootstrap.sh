@@ -10,7 +10,7 @@ HERE=$(cd "$(dirname "$0")/.." && pwd)
 DEBS=(openvswitch-switch openvswitch-common mininet etcd-server etcd-client libpcap0.8 libpcap-dev
       tcpdump ethtool iproute2 iputils-ping memcached redis-server python3-venv python3-dev busybox
       isc-dhcp-client dhcpcd-base gcc make libc6-dev
-      dpdk libdpdk-dev meson ninja-build pkg-config libmemcached-tools
+      dpdk libdpdk-dev dpdk-dev meson ninja-build pkg-config libmemcached-tools nutcracker
       kea-dhcp4-server kea-ctrl-agent kea-admin dnsmasq-base)
 
 if [ "$(id -u)" != 0 ]; then

@@ -1,17 +1,22 @@
-"""``make demo-helpers``: PostMan helpers switched in front of an unmodified memcached on a real fabric.
+"""``make demo-helpers``: the balancer switching PostMan helpers in front of an unmodified memcached, live.
 
 A ``line,2,3`` fabric (OVS userspace, os-ken, etcd, Mininet); memcached on vfh1 owns service ``mc`` (its
 UDP front door keys clients by address); helpers h1 (vfh2) and h2 (vfh5, across the trunk) run mc-helper on
 DPDK.  Clients on vfh3, vfh4, vfh6 (each standing for 4 client machines) send memcached UDP gets to vfh1's
 address and never change anything.  The demo prints, phase by phase:
 
-1. a burst straight at memcached: its CPU per get, latency, losses;
-2. the helpers switched in by one decision ``{service, range, helpers}`` applied through
-   ``control.apply_decision`` — the call the balancer (controller/balancer.py) makes when it sees a burst;
-   here it is made by hand — and how long the switches took;
-3. the same burst through the helpers: memcached's CPU per get, keys per multi-get, S and T;
-4. ``kill -9`` of h1 under the burst: its clients move to h2 with no reconnect; the longest pause;
-5. helpers off, everything torn down.
+1. a burst straight at memcached, no balancer: its CPU per get, latency, losses;
+2. ``vfab balancer run mc`` starts (its own process: memcached's ``stats`` every 0.1 s, the helpers' stats
+   files); the same burst again: the balancer's decisions appear live, with their reasons and when they
+   came after the burst began — helpers on (which, with what bucket weights), and off again after the calm
+   window once the burst is over; memcached's CPU per get while the helpers carried the burst;
+3. a burst during which h1's mc-helper is killed (``kill -9``) once the balancer has switched the helpers on:
+   its clients move to h2 with no reconnect; the longest pause;
+4. ``vfab balancer status mc`` and ``vfab helpers mc``; everything torn down.
+
+The balancer's trigger here is memcached's request rate (``rate_on``/``rate_off``, scaled to ``--rate``):
+this testbed cannot drive memcached near saturation, where the p99 model of controller/balancer.py decides
+(its docstring has the numbers).
 
 ``python -m vfab.services.memcached_helper.demo [--rate 4000] [--seconds 3]`` (root; builds nothing: run
 ``make helper`` first, ``make demo-helpers`` does both).
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 import time
 
 from click.testing import CliRunner
@@ -38,6 +44,14 @@ HELPER_OPTS = ("--idle-us", "50", "--conns", "1", "--t-max", "1000")
 
 def say(text: str = "") -> None:
     print(text, flush=True)
+
+
+def settings(rate: int) -> dict:
+    """The balancer's settings for a burst of ``rate`` gets/s per client host (3 hosts)."""
+    total = rate * len(CLIENTS)
+    return {"period": 0.1, "stale_after": 1.0, "min_interval": 0.5, "burst_window": 0.3, "calm_window": 1.5,
+            "min_on": 2.0, "min_off": 1.0, "rate_on": int(total * 0.5), "rate_off": int(total * 0.2),
+            "helper_capacity": int(total * 0.7)}
 
 
 def burst(mc: McFabric, bind: dict, rate: int, seconds: float, timeline: bool = False, during=None) -> dict:
@@ -63,7 +77,7 @@ def line(name: str, b: dict) -> str:
             f"wrong {b['wrong']}")
 
 
-def helper_line(mc: McFabric, before: dict, after: dict) -> str:
+def helper_line(before: dict, after: dict) -> str:
     out = []
     for n in sorted(after):
         d = {k: after[n].get(k, 0) - before.get(n, {}).get(k, 0) for k in after[n]}
@@ -73,6 +87,43 @@ def helper_line(mc: McFabric, before: dict, after: dict) -> str:
         out.append(f"  {n}: {s['gets']:,} gets in {s['batches']:,} multi-gets = {s['keys_per_batch']} keys each "
                    f"(histogram by keys {hist}); now S={s_now['S_bytes']} B, T={s_now['T_us']} µs")
     return "\n".join(out)
+
+
+class Decisions:
+    """Prints the balancer's decisions as they appear in etcd, timed from ``t0``; keeps them."""
+
+    def __init__(self, mc: McFabric):
+        self.mc, self.seen, self.t0 = mc, 0, time.time()
+        self.stop = threading.Event()
+        self.got: list[dict] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            ds = self.mc.decisions()
+            for d in ds[self.seen:]:
+                self.got.append(d)
+                who = ""
+                if d["action"] == "helpers_on":
+                    who = " -> " + ", ".join(f"{h} (weight {w})" for h, w in zip(d["helpers"], d["weights"]))
+                say(f"  [{d['at'] - self.t0:+6.2f} s] balancer: {d['action']}{who}: {d['reason']} "
+                    f"[{d.get('result', '?')}]")
+            self.seen = len(ds)
+            self.stop.wait(0.05)
+
+    def wait(self, action: str, timeout: float) -> dict | None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            hit = [d for d in self.got if d["action"] == action]
+            if hit:
+                return hit[-1]
+            time.sleep(0.05)
+        return None
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,55 +141,84 @@ def run(args: argparse.Namespace) -> int:
             say(f"helper {name} on {host}: mc-helper pid {run_.pid} (DPDK net_af_packet on "
                 f"{tb.hosts[host]['iface']}), announced with a lease")
         bind = {h: ",".join(mc.client_addresses(h, 4)) for h in CLIENTS}
-        say(f"clients: {len(CLIENTS)} hosts x 4 addresses x 8 sockets, open loop, {args.rate:,}/s per host")
+        say(f"clients: {len(CLIENTS)} hosts x 4 addresses x 32 sockets, open loop, {args.rate:,}/s per host")
         say()
-        say(f"1. burst straight at memcached ({args.seconds:.0f} s)")
+        say(f"1. burst straight at memcached, no balancer ({args.seconds:.0f} s)")
         direct = burst(mc, bind, args.rate, args.seconds)
         say(line("direct", direct))
         say()
-        decision = {"service": "mc", "range": None, "helpers": sorted(HELPERS)}
-        say(f"2. decision {decision} -> control.apply_decision (the balancer's hook)")
-        t0 = time.monotonic()
-        changes = control.apply_decision(tb.registry, decision)
-        took = tb.wait_revision(max(c.revision for c in changes))
-        say(f"  written in {(time.monotonic() - t0 - took) * 1e3:.1f} ms, on every switch {took * 1e3:.1f} ms "
-            "later; clients changed nothing")
-        say()
-        say(f"3. the same burst through the helpers ({args.seconds:.0f} s)")
-        before = {n: mc.stats(n) for n in HELPERS}
-        helped = burst(mc, bind, args.rate, args.seconds)
-        after = {n: mc.stats(n) for n in HELPERS}
-        say(line("through 2 helpers", helped))
-        say(helper_line(mc, before, after))
-        say(f"  memcached CPU per get: {direct['cpu_us']:.2f} -> {helped['cpu_us']:.2f} µs "
-            f"({direct['cpu_us'] / helped['cpu_us']:.1f}x less)")
-        res = CliRunner().invoke(_cli(), ["--etcd", tb.etcd_endpoint, "helpers", "mc"])
-        say(res.output.rstrip())
-        say()
-        say("4. kill -9 of h1's mc-helper under the burst")
+        cfg = settings(args.rate)
+        say(f"2. 'vfab balancer run mc' ({' '.join(f'{k}={v}' for k, v in cfg.items())})")
+        bal = mc.start_balancer(cfg)
+        while not mc.balancer_view():
+            if not bal.alive():
+                raise RuntimeError(f"the balancer exited:\n{bal.tail(30)}")
+            time.sleep(0.1)
+        time.sleep(1.0)
+        live = Decisions(mc)
+        say(f"  the same burst again ({args.seconds + 2:.0f} s); the balancer's decisions, timed from the burst's "
+            "start:")
         box: dict = {}
 
+        def measure_helped():
+            live.t0 = time.time()     # the burst's clients are running: decisions are timed from here
+            on = live.wait("helpers_on", args.seconds)
+            if on is None:
+                return box
+            time.sleep(0.3)
+            box["before"] = {n: mc.stats(n) for n in HELPERS}
+            box["cpu0"], box["udp0"] = mc.memcached_cpu_s(), mc.memcached_udp_in()
+            time.sleep(max(0.5, args.seconds + 2 - (time.time() - live.t0) - 0.3))
+            box["after"] = {n: mc.stats(n) for n in HELPERS}
+            box["cpu1"], box["udp1"] = mc.memcached_cpu_s(), mc.memcached_udp_in()
+            return box
+        helped = burst(mc, bind, args.rate, args.seconds + 2, during=_thread(measure_helped))
+        t_end = time.time()
+        say(line("with the balancer", helped))
+        if "after" in box:
+            gets = sum(box["after"][n].get("rx_get", 0) - box["before"][n].get("rx_get", 0) for n in HELPERS)
+            gets += box["udp1"] - box["udp0"]
+            cpu_us = (box["cpu1"] - box["cpu0"]) / gets * 1e6 if gets else float("nan")
+            say(helper_line(box["before"], box["after"]))
+            say(f"  memcached CPU per get while the helpers carried the burst: {cpu_us:.2f} µs "
+                f"(direct: {direct['cpu_us']:.2f} µs, {direct['cpu_us'] / cpu_us:.1f}x less)")
+        off = live.wait("helpers_off", 15)
+        if off:
+            say(f"  helpers went off {off['at'] - t_end:.2f} s after the burst's last request")
+        say()
+        say("3. a burst again; kill -9 of h1's mc-helper once the balancer has switched the helpers on")
+
         def kill_later():
-            time.sleep(min(2.0, args.seconds / 2))
+            live.t0 = time.time()
+            on = live.wait("helpers_on", max(args.seconds, 4.0))
+            if on is None:
+                return box
+            time.sleep(1.0)
             box["t_kill"] = mc.kill_helper("h1")
             box["t_gone"] = mc.endpoint_gone("h1", 5.0)
             return box
-        failed = burst(mc, bind, args.rate, max(args.seconds, 4.0), timeline=True, during=_thread(kill_later))
-        t_kill = box["t_kill"]
-        pause = max((g[2] for r in failed["res"] for g in r["gaps"] if g[1] <= t_kill + 0.05 and g[1] + g[2] >= t_kill),
-                    default=0.0)
+        box.clear()
+        n_before = len(live.got)
+        failed = burst(mc, bind, args.rate, max(args.seconds, 4.0) + 1, timeline=True, during=_thread(kill_later))
         say(line("h1 killed, h2 left", failed))
-        say(f"  h1's endpoint left etcd {(box['t_gone'] - t_kill) * 1e3:.0f} ms after the kill (its agent revoked "
-            f"the lease); longest pause of any client {pause * 1e3:.0f} ms (PostMan: 400 ms to reconnect)")
+        if "t_kill" in box:
+            t_kill = box["t_kill"]
+            pause = max((g[2] for r in failed["res"] for g in r["gaps"] if g[1] <= t_kill + 0.05
+                         and g[1] + g[2] >= t_kill), default=0.0)
+            say(f"  h1's endpoint left etcd {(box['t_gone'] - t_kill) * 1e3:.0f} ms after the kill (its agent revoked "
+                f"the lease); longest pause of any client {pause * 1e3:.0f} ms (PostMan: 400 ms to reconnect)")
+            mc.helpers.pop("h1", None)
+        elif len(live.got) == n_before:
+            say("  (the balancer did not switch the helpers on this time: no kill)")
         say(f"  live helpers now: {', '.join(control.live_helpers(tb.registry, 'mc'))}")
+        live.wait("helpers_off", 15)
+        live.close()
+        tb.sup.stop(bal)
         say()
-        say("5. helpers off")
-        changes = control.apply_decision(tb.registry, {"service": "mc", "helpers": []})
-        if changes:
-            tb.wait_revision(max(c.revision for c in changes))
-        calm = burst(mc, bind, args.rate // 4, 1.5)
-        say(line("direct again (calm)", calm))
-        mc.helpers.pop("h1", None)
+        say("4. what the balancer decided, and the helpers")
+        for cmd in (["balancer", "status", "mc"], ["helpers", "mc"]):
+            res = CliRunner().invoke(_cli(), ["--etcd", tb.etcd_endpoint, *cmd])
+            say(res.output.rstrip())
     finally:
         say("tearing down ...")
         tb.stop()
@@ -153,8 +233,6 @@ def _cli():
 
 def _thread(fn):
     """Run ``fn`` in a thread; ``burst`` calls the returned starter after its clients are started."""
-    import threading
-
     def start():
         t = threading.Thread(target=fn, daemon=True)
         t.start()

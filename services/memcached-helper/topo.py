@@ -14,6 +14,15 @@ address at memcached's MAC, ``steer("helper")`` at the helper's port MAC: that s
 front door, which rewrites the destination MAC of the service's UDP to a helper (DESIGN.md §3).  Clients
 are unmodified memcached UDP clients (``mcudp.py``, memcaslap): same address, same sockets either way.
 
+``helpers=N`` adds helper namespaces ``vfm-T-h1`` ... like the first, each with its own port on the bridge
+and its own TCP leg to memcached (10.78.i.2 -> 10.78.i.1); ``steer("helper", [0, 1])`` spreads the client
+namespaces over them in turn, as the front door's select group spreads client addresses.
+``start_twemproxy()`` runs twemproxy (Debian's ``nutcracker``, TCP only) in the first helper's namespace
+instead of mc-helper: its port gets 10.77.0.3 and clients reach it over TCP on 22122.
+
+``PairTopo`` is the throughput rig: one generator namespace wired straight to the helper's port (no bridge),
+memcached on the helper's TCP leg as above.
+
 Everything is named ``vfm-<tag>-*`` / ``vfm<tag>*`` and removed by ``destroy()``; processes are stopped by
 PID.  Needs root, iproute2 and ethtool.  (A harness: it belongs next to ``vfab.testbed`` in time.)
 """
@@ -34,6 +43,8 @@ SVC_IP = "10.77.0.1"
 SVC_PORT = 11211
 LEG_MC = "10.78.0.1"
 LEG_HELPER = "10.78.0.2"
+PROXY_IP = "10.77.0.3"      # twemproxy's listening address (on the first helper's port)
+PROXY_PORT = 22122
 HERE = os.path.dirname(os.path.abspath(__file__))
 MCUDP = os.path.join(HERE, "mcudp.py")
 DPDK_DIR = os.path.join(HERE, "dpdk")
@@ -59,29 +70,66 @@ def build_helper(build_dir: str) -> str:
     return os.path.join(build_dir, "meson", "mc-helper")
 
 
+def build_blast(build_dir: str) -> str:
+    """``make -C dpdk blast BUILD=build_dir``: the raw get generator (mch_blast.c); returns its path."""
+    res = subprocess.run(["make", "-C", DPDK_DIR, f"BUILD={build_dir}", "blast"], capture_output=True, text=True,
+                         timeout=120)
+    if res.returncode != 0:
+        raise TopoError(f"building mch_blast failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    return os.path.join(build_dir, "mch_blast")
+
+
 class HelperTopo:
-    def __init__(self, workdir: str, clients: int = 2, tag: str | None = None, pin: str | None = None):
+    def __init__(self, workdir: str, clients: int = 2, tag: str | None = None, pin: str | None = None,
+                 helpers: int = 1):
         """``pin``: CPU list for memcached and the clients (taskset), e.g. "0" with the helper on lcore 1, so
-        the polling helper does not compete with them for one core."""
+        the polling helper does not compete with them for one core.  ``helpers``: helper namespaces."""
+        if not 1 <= helpers <= 8:
+            raise TopoError(f"helpers={helpers}: the topology holds 1 to 8 helper namespaces")
         self.tag = tag or uuid.uuid4().hex[:5]
         self.pin = ["taskset", "-c", pin] if pin else []
         self.workdir = workdir
         os.makedirs(workdir, exist_ok=True)
         self.sup = Supervisor(os.path.join(workdir, "logs"))
         t = self.tag
-        self.ns_sw, self.ns_mc, self.ns_h = f"vfm-{t}-sw", f"vfm-{t}-mc", f"vfm-{t}-h"
+        sfx = [""] + [str(i) for i in range(1, helpers)]   # helper 0 keeps the historical names
+        self.ns_sw, self.ns_mc = f"vfm-{t}-sw", f"vfm-{t}-mc"
+        self.ns_hs = [f"vfm-{t}-h{x}" for x in sfx]
+        self.if_hs = [f"vfm{t}h{x}" for x in sfx]
+        self.if_mc_legs = [f"vfm{t}mk{x}" for x in sfx]
+        self.if_h_legs = [f"vfm{t}hk{x}" for x in sfx]
+        self.leg_mc = [f"10.78.{i}.1" for i in range(helpers)]
+        self.leg_helper = [f"10.78.{i}.2" for i in range(helpers)]
+        self.ns_h, self.if_h, self.if_mc_leg, self.if_h_leg = self.ns_hs[0], self.if_hs[0], self.if_mc_legs[0], \
+            self.if_h_legs[0]
         self.ns_c = [f"vfm-{t}-c{i}" for i in range(clients)]
         self.br = f"vfm{t}br"
         self.if_c = [f"vfm{t}c{i}" for i in range(clients)]
-        self.if_mc, self.if_h = f"vfm{t}m", f"vfm{t}h"
-        self.if_mc_leg, self.if_h_leg = f"vfm{t}mk", f"vfm{t}hk"
+        self.if_mc = f"vfm{t}m"
         self.client_ips = [f"10.77.0.{11 + i}" for i in range(clients)]
         self.made: list[str] = []
         self.memcached: Proc | None = None
-        self.helper: Proc | None = None
-        self.helper_prefix = f"vfm{t}"
-        self.stats_path = os.path.join(workdir, "helper.stats")
-        self.mac_mc = self.mac_h = ""
+        self.helpers: list[Proc | None] = [None] * helpers
+        self.twemproxy: Proc | None = None
+        self.helper_prefixes = [f"vfm{t}{'h' + x if x else ''}" for x in sfx]
+        self.helper_prefix = self.helper_prefixes[0]
+        self.stats_paths = [os.path.join(workdir, f"helper{x}.stats") for x in sfx]
+        self.stats_path = self.stats_paths[0]
+        self.mac_mc = ""
+        self.mac_hs: list[str] = [""] * helpers
+
+    @property
+    def helper(self) -> Proc | None:
+        """The first helper's process (None when it is not running)."""
+        return self.helpers[0]
+
+    @helper.setter
+    def helper(self, proc: Proc | None) -> None:
+        self.helpers[0] = proc
+
+    @property
+    def mac_h(self) -> str:
+        return self.mac_hs[0]
 
     # ------------------------------------------------------------------ namespaces
 
@@ -106,15 +154,24 @@ class HelperTopo:
         self.ns(self.ns_sw, "ip", "link", "set", dev, "master", self.br)
         self.ns(self.ns_sw, "ip", "link", "set", dev, "up")
 
+    def link(self, ns: str, dev: str) -> dict[str, int]:
+        """The interface's counters (``ip -s link``: rx/tx bytes and packets, drops), as rx_bytes, tx_packets..."""
+        st = json.loads(self.ns(ns, "ip", "-j", "-s", "link", "show", dev))[0]["stats64"]
+        return {f"{d}_{k}": v for d in ("rx", "tx") for k, v in st[d].items() if isinstance(v, int)}
+
     def mac(self, ns: str, dev: str) -> str:
         return json.loads(self.ns(ns, "ip", "-j", "link", "show", dev))[0]["address"]
 
-    def create(self) -> None:
+    @staticmethod
+    def _require() -> None:
         if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("ethtool") is None:
             raise TopoError("the helper topology needs root, iproute2 and ethtool (scripts/bootstrap.sh)")
+
+    def create(self) -> None:
+        self._require()
         t = self.tag
         try:
-            for name in (self.ns_sw, self.ns_mc, self.ns_h, *self.ns_c):
+            for name in (self.ns_sw, self.ns_mc, *self.ns_hs, *self.ns_c):
                 self._netns(name)
             # br_netfilter (if loaded) would drop frames with bad IPv4 headers before they reach the helper;
             # a switch does not look at them (OVS does not), so the bad-input tests need them delivered
@@ -131,31 +188,43 @@ class HelperTopo:
             self._veth(self.if_mc, self.ns_mc, f"vfm{t}pm", self.ns_sw)
             self._port(f"vfm{t}pm")
             self.ns(self.ns_mc, "ip", "addr", "add", f"{SVC_IP}/24", "dev", self.if_mc)
-            self._veth(self.if_h, self.ns_h, f"vfm{t}ph", self.ns_sw)
-            self._port(f"vfm{t}ph")
-            self._veth(self.if_mc_leg, self.ns_mc, self.if_h_leg, self.ns_h)
-            self.ns(self.ns_mc, "ip", "addr", "add", f"{LEG_MC}/24", "dev", self.if_mc_leg)
-            self.ns(self.ns_h, "ip", "addr", "add", f"{LEG_HELPER}/24", "dev", self.if_h_leg)
+            for i, ns in enumerate(self.ns_hs):
+                port = f"vfm{t}p{self.if_hs[i][len(f'vfm{t}'):]}"     # vfmTph, vfmTph1, ...
+                self._veth(self.if_hs[i], ns, port, self.ns_sw)
+                self._port(port)
+                self._leg(i)
+                self.mac_hs[i] = self.mac(ns, self.if_hs[i])
             self.mac_mc = self.mac(self.ns_mc, self.if_mc)
-            self.mac_h = self.mac(self.ns_h, self.if_h)
         except Exception:
             self.destroy()
             raise
 
-    def steer(self, mode: str) -> None:
-        """Clients' frames for the service address go to memcached ("direct") or to the helper ("helper")."""
-        mac = {"direct": self.mac_mc, "helper": self.mac_h}[mode]
+    def _leg(self, i: int) -> None:
+        """Helper i's TCP leg to memcached: its own veth and /24 (10.78.i.0)."""
+        self._veth(self.if_mc_legs[i], self.ns_mc, self.if_h_legs[i], self.ns_hs[i])
+        self.ns(self.ns_mc, "ip", "addr", "add", f"{self.leg_mc[i]}/24", "dev", self.if_mc_legs[i])
+        self.ns(self.ns_hs[i], "ip", "addr", "add", f"{self.leg_helper[i]}/24", "dev", self.if_h_legs[i])
+
+    def steer(self, mode: str, helpers: list[int] | None = None) -> None:
+        """Clients' frames for the service address go to memcached ("direct") or to the helpers ("helper"):
+        client namespace i to helper ``helpers[i % len(helpers)]`` (default: all to helper 0)."""
+        if mode not in ("direct", "helper"):
+            raise TopoError(f"steer({mode!r}): mode is 'direct' or 'helper'")
+        order = helpers or [0]
         for i, ns in enumerate(self.ns_c):
+            mac = self.mac_mc if mode == "direct" else self.mac_hs[order[i % len(order)]]
             self.ns(ns, "ip", "neigh", "replace", SVC_IP, "lladdr", mac, "dev", self.if_c[i], "nud", "permanent")
 
     def destroy(self) -> None:
-        if self.helper is not None:
-            self.stop_helper()
+        for i, proc in enumerate(self.helpers):
+            if proc is not None:
+                self.stop_helper(index=i)
         self.sup.stop_all()
         for name in reversed(self.made):
             sh("ip", "netns", "del", name, check=False)
         self.made.clear()
-        shutil.rmtree(f"/var/run/dpdk/{self.helper_prefix}", ignore_errors=True)
+        for prefix in self.helper_prefixes:
+            shutil.rmtree(f"/var/run/dpdk/{prefix}", ignore_errors=True)
 
     def leftovers(self) -> list[str]:
         """Namespaces of this topology still present (should be none after destroy)."""
@@ -177,48 +246,86 @@ class HelperTopo:
         out = self.ns(self.ns_mc, "ss", "-ltnH", f"sport = :{SVC_PORT}", check=False)
         return bool(out.strip())
 
-    def helper_cmd(self, binary: str, lcores: str = "1", args: tuple[str, ...] = (), mem_mb: int = 64) -> list[str]:
+    def helper_cmd(self, binary: str, lcores: str = "1", args: tuple[str, ...] = (), mem_mb: int = 64,
+                   index: int = 0) -> list[str]:
         nq = len(parse_lcores(lcores))
         # 4096 frames per ring (default 512): a burst of clients must not overrun the kernel's rx ring
-        vdev = f"net_af_packet0,iface={self.if_h},framecnt=4096" + (f",qpairs={nq}" if nq > 1 else "")
-        return ["ip", "netns", "exec", self.ns_h, binary, "-l", lcores, "--no-huge", "--no-pci", "-m", str(mem_mb),
-                f"--file-prefix={self.helper_prefix}", f"--vdev={vdev}", "--log-level=user1,info", "--",
-                "--service", f"{SVC_IP}:{SVC_PORT}", "--memcached", f"{LEG_MC}:{SVC_PORT}",
-                "--stats-file", self.stats_path, "--stats-ms", "50", *args]
+        vdev = f"net_af_packet0,iface={self.if_hs[index]},framecnt=4096" + (f",qpairs={nq}" if nq > 1 else "")
+        return ["ip", "netns", "exec", self.ns_hs[index], binary, "-l", lcores, "--no-huge", "--no-pci", "-m",
+                str(mem_mb), f"--file-prefix={self.helper_prefixes[index]}", f"--vdev={vdev}",
+                "--log-level=user1,info", "--", "--service", f"{SVC_IP}:{SVC_PORT}", "--memcached",
+                f"{self.leg_mc[index]}:{SVC_PORT}", "--stats-file", self.stats_paths[index], "--stats-ms", "50",
+                *args]
 
     def start_helper(self, binary: str, lcores: str = "1", args: tuple[str, ...] = (),
-                     env: dict | None = None) -> Proc:
-        if os.path.exists(self.stats_path):
-            os.unlink(self.stats_path)
-        self.helper = self.sup.start("helper", self.helper_cmd(binary, lcores, args), env=env)
+                     env: dict | None = None, index: int = 0) -> Proc:
+        """mc-helper in helper namespace ``index``; returns once its TCP connections are up."""
+        if os.path.exists(self.stats_paths[index]):
+            os.unlink(self.stats_paths[index])
+        name = "helper" if index == 0 else f"helper{index}"
+        proc = self.helpers[index] = self.sup.start(name, self.helper_cmd(binary, lcores, args, index=index),
+                                                    env=env)
 
         def up() -> bool:
-            if not self.helper.alive():
-                raise TopoError(f"mc-helper exited ({self.helper.popen.returncode}):\n{self.helper.tail(40)}")
-            st = self.stats()
+            if not proc.alive():
+                raise TopoError(f"mc-helper exited ({proc.popen.returncode}):\n{proc.tail(40)}")
+            st = self.stats(index)
             return bool(st) and st.get("conns_up") == st.get("conns")
-        wait_for(up, 20, f"mc-helper's connections to memcached up (stats {self.stats_path})")
-        return self.helper
+        wait_for(up, 20, f"mc-helper's connections to memcached up (stats {self.stats_paths[index]})")
+        return proc
 
-    def stop_helper(self, sig: int = signal.SIGTERM) -> int | None:
-        """Stop the helper by PID; its exit code (0 after a clean SIGTERM)."""
-        proc, self.helper = self.helper, None
+    def stop_helper(self, sig: int = signal.SIGTERM, index: int = 0) -> int | None:
+        """Stop helper ``index`` by PID; its exit code (0 after a clean SIGTERM)."""
+        proc, self.helpers[index] = self.helpers[index], None
         rc = self.sup.stop(proc, sig=sig, grace=10) if proc else None
-        shutil.rmtree(f"/var/run/dpdk/{self.helper_prefix}", ignore_errors=True)
+        shutil.rmtree(f"/var/run/dpdk/{self.helper_prefixes[index]}", ignore_errors=True)
         return rc
 
-    def stats(self) -> dict[str, int]:
+    def start_twemproxy(self, cpus: str = "1", extra_conf: str = "") -> Proc:
+        """twemproxy (nutcracker) in the first helper's namespace, listening on PROXY_IP:PROXY_PORT (TCP) and
+        forwarding to memcached over that namespace's leg.  The first helper must not be running (same port)."""
+        if self.helpers[0] is not None:
+            raise TopoError("twemproxy takes the first helper's port: stop mc-helper first")
+        binary = shutil.which("nutcracker") or "/usr/sbin/nutcracker"
+        if not os.path.exists(binary):
+            raise TopoError("twemproxy not found: install Debian's nutcracker (scripts/bootstrap.sh)")
+        conf = os.path.join(self.workdir, "twemproxy.yml")
+        with open(conf, "w") as fh:
+            fh.write(f"vfm:\n  listen: {PROXY_IP}:{PROXY_PORT}\n  hash: fnv1a_64\n  distribution: ketama\n"
+                     f"  timeout: 2000\n  redis: false\n  server_connections: 1\n{extra_conf}"
+                     f"  servers:\n   - {self.leg_mc[0]}:{SVC_PORT}:1\n")
+        self.ns(self.ns_h, "ip", "addr", "replace", f"{PROXY_IP}/24", "dev", self.if_h)
+        self.twemproxy = self.sup.start("twemproxy", ["ip", "netns", "exec", self.ns_h, "taskset", "-c", cpus, binary,
+                                                      "-c", conf, "-s", "22222", "-a", "127.0.0.1", "-v", "4"])
+
+        def up() -> bool:
+            if not self.twemproxy.alive():
+                raise TopoError(f"nutcracker exited ({self.twemproxy.popen.returncode}):\n{self.twemproxy.tail()}")
+            return bool(self.ns(self.ns_h, "ss", "-ltnH", f"sport = :{PROXY_PORT}", check=False).strip())
+        wait_for(up, 10, f"twemproxy listening on {PROXY_IP}:{PROXY_PORT} in {self.ns_h}")
+        return self.twemproxy
+
+    def stop_twemproxy(self) -> int | None:
+        proc, self.twemproxy = self.twemproxy, None
+        rc = self.sup.stop(proc) if proc else None
+        self.ns(self.ns_h, "ip", "addr", "del", f"{PROXY_IP}/24", "dev", self.if_h, check=False)
+        return rc
+
+    def proxy(self) -> str:
+        return f"{PROXY_IP}:{PROXY_PORT}"
+
+    def stats(self, index: int = 0) -> dict[str, int]:
         try:
-            with open(self.stats_path) as fh:
+            with open(self.stats_paths[index]) as fh:
                 return {k: int(v) for k, v in (line.split() for line in fh if line.strip())}
         except FileNotFoundError:
             return {}
 
-    def wait_stats(self, pred, timeout: float, what: str) -> dict[str, int]:
+    def wait_stats(self, pred, timeout: float, what: str, index: int = 0) -> dict[str, int]:
         box: dict = {}
 
         def ok() -> bool:
-            box["st"] = self.stats()
+            box["st"] = self.stats(index)
             return bool(box["st"]) and pred(box["st"])
         try:
             wait_for(ok, timeout, what)
@@ -274,6 +381,35 @@ class HelperTopo:
 
     def server(self) -> str:
         return f"{SVC_IP}:{SVC_PORT}"
+
+
+class PairTopo(HelperTopo):
+    """The throughput rig::
+
+        vfm-T-c0  vfmTc0 --veth-- vfmTh  vfm-T-h (the device under test: mc-helper or testpmd)
+                                          vfmThk 10.78.0.2 --veth-- 10.78.0.1 vfm-T-mc (memcached)
+
+    No bridge and no other port: a generator in vfm-T-c0 (``dpdk/mch_blast.c``) sends straight to the device
+    under test, and what it sends back is counted on vfmTc0 (rx_packets).
+    """
+
+    def __init__(self, workdir: str, tag: str | None = None, pin: str | None = None):
+        super().__init__(workdir, clients=1, tag=tag, pin=pin, helpers=1)
+
+    def create(self) -> None:
+        self._require()
+        try:
+            for name in (self.ns_mc, self.ns_h, self.ns_c[0]):
+                self._netns(name)
+            self._veth(self.if_c[0], self.ns_c[0], self.if_h, self.ns_h)
+            self._leg(0)
+            self.mac_hs[0] = self.mac(self.ns_h, self.if_h)
+        except Exception:
+            self.destroy()
+            raise
+
+    def steer(self, mode: str, helpers: list[int] | None = None) -> None:
+        raise TopoError("PairTopo has no front door to steer: the generator is wired to the helper's port")
 
 
 def finish(p: subprocess.Popen, timeout: float) -> dict:

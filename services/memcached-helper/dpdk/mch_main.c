@@ -70,7 +70,7 @@ static uint64_t mono_ms(void)
 static void write_stats(struct mch_app *a)
 {
 	if (a->cfg.stats_file[0] &&
-	    mch_stats_write(a->cfg.stats_file, a->w, a->nw, mono_ms() - a->t0_ms) != 0)
+	    mch_stats_write(a->cfg.stats_file, a->w, a->nw, mono_ms() - a->t0_ms, a->port) != 0)
 		RTE_LOG(WARNING, MCH, "cannot write %s: %s\n", a->cfg.stats_file,
 			strerror(errno));
 }

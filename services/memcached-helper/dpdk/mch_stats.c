@@ -8,6 +8,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include <rte_ethdev.h>
+
 /* sum of one uint64_t field at byte offset off over all workers */
 static uint64_t sum_at(struct mch_worker *const *w, uint32_t nw, size_t off)
 {
@@ -100,9 +102,10 @@ static void write_conns(FILE *f, struct mch_worker *const *w, uint32_t nw)
 }
 
 int mch_stats_write(const char *path, struct mch_worker *const *w, uint32_t nw,
-		    uint64_t uptime_ms)
+		    uint64_t uptime_ms, uint16_t port)
 {
 	char tmp[300];
+	struct rte_eth_stats ps;
 	FILE *f;
 	uint32_t i, k;
 
@@ -136,6 +139,13 @@ int mch_stats_write(const char *path, struct mch_worker *const *w, uint32_t nw,
 		fprintf(f, "lcore_%u_tx_frames %llu\n", i, (unsigned long long)w[i]->c.tx_frames);
 		fprintf(f, "lcore_%u_peers_used %u\n", i, w[i]->peers_used);
 	}
+	/* only this thread asks the port for its counters */
+	if (rte_eth_stats_get(port, &ps) == 0)
+		fprintf(f, "port_ipackets %llu\nport_imissed %llu\nport_ierrors %llu\n"
+			"port_opackets %llu\nport_oerrors %llu\n",
+			(unsigned long long)ps.ipackets, (unsigned long long)ps.imissed,
+			(unsigned long long)ps.ierrors, (unsigned long long)ps.opackets,
+			(unsigned long long)ps.oerrors);
 	if (fclose(f) != 0)
 		return -1;
 	return rename(tmp, path);

@@ -12,6 +12,9 @@
  *   batch_S_bytes batch_T_ns   mean over connections that are up
  *   conn_<lcore>_<i>_{state,S_bytes,T_ns,S_moves,T_moves,inflight}
  *   lcore_<n>_{rx_frames,tx_frames,peers_used}
+ *   port_{ipackets,imissed,ierrors,opackets,oerrors}   the port's own counters
+ *                          (net_af_packet: imissed = frames the kernel dropped
+ *                          because the rx ring was full)
  */
 #ifndef MCH_STATS_H
 #define MCH_STATS_H
@@ -22,6 +25,6 @@
 
 /* Write one snapshot to path (via path.tmp).  0 or -1 (errno set). */
 int mch_stats_write(const char *path, struct mch_worker *const *w, uint32_t nw,
-		    uint64_t uptime_ms);
+		    uint64_t uptime_ms, uint16_t port);
 
 #endif /* MCH_STATS_H */

@@ -1,0 +1,135 @@
+"""Pieces the PostMan-helper benchmarks share (bench/helper_*.py): loading the helper package, CPU time of a
+process and of one CPU's interrupt work, and a CPU cap (a cpu cgroup) for a device under test."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from contextlib import contextmanager
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HELPER_DIR = os.path.join(os.path.dirname(HERE), "services", "memcached-helper")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def helper_pkg():
+    """vfab.services.memcached_helper (loaded from its folder if setup.py does not map it)."""
+    try:
+        import vfab.services.memcached_helper as pkg
+    except ImportError:
+        spec = importlib.util.spec_from_file_location("vfab.services.memcached_helper",
+                                                      os.path.join(HELPER_DIR, "__init__.py"),
+                                                      submodule_search_locations=[HELPER_DIR])
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = pkg
+        spec.loader.exec_module(pkg)
+    return pkg
+
+
+@contextmanager
+def quiet_machine(name: str):
+    """Hold the machine's testbed lock (vfab.testbed.fabric) while measuring: these benchmarks compare CPU
+    seconds on a 2-core machine, and another run's fabric testbed on the same cores would be in every number.
+    (It does not stop work that takes no lock.)"""
+    from vfab.testbed.fabric import acquire_lock, release_lock
+    t0 = time.monotonic()
+    acquire_lock()
+    if time.monotonic() - t0 > 1:
+        print(f"{name}: waited {time.monotonic() - t0:.0f} s for the machine's testbed lock", flush=True)
+    try:
+        yield
+    finally:
+        release_lock()
+
+
+def ksoftirqd_pid(cpu: int) -> int:
+    """The PID of ``ksoftirqd/<cpu>``: the kernel thread that runs a CPU's deferred packet work when the
+    interrupted task cannot (its time is a packet program's cost too)."""
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/comm") as fh:
+                    if fh.read().strip() == f"ksoftirqd/{cpu}":
+                        return int(pid)
+            except OSError:
+                continue
+    raise RuntimeError(f"no ksoftirqd/{cpu} thread")
+
+
+def cpu_irq_s(cpu: int) -> float:
+    """Seconds CPU ``cpu`` spent in hard and soft interrupts so far (/proc/stat).  Without IRQ time accounting
+    (Debian's default: tick based) this time is also in the stime of the task the interrupt ran in."""
+    with open("/proc/stat") as fh:
+        for line in fh:
+            if line.startswith(f"cpu{cpu} "):
+                f = line.split()
+                return (int(f[6]) + int(f[7])) / CLK_TCK
+    raise RuntimeError(f"/proc/stat has no line for cpu{cpu}")
+
+
+class CpuCap:
+    """A cpu cgroup that caps its processes at ``share`` of one CPU (CFS bandwidth: quota per period).
+
+    cgroup v1 (``/sys/fs/cgroup/cpu``, cpu.cfs_quota_us) or v2 (``/sys/fs/cgroup`` with the cpu controller,
+    cpu.max).  Named ``vfm-<tag>-cap``; ``remove()`` moves its processes back and deletes it.
+    """
+
+    V1 = "/sys/fs/cgroup/cpu"
+    V2 = "/sys/fs/cgroup"
+
+    def __init__(self, tag: str, share: float, period_us: int = 10000):
+        if not 0.01 <= share <= 1.0:
+            raise ValueError(f"CPU share {share}: must be in 0.01..1 of one CPU")
+        self.period_us, self.quota_us = period_us, int(period_us * share)
+        if os.path.exists(os.path.join(self.V1, "cpu.cfs_quota_us")):
+            self.root, self.v2 = self.V1, False
+        elif "cpu" in _read(os.path.join(self.V2, "cgroup.controllers"), "").split():
+            self.root, self.v2 = self.V2, True
+        else:
+            raise RuntimeError("no cpu cgroup controller (cgroup v1 /sys/fs/cgroup/cpu or v2 cpu.max): the CPU "
+                               "cap needs one; run with --share 1 to measure without a cap")
+        self.path = os.path.join(self.root, f"vfm-{tag}-cap")
+        os.makedirs(self.path, exist_ok=True)
+        if self.v2:
+            _write(os.path.join(self.path, "cpu.max"), f"{self.quota_us} {self.period_us}")
+        else:
+            _write(os.path.join(self.path, "cpu.cfs_period_us"), str(self.period_us))
+            _write(os.path.join(self.path, "cpu.cfs_quota_us"), str(self.quota_us))
+
+    def add(self, pid: int) -> None:
+        """Move a process (all its threads) into the cap."""
+        _write(os.path.join(self.path, "cgroup.procs"), str(pid))
+
+    def throttled(self) -> int:
+        """Periods in which the cap stopped its processes so far."""
+        for line in _read(os.path.join(self.path, "cpu.stat"), "").splitlines():
+            k, _, v = line.partition(" ")
+            if k == "nr_throttled":
+                return int(v)
+        return 0
+
+    def remove(self) -> None:
+        for pid in _read(os.path.join(self.path, "cgroup.procs"), "").split():
+            try:
+                _write(os.path.join(self.root, "cgroup.procs"), pid)
+            except OSError:
+                pass
+        try:
+            os.rmdir(self.path)
+        except OSError:
+            pass
+
+
+def _read(path: str, default: str) -> str:
+    try:
+        with open(path) as fh:
+            return fh.read()
+    except OSError:
+        return default
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(text)

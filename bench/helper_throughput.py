@@ -1,0 +1,213 @@
+"""Helper throughput per core: mc-helper against dpdk-testpmd io-forward on the same af_packet vdev, same run.
+
+Rig (services/memcached-helper/topo.py PairTopo): a generator namespace wired by one veth straight to the
+device under test (DUT) — either mc-helper or dpdk-testpmd ``--forward-mode=io``, both ``--no-huge
+--no-pci --vdev=net_af_packet0,iface=<port>,framecnt=4096``, one forwarding lcore on CPU 1 — and for the
+helper, memcached (``-t 1``, CPU 0) on its TCP leg, preloaded with every key asked.  The generator
+(``dpdk/mch_blast.c``, CPU 0) sends the frames a Linux memcached client sends — single-key ``get`` of 1,000
+keys (64-byte values), UDP checksums, 256 source ports — as fast as it can, to the port's MAC, from a MAC
+that is not its own: what comes back (helper replies, testpmd's forwarded frames) is dropped by the
+generator's kernel before IP and counted on its interface.
+
+Throughput, the unit both get: **frames out per CPU-second of the DUT** — for the helper, single-key gets
+answered (one request frame in, one reply frame out, the same frame count per unit as io-forward's frame in,
+frame out); CPU-second = the DUT process's user + system time (/proc; tick-based accounting, so the kernel's
+packet work done in its context — its own sends into the veth — is in it) plus ksoftirqd on its CPU.
+memcached is not the bottleneck: it answers multi-gets of ~100 keys on the other CPU (its CPU share is
+printed, ~0.1 of a core).
+
+Why a CPU cap: on this 2-core machine one core cannot offer more than ~0.4-0.5 M frames/s (the kernel's copy
+into the DUT's ring runs on the sender's core), and both DUTs keep up with that, so a busy-polling DUT's
+CPU-second says nothing.  Each DUT is therefore run twice: *open* (no cap: does it keep up with what the
+generator offers?) and *capped* at ``--share`` of CPU 1 (a cpu cgroup, 10 ms period): then it cannot keep up,
+its ring overflows (it sends back less than offered), and frames out / CPU-second is its throughput per
+core.  Counters are read over a window inside each generator run (after 0.5 s), so the DUT is in its steady
+state throughout.  Rounds
+alternate the order of the DUTs.
+
+Run: ``/opt/vfab-venv/bin/python bench/helper_throughput.py [--smoke] [--rounds 3] [--duration 4]
+[--share 0.25]`` (root).  Results: bench/results/helper_throughput[-smoke].json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(HERE))
+
+from bench.common import parser, write  # noqa: E402
+from bench.helper_common import CpuCap, cpu_irq_s, helper_pkg, ksoftirqd_pid, quiet_machine  # noqa: E402
+
+DUT_CPU = 1
+KEYS, PREFIX, VALUE = 1000, "k", 64
+GOAL = 0.8
+WARMUP, TAIL = 0.5, 0.3      # seconds of each generator run before and after the measured window
+
+
+def start_testpmd(t, sup_name: str = "testpmd"):
+    """testpmd io-forward on the DUT port: main lcore 0 (idle: prints stats every second), forwarding lcore 1."""
+    from vfab.services.memcached_helper import topo
+    prefix = f"{t.helper_prefix}tp"
+    cmd = ["ip", "netns", "exec", t.ns_h, "dpdk-testpmd", "-l", f"0,{DUT_CPU}", "--no-huge", "--no-pci", "-m", "256",
+           f"--file-prefix={prefix}", f"--vdev=net_af_packet0,iface={t.if_h},framecnt=4096", "--",
+           "--total-num-mbufs=8192", "--forward-mode=io", "--port-topology=loop", "-a", "--stats-period", "1"]
+    proc = t.sup.start(sup_name, cmd)
+
+    def ready() -> bool:
+        if not proc.alive():
+            raise topo.TopoError(f"dpdk-testpmd exited ({proc.popen.returncode}):\n{proc.tail(30)}")
+        return "Port statistics" in proc.tail(200)
+    topo.wait_for(ready, 30, "dpdk-testpmd forwarding (its first stats report)")
+    return proc, prefix
+
+
+def blast(t, binary: str, duration: float) -> subprocess.Popen:
+    cmd = ["ip", "netns", "exec", t.ns_c[0], "taskset", "-c", "0", binary, "--iface", t.if_c[0], "--dst-mac",
+           t.mac_h, "--dst", t.server(), "--keys", str(KEYS), "--prefix", PREFIX, "--duration", str(duration)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def measure(t, topo, binary: str, dut: str, pid: int, window: float, capped: bool, cap: CpuCap | None) -> dict:
+    """One generator run against the DUT (pid).  Counters are read over ``window`` seconds inside the run (after
+    WARMUP, before its end), so the DUT is in its steady state throughout: frames offered and sent back, the DUT's
+    CPU; frames back per DUT CPU-second."""
+    mc, softirqd = t.memcached.pid, ksoftirqd_pid(DUT_CPU)
+    gen = blast(t, binary, WARMUP + window + TAIL)
+    time.sleep(WARMUP)
+
+    def snap() -> tuple:
+        return (time.monotonic(), t.link(t.ns_c[0], t.if_c[0]), topo.proc_cpu_s(pid) + topo.proc_cpu_s(softirqd),
+                cpu_irq_s(DUT_CPU), topo.proc_cpu_s(mc), t.stats() if dut == "helper" else {},
+                cap.throttled() if cap else 0)
+    a = snap()
+    time.sleep(window)
+    b = snap()
+    out, err = gen.communicate(timeout=WARMUP + window + TAIL + 30)
+    if gen.returncode != 0:
+        raise RuntimeError(f"mch_blast failed ({gen.returncode}): {err.strip()}")
+    g = json.loads(out)
+    el = b[0] - a[0]
+    sent, back = b[1]["tx_packets"] - a[1]["tx_packets"], b[1]["rx_packets"] - a[1]["rx_packets"]
+    cpu, irq = b[2] - a[2], b[3] - a[3]
+    row = {"dut": dut, "capped": capped, "window_s": round(el, 3), "offered_pps": round(sent / el),
+           "returned_pps": round(back / el), "kept_up": round(back / max(sent, 1), 4),
+           "dut_cpu_share": round(cpu / el, 3), "dut_cpu_irq_share": round(irq / el, 3),
+           "frames_per_cpu_s": round(back / max(cpu, 1e-9)),
+           "memcached_cpu_share": round((b[4] - a[4]) / el, 3),
+           "throttled_periods": b[6] - a[6], "generator": g}
+    if dut == "helper":
+        d = {k: b[5].get(k, 0) - a[5].get(k, 0) for k in ("rx_frames", "tx_frames", "w_done", "b_cmds", "b_keys",
+                                                          "drop_busy", "drop_peers", "tx_drop", "tx_nombuf",
+                                                          "w_abort_miss", "loops", "rx_bursts")}
+        row.update({"helper": d, "keys_per_multiget": round(d["b_keys"] / max(d["b_cmds"], 1), 1),
+                    "frames_per_rx_burst": round(d["rx_frames"] / max(d["rx_bursts"], 1), 1)})
+    return row
+
+
+def report(r: dict) -> dict:
+    extra = f", {r['keys_per_multiget']} keys/multi-get" if r["dut"] == "helper" else ""
+    print(f"{r['dut']:>7} {'capped' if r['capped'] else 'open':>6}: offered {r['offered_pps']:>7}/s, back "
+          f"{r['returned_pps']:>7}/s (kept up {r['kept_up']:.3f}), DUT CPU {r['dut_cpu_share']:.2f} of a core "
+          f"(irq {r['dut_cpu_irq_share']:.2f} of it) -> {r['frames_per_cpu_s']:>7} frames/CPU-s; memcached "
+          f"{r['memcached_cpu_share']:.2f}{extra}", flush=True)
+    return r
+
+
+def run(t, topo, binary: str, gen: str, rounds: int, duration: float, share: float, rows: list[dict]) -> int:
+    """The rounds: each DUT open, then capped; rows appended as they come.  The helper's exit code."""
+    rc = 0
+    cap = None
+    t.create()
+    try:
+        cap = CpuCap(t.tag, share)
+        t.start_memcached()
+        t.preload(KEYS, prefix=PREFIX, value_size=VALUE)
+        for rnd in range(rounds):
+            order = ("testpmd", "helper") if rnd % 2 == 0 else ("helper", "testpmd")
+            for dut in order:
+                if dut == "testpmd":
+                    proc, prefix = start_testpmd(t)
+                else:
+                    proc = t.start_helper(binary, str(DUT_CPU), ())
+                try:
+                    rows.append(report(measure(t, topo, gen, dut, proc.pid, duration, False, None)))
+                    cap.add(proc.pid)
+                    rows.append(report(measure(t, topo, gen, dut, proc.pid, duration, True, cap)))
+                finally:
+                    if dut == "testpmd":
+                        t.sup.stop(proc)
+                        shutil.rmtree(f"/var/run/dpdk/{prefix}", ignore_errors=True)
+                    else:
+                        rc |= t.stop_helper() or 0
+    finally:
+        if cap is not None:
+            cap.remove()
+        t.destroy()
+    return rc
+
+
+def main() -> int:
+    ap = parser(__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=None, help="rounds, DUT order alternating (default 3; smoke 1)")
+    ap.add_argument("--duration", type=float, default=None,
+                    help="seconds measured per generator run (default 4; smoke 1)")
+    ap.add_argument("--share", type=float, default=0.25,
+                    help="CPU cap of the DUT in the capped runs, fraction of one CPU (default 0.25)")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("helper_throughput: needs root (namespaces, DPDK af_packet, a cpu cgroup)", file=sys.stderr)
+        return 1
+    if subprocess.run(["sh", "-c", "command -v dpdk-testpmd"], capture_output=True).returncode != 0:
+        print("helper_throughput: dpdk-testpmd not found: install Debian's dpdk-dev (scripts/bootstrap.sh)",
+              file=sys.stderr)
+        return 1
+    rounds = args.rounds or (1 if args.smoke else 3)
+    duration = args.duration or (1.0 if args.smoke else 4.0)
+    helper_pkg()
+    from vfab.services.memcached_helper import topo
+    work = tempfile.mkdtemp(prefix="vfab-bench-mcht-")
+    binary = topo.build_helper(os.path.join(work, "build"))
+    gen = topo.build_blast(os.path.join(work, "build"))
+    t = topo.PairTopo(os.path.join(work, "run"), pin="0")
+    rows: list[dict] = []
+    with quiet_machine("helper_throughput"):
+        rc = run(t, topo, binary, gen, rounds, duration, args.share, rows)
+
+    def med(dut: str, key: str, capped: bool) -> float:
+        xs = [r[key] for r in rows if r["dut"] == dut and r["capped"] == capped]
+        return statistics.median(xs) if xs else 0.0
+    tp, hp = med("testpmd", "frames_per_cpu_s", True), med("helper", "frames_per_cpu_s", True)
+    ratio = round(hp / max(tp, 1e-9), 3)
+    summary = {
+        "testpmd_frames_per_cpu_s": round(tp), "helper_gets_per_cpu_s": round(hp),
+        "helper_over_testpmd": ratio, "goal": GOAL, "goal_met": ratio >= GOAL,
+        "ratio_per_round": [round(h["frames_per_cpu_s"] / max(p["frames_per_cpu_s"], 1), 3) for h, p in
+                            zip([r for r in rows if r["dut"] == "helper" and r["capped"]],
+                                [r for r in rows if r["dut"] == "testpmd" and r["capped"]])],
+        "open_offered_pps": round(med("testpmd", "offered_pps", False)),
+        "open_kept_up": {"testpmd": med("testpmd", "kept_up", False), "helper": med("helper", "kept_up", False)},
+        "capped_saturated": all(r["kept_up"] < 0.98 for r in rows if r["capped"]),
+    }
+    print(f"throughput per core (capped at {args.share} of CPU {DUT_CPU}): testpmd io-forward {round(tp)} frames/"
+          f"CPU-s, mc-helper {round(hp)} gets/CPU-s: {ratio:.2f} of testpmd (goal {GOAL}); open: both offered "
+          f"~{summary['open_offered_pps']}/s, kept up {summary['open_kept_up']}")
+    params = {"smoke": args.smoke, "rounds": rounds, "duration_s": duration, "share": args.share,
+              "dut_cpu": DUT_CPU, "keys": KEYS, "value_bytes": VALUE, "generator": "mch_blast, CPU 0, 256 ports",
+              "memcached": "-t 1, CPU 0", "helper": "defaults (busy poll, 2 conns), lcore 1",
+              "testpmd": "--forward-mode=io --port-topology=loop, forwarding lcore 1", "helper_exit": rc}
+    write("helper_throughput", params, {"runs": rows, "summary": summary}, args.out)
+    bad = [r for r in rows if r["returned_pps"] == 0 or (r["dut"] == "helper" and r["helper"]["w_abort_miss"])]
+    return 1 if bad or rc != 0 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
