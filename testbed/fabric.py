@@ -18,6 +18,7 @@ import fcntl
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -221,6 +222,8 @@ class Testbed:
         if self.etcd is not None:
             step("stop etcd", self.etcd.stop)
             self.etcd = None
+        if self.own_workdir and not os.environ.get("VFAB_KEEP_WORKDIR"):
+            step("workdir data", self._prune_workdir)
         try:
             if self.record is not None:
                 # Whatever the steps above missed (a step failed, the start was cut short).
@@ -236,6 +239,15 @@ class Testbed:
             if self._locked:
                 self._locked = False
                 release_lock()
+
+    def _prune_workdir(self) -> None:
+        """Remove the folders of the run's own workdir (etcd's data, the services' stores: up to ~0.8 GB a run)
+        and keep its files and ``logs/`` (what an operator reads after a failure).  Every run used to leave it
+        all in /tmp; ``VFAB_KEEP_WORKDIR=1`` still does."""
+        for entry in os.scandir(self.workdir):
+            if entry.is_dir(follow_symlinks=False) and entry.name != "logs":
+                shutil.rmtree(entry.path, ignore_errors=True)
+        log.info("testbed logs kept in %s (VFAB_KEEP_WORKDIR=1 keeps the data too)", self.workdir)
 
     def __enter__(self) -> "Testbed":
         return self.start()
