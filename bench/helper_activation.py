@@ -105,9 +105,16 @@ def helper_first_rx(mc, names, t_from: float, t_to: float, poll: list) -> float 
     return None
 
 
+START_AHEAD = 0.4   # s: every client process is up (namespace entered, sockets bound) before the common start
+
+
 def burst(mc, bind: dict, rate: int, seconds: float) -> list:
+    """The client hosts' processes, all sending from one instant (``--start-at``): started one after another
+    they ramped the burst up over 40-140 ms, and the balancer's reaction was mostly that ramp."""
+    start = time.time() + START_AHEAD
     return [mc.client(h, "load", "--clients", "16", "--rate", str(rate), "--duration", str(seconds), "--keys",
-                      str(KEYS), "--drain", "1.0", "--bind", bind[h], "--timeline", "0.05", "--gap-min", "1")
+                      str(KEYS), "--drain", "1.0", "--bind", bind[h], "--timeline", "0.05", "--gap-min", "1",
+                      "--start-at", f"{start:.6f}")
             for h in CLIENTS]
 
 
@@ -115,7 +122,10 @@ def summarise(res: list) -> dict:
     return {"sent": sum(r["sent"] for r in res), "answered": sum(r["answered"] for r in res),
             "lost": sum(r["lost"] for r in res), "wrong": sum(r["wrong"] for r in res),
             "p50_us": max(r.get("p50_us", 0) for r in res), "p99_us": max(r.get("p99_us", 0) for r in res),
-            "onset": min(r["t0_wall"] for r in res) if all("t0_wall" in r for r in res) else None}
+            "onset": min(r["t0_wall"] for r in res) if all("t0_wall" in r for r in res) else None,
+            # the client hosts' processes start one after another: the last starts this long after the onset
+            "start_spread_ms": round((max(r["t0_wall"] for r in res) - min(r["t0_wall"] for r in res)) * 1e3, 1)
+            if all("t0_wall" in r for r in res) else None}
 
 
 def watch_helpers(mc, stop: threading.Event, out: list) -> None:
@@ -145,6 +155,7 @@ def one(mc, tb, bind, args, variant: str, settings: dict) -> dict:
         if variant == "balancer_1obs":
             settings = dict(settings, burst_window=0.0)
         bal = mc.start_balancer(settings)
+        bal_cpu0, bal_t0 = topo.proc_cpu_s(bal.pid), time.monotonic()
         deadline = time.monotonic() + 30
         while not mc.balancer_view() and time.monotonic() < deadline:   # its first round published
             time.sleep(0.05)
@@ -193,10 +204,14 @@ def one(mc, tb, bind, args, variant: str, settings: dict) -> dict:
             (w.samples[-1][1] - next(c for t, c in w.samples if t >= carry)) if carry else None})
     finally:
         if bal is not None:
+            # the balancer's own CPU, polling every period (a share of one core over the variant)
+            row["balancer_cpu_share"] = round((topo.proc_cpu_s(bal.pid) - bal_cpu0) / (time.monotonic() - bal_t0), 3)
             tb.sup.stop(bal)
     print(f"  {variant:<9} onset->decision {row.get('onset_to_decision_ms')} ms, decision->carrying "
           f"{row.get('decision_to_carrying_ms')} ms, onset->carrying {row.get('onset_to_carrying_ms')} ms; "
-          f"p99 {row['p99_us']:,.0f} µs, lost {row['lost']}/{row['sent']}, wrong {row['wrong']}", flush=True)
+          f"p99 {row['p99_us']:,.0f} µs, lost {row['lost']}/{row['sent']}, wrong {row['wrong']}; clients started "
+          f"over {row.get('start_spread_ms')} ms" + (f"; balancer CPU {row['balancer_cpu_share']:.1%} of a core"
+                                                     if "balancer_cpu_share" in row else ""), flush=True)
     return row
 
 
@@ -205,7 +220,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=5, help="bursts per variant (default 5; --smoke: 1)")
     ap.add_argument("--rate", type=int, default=3000, help="gets/s per client host during the burst (3 hosts)")
     ap.add_argument("--seconds", type=float, default=None, help="burst length (default 3; --smoke 2)")
-    ap.add_argument("--period", type=float, default=0.05, help="the balancer's period in s (default 0.05)")
+    ap.add_argument("--period", type=float, default=0.02, help="the balancer's period in s (default 0.02)")
     ap.add_argument("--burst-window", type=float, default=None,
                     help="s the rate must stay above rate_on (default: one period, i.e. two observations)")
     ap.add_argument("--binary", default=None, help="mc-helper (default: the one 'make helper' built, else built now)")

@@ -80,7 +80,9 @@ class BalancerConfigError(ValueError):
 
 @dataclass(frozen=True)
 class BalancerConfig:
-    period: float = 1.0               # s between observations (the runner's tick)
+    period: float = 1.0               # s between observations (the runner's tick): the helpee's own stats
+    etcd_every: float = 0.25          # s between reads of the range map, endpoints, operations and load reports
+                                      # (and status writes); each period when the period is longer
     stale_after: float = 5.0          # s: observations older than this count as missing
     min_interval: float = 2.0         # s between two decisions of one service (rate limit)
     op_dwell: float = 10.0            # s a range is left alone after it changed (split, merge, helpers, new epoch)
@@ -123,7 +125,8 @@ class BalancerConfig:
             if not lo <= v <= hi:
                 raise BalancerConfigError(f"balancer setting {name} = {v}{unit} is out of range: {lo}..{hi}{unit}")
 
-        within("period", 0.05, 60, " s")
+        within("period", 0.01, 60, " s")
+        within("etcd_every", 0.01, 60, " s")
         for name in ("stale_after", "min_interval", "op_dwell", "retry_after", "burst_window", "calm_window", "min_on", "min_off",
                      "split_window", "merge_window"):
             within(name, 0, 3600, " s")

@@ -38,7 +38,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vfab.controller.balancer import (Balancer, BalancerConfig, Decision, EndpointObs, HelperObs, RangeObs,
                                       ServiceObs)
@@ -166,6 +166,10 @@ class Runner:
         self.threads: list[threading.Thread] = []
         self.runner = f"{socket.gethostname()}:{os.getpid()}"
         self.apply_helpers = apply_helpers
+        # etcd's part of each service's observation (when read, what), reused for cfg.etcd_every: a fast period
+        # reads only the helpee's stats (a burst is seen within a period or two), not six etcd ranges a round
+        self.etcd_view: dict[str, tuple[float, tuple]] = {}
+        self.published: dict[str, float] = {}
 
     # -- one round ----------------------------------------------------------------------------------------
     def tick(self) -> list[Decision]:
@@ -181,9 +185,13 @@ class Runner:
         decisions = self.policy.decide(now, observed)
         for d in decisions:
             self.apply(d)
+        decided = {d.service for d in decisions}
         for src in self.services:
-            self.publish(src.name, now, problems.get(src.name, []), next((o for o in observed
-                                                                          if o.name == src.name), None))
+            if src.name in decided or problems.get(src.name) or \
+                    not 0 <= now - self.published.get(src.name, -math.inf) < self.cfg.etcd_every:
+                self.publish(src.name, now, problems.get(src.name, []), next((o for o in observed
+                                                                              if o.name == src.name), None))
+                self.published[src.name] = now
         return decisions
 
     def run(self, stop: threading.Event, duration: float | None = None) -> None:
@@ -200,6 +208,33 @@ class Runner:
 
     # -- observations ---------------------------------------------------------------------------------------
     def observe(self, src: ServiceSources, now: float, problems: list[str]) -> ServiceObs:
+        name = src.name
+        seen = self.etcd_view.get(name)
+        if seen is None or not 0 <= now - seen[0] < self.cfg.etcd_every:
+            seen = (now, self._from_etcd(src, now, problems))
+            self.etcd_view[name] = seen
+        ranges, eps, robs, busy_eps = seen[1]
+        with self.lock:
+            pending = list(self.pending[name])
+        if pending:
+            robs = tuple(replace(r, busy=True) if any(b.overlaps(Range(r.lo, r.hi)) for b in pending) else r
+                         for r in robs)
+        endpoints = {}
+        for ep_name, where in src.memcached.items():
+            endpoints[ep_name] = self.memcached_obs(name, ep_name, where, now, problems)
+        helpers = {}
+        for h, path in src.helpers.items():
+            if h in eps:
+                helpers[h] = self.helper_obs(name, h, path, now, problems)
+        used = {r.owner for r in ranges} | {m for r in ranges for m in r.mirrors}
+        spares = tuple(sorted(n for n, e in eps.items() if e.ctl and n not in used and n not in src.helpers
+                              and n not in busy_eps))
+        stateful = any(e.ctl for e in eps.values())
+        return ServiceObs(name, ranges=robs, endpoints=endpoints, helpers=helpers, spares=spares,
+                          stateful=stateful)
+
+    def _from_etcd(self, src: ServiceSources, now: float, problems: list[str]) -> tuple:
+        """(range records, endpoints, RangeObs, busy endpoints) of a service as etcd has them now."""
         reg, cfg, name = self.reg, self.cfg, src.name
         svc = reg.service(name)
         ranges = [r for r, _ in reg.ranges(name)]
@@ -213,8 +248,6 @@ class Runner:
                         busy_ranges.append(Range(int(rr[0]), int(rr[1])))
                     except (TypeError, ValueError, IndexError):
                         continue
-        with self.lock:
-            busy_ranges += list(self.pending[name])
         loads = {}
         try:
             for ep_name, load in reg.loads(name).items():
@@ -238,19 +271,7 @@ class Runner:
             robs.append(RangeObs(r.lo, r.hi, r.owner if r.state != "unassigned" else "", epoch=r.epoch,
                                  helpers=tuple(r.helpers), mirrors=tuple(r.mirrors), state=r.state, rate=rate,
                                  keys=got[0] if got else None, busy=busy))
-        endpoints = {}
-        for ep_name, where in src.memcached.items():
-            endpoints[ep_name] = self.memcached_obs(name, ep_name, where, now, problems)
-        helpers = {}
-        for h, path in src.helpers.items():
-            if h in eps:
-                helpers[h] = self.helper_obs(name, h, path, now, problems)
-        used = {r.owner for r in ranges} | {m for r in ranges for m in r.mirrors}
-        spares = tuple(sorted(n for n, e in eps.items() if e.ctl and n not in used and n not in src.helpers
-                              and n not in busy_eps))
-        stateful = any(e.ctl for e in eps.values())
-        return ServiceObs(name, ranges=tuple(robs), endpoints=endpoints, helpers=helpers, spares=spares,
-                          stateful=stateful)
+        return ranges, eps, tuple(robs), busy_eps
 
     def switch_rates(self, sid: int, now: float, problems: list[str]) -> dict[int, float]:
         """{range lo: packets/s summed over switches} from the controller's fresh counter reports."""
@@ -289,8 +310,9 @@ class Runner:
         except (OSError, VfabError, KeyError, ValueError) as exc:
             problems.append(f"memcached stats of {ep} at {where.host}:{where.port}: {exc}")
             return EndpointObs(ep)
-        cpu = self.rates.rate(("mc-cpu", service, ep), now, cpu_s)
-        served = self.rates.rate(("mc-req", service, ep), now, reqs)
+        t = self.clock()   # when the counters were read (an etcd read may have come first this round)
+        cpu = self.rates.rate(("mc-cpu", service, ep), t, cpu_s)
+        served = self.rates.rate(("mc-req", service, ep), t, reqs)
         return EndpointObs(ep, cpu=cpu, served=served, cores=max(threads, 1.0))
 
     def helper_obs(self, service: str, h: str, path: str, now: float, problems: list[str]) -> HelperObs:
@@ -301,12 +323,14 @@ class Runner:
         except OSError as exc:
             problems.append(f"stats file of helper {h}: {exc}")
             return HelperObs(h)
-        rate = self.rates.rate(("h-rx", service, h), now, st.get("rx_dgrams", 0.0))
-        drops = self.rates.rate(("h-drop", service, h), now, sum(st.get(k, 0.0) for k in HELPER_DROPS))
+        t = self.clock()
+        rate = self.rates.rate(("h-rx", service, h), t, st.get("rx_dgrams", 0.0))
+        drops = self.rates.rate(("h-drop", service, h), t, sum(st.get(k, 0.0) for k in HELPER_DROPS))
         return HelperObs(h, rate=rate, drops=drops or 0.0)
 
     # -- applying --------------------------------------------------------------------------------------------
     def apply(self, d: Decision) -> None:
+        self.etcd_view.pop(d.service, None)   # the next round sees what this changed
         entry = d.to_dict()
         entry["result"] = "requested"
         log.warning("balancer: %s %s %s: %s", d.service, d.action,

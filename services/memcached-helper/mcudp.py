@@ -262,6 +262,8 @@ def cmd_load(args) -> dict:
     stats = {"sent": 0, "answered": 0, "wrong": 0, "missed": 0, "framing": 0, "lost": 0, "sources": set(),
              "lat": []}
     seq = 0
+    if args.start_at:  # several processes (hosts) begin at one instant: a burst's onset, not a ramp
+        time.sleep(max(0.0, args.start_at - time.time()))
     t0 = time.monotonic()
     t0_wall = time.time()
     # --timeline BIN: answers per BIN s, and every pause of a client's answers longer than --gap-min
@@ -675,6 +677,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeline", type=float, default=0.0, metavar="BIN",
                    help="report answers per BIN s and pauses of each client's answers (0: off)")
     p.add_argument("--gap-min", type=float, default=0.05, help="pauses longer than this are reported (s)")
+    p.add_argument("--start-at", type=float, default=0.0, metavar="EPOCH",
+                   help="begin sending at this wall-clock time (time.time()), so processes start together")
     p.add_argument("--tcp", action="store_true",
                    help="clients are TCP connections (text protocol, pipelined), e.g. to twemproxy at --server")
     p = sub.add_parser("order", help="per-client order of set and get")

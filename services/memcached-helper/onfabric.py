@@ -190,7 +190,19 @@ class McFabric:
         proc = self.tb.sup.start("balancer", [sys.executable, "-m", "vfab.cli", "--etcd", self.tb.etcd_endpoint,
                                               "-v", *self.balancer_args(settings)], stdout=out)
         out.close()
-        return proc
+        # Up once it has published a round of its own (runner host:pid); a balancer that refused its settings
+        # exits at once, and every measurement after that would silently be of no balancer at all.
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            got = self.tb.registry.get(schema.balancer_key(self.service))
+            if got and schema.BalancerStatus.from_json(got[0]).runner.endswith(f":{proc.pid}"):
+                return proc
+            if not proc.alive():
+                with open(proc.logpath, errors="replace") as fh:
+                    tail = fh.read()[-2000:]
+                raise RuntimeError(f"'vfab balancer run' exited ({proc.popen.returncode}) at start:\n{tail}")
+            time.sleep(0.02)
+        raise RuntimeError(f"'vfab balancer run' (pid {proc.pid}) published no round within 15 s: see {proc.logpath}")
 
     def decisions(self) -> list[dict]:
         """The balancer's decisions for this service as published in etcd (oldest first)."""

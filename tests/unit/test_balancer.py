@@ -438,7 +438,7 @@ def test_two_services_are_independent():
 @pytest.mark.parametrize("changes, words", [
     ({"p99_off_us": 600.0}, ["p99_off_us", "below p99_on_us", "hysteresis"]),
     ({"merge_rate": 600.0}, ["merge_rate", "half of split_rate", "<= 500"]),
-    ({"period": 0.0}, ["period", "0.05..60"]),
+    ({"period": 0.0}, ["period", "0.01..60"]),
     ({"stale_after": 0.5, "period": 1.0}, ["stale_after", "make it >= period"]),
     ({"percentile": 1.0}, ["percentile", "0.5..0.9999"]),
     ({"max_helpers": 0}, ["max_helpers", "1..64"]),
@@ -576,3 +576,40 @@ def test_runner_observes_etcd_applies_helpers_and_publishes(registry):
     assert run.decisions["mc"][-1]["result"].startswith("failed: ")
     res = CliRunner().invoke(cli, ["--etcd", registry.endpoint, "balancer", "status", "nosuch"])
     assert res.exit_code == 1 and "does not exist" in res.output
+
+
+def test_runner_reads_etcd_every_etcd_every_and_the_helpee_every_period(registry, monkeypatch):
+    """A fast period reads only the helpee's counters: etcd's part of the observation (six reads) is reused for
+    etcd_every and the status written as often; a decision makes the next round read etcd again."""
+    from vfab.controller.balancer import Decision
+    from vfab.controller.balancer_run import Runner, ServiceSources
+    from vfab.vid.ranges import Range
+    from vfab.vid.registry import schema as sch
+
+    registry.create_service("mc")
+    for i, name in enumerate(("m", "h1")):
+        registry.announce(sch.Endpoint(service="mc", name=name, mac=f"02:00:00:00:00:0{i + 1}"), ttl=10)
+    registry.assign("mc", Range(0, KEY_MAX), "m")
+    reads, clock = [], {"t": 1000.0}
+    real = registry.ranges
+    monkeypatch.setattr(registry, "ranges", lambda *a, **k: reads.append(clock["t"]) or real(*a, **k))
+    cfg = dataclasses.replace(CFG, period=0.02, etcd_every=0.25, stale_after=5.0)
+    run = Runner(registry, [ServiceSources("mc", helpers={"h1": ""})], cfg, clock=lambda: clock["t"])
+
+    def status_at() -> float:
+        return sch.BalancerStatus.from_json(registry.get(sch.balancer_key("mc"))[0]).at
+
+    for t in (1000.0, 1000.02, 1000.04, 1000.2):
+        clock["t"] = t
+        obs = run.observe(run.services[0], t, [])
+        assert [r.owner for r in obs.ranges] == ["m"] and set(obs.helpers) == {"h1"}
+        run.tick()
+    assert reads == [1000.0] and status_at() == 1000.0
+    clock["t"] = 1000.3
+    run.tick()
+    assert reads == [1000.0, 1000.3] and status_at() == 1000.3
+    clock["t"] = 1000.32
+    run.apply(Decision("helpers_on", "mc", ((0, KEY_MAX),), "a test burst", clock["t"], owner="m",
+                       helpers=("h1",), weights=(100,)))
+    obs = run.observe(run.services[0], clock["t"], [])
+    assert reads[-1] == 1000.32 and obs.ranges[0].helpers == ("h1",)
