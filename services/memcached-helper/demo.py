@@ -49,7 +49,7 @@ def say(text: str = "") -> None:
 def settings(rate: int) -> dict:
     """The balancer's settings for a burst of ``rate`` gets/s per client host (3 hosts)."""
     total = rate * len(CLIENTS)
-    return {"period": 0.1, "stale_after": 1.0, "min_interval": 0.5, "burst_window": 0.3, "calm_window": 1.5,
+    return {"period": 0.02, "stale_after": 1.0, "min_interval": 0.5, "burst_window": 0.02, "calm_window": 1.5,
             "min_on": 2.0, "min_off": 1.0, "rate_on": int(total * 0.5), "rate_off": int(total * 0.2),
             "helper_capacity": int(total * 0.7)}
 
@@ -58,9 +58,11 @@ def burst(mc: McFabric, bind: dict, rate: int, seconds: float, timeline: bool = 
     """Open-loop gets from every client host at ``rate``/s each; memcached's CPU per answered get."""
     cpu0 = mc.memcached_cpu_s()
     extra = ["--timeline", "0.05", "--gap-min", "0.04"] if timeline else []
+    start = time.time() + 0.4   # every client host sends from this instant: a burst's onset, not a ramp
     procs = [mc.client(h, "load", "--clients", "32", "--rate", str(rate), "--duration", str(seconds), "--keys",
-                       str(KEYS), "--bind", bind[h], "--drain", "1.0", *extra) for h in CLIENTS]
-    side = during() if during else None
+                       str(KEYS), "--bind", bind[h], "--drain", "1.0", "--start-at", f"{start:.6f}", *extra)
+             for h in CLIENTS]
+    side = during(start) if during else None
     res = [topo.finish(p, seconds + 60) for p in procs]
     cpu = mc.memcached_cpu_s() - cpu0
     answered = sum(r["answered"] for r in res)
@@ -160,8 +162,9 @@ def run(args: argparse.Namespace) -> int:
             "start:")
         box: dict = {}
 
-        def measure_helped():
-            live.t0 = time.time()     # the burst's clients are running: decisions are timed from here
+        def measure_helped(start: float):
+            live.t0 = start           # the burst's first request: decisions are timed from here
+            time.sleep(max(0.0, start - time.time()))
             on = live.wait("helpers_on", args.seconds)
             if on is None:
                 return box
@@ -188,8 +191,9 @@ def run(args: argparse.Namespace) -> int:
         say()
         say("3. a burst again; kill -9 of h1's mc-helper once the balancer has switched the helpers on")
 
-        def kill_later():
-            live.t0 = time.time()
+        def kill_later(start: float):
+            live.t0 = start
+            time.sleep(max(0.0, start - time.time()))
             on = live.wait("helpers_on", max(args.seconds, 4.0))
             if on is None:
                 return box
@@ -233,8 +237,8 @@ def _cli():
 
 def _thread(fn):
     """Run ``fn`` in a thread; ``burst`` calls the returned starter after its clients are started."""
-    def start():
-        t = threading.Thread(target=fn, daemon=True)
+    def start(at: float):
+        t = threading.Thread(target=fn, args=(at,), daemon=True)
         t.start()
         return t
     return start
