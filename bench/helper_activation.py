@@ -40,7 +40,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 
@@ -49,11 +48,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(HERE))
 
 from bench.common import parser, write  # noqa: E402
+from bench.helper_common import (FABRIC_CLIENTS, FABRIC_HELPER_OPTS, FABRIC_HELPERS, FABRIC_KEYS,  # noqa: E402
+                                 helper_fabric)
 
-CLIENTS = ("vfh3", "vfh4", "vfh6")
-HELPERS = {"h1": "vfh2", "h2": "vfh5"}
-KEYS = 2000
-HELPER_OPTS = ("--idle-us", "50", "--conns", "1", "--t-max", "1000")
+CLIENTS, HELPERS, KEYS, HELPER_OPTS = FABRIC_CLIENTS, FABRIC_HELPERS, FABRIC_KEYS, FABRIC_HELPER_OPTS
 VARIANTS = ("direct", "balancer", "balancer_1obs", "by_hand")
 
 
@@ -230,34 +228,16 @@ def main() -> int:
         return 1
     repeat = 1 if args.smoke else args.repeat
     args.seconds = args.seconds or (2.0 if args.smoke else 3.0)
-    from vfab.services.memcached_helper import agent
-    from vfab.services.memcached_helper.onfabric import McFabric
-    from vfab.testbed.fabric import Testbed
     settings = {"period": args.period, "stale_after": max(1.0, args.period * 4), "min_interval": 0.2,
                 "burst_window": args.period if args.burst_window is None else args.burst_window, "calm_window": 1.0, "min_on": 1.0, "min_off": 0.5,
                 "rate_on": int(args.rate * len(CLIENTS) * 0.5), "rate_off": int(args.rate * len(CLIENTS) * 0.2),
                 "helper_capacity": args.rate * len(CLIENTS)}
-    binary = args.binary or agent.DEFAULT_BINARY
-    if not os.path.exists(binary):   # not built by 'make helper': build it for this run (as CI's smoke run does)
-        from vfab.services.memcached_helper import topo
-        binary = topo.build_helper(tempfile.mkdtemp(prefix="vfab-bench-mch-"))
-    tb = Testbed("line,2,3", poll=1.0)
-    rows: list[dict] = []
-    tb.start()
-    try:
-        mc = McFabric(tb, "mc", "vfh1", binary=binary)
-        mc.start_memcached()
-        mc.preload("vfh3", KEYS)
-        for name, host in HELPERS.items():
-            mc.start_helper(name, host, extra=HELPER_OPTS, stats_ms=10)
-        bind = {h: ",".join(mc.client_addresses(h, 4)) for h in CLIENTS}
-        tb.wait_revision(tb.registry.state_revision())
+    with helper_fabric(args.binary, stats_ms=10) as (tb, mc, bind):
+        rows: list[dict] = []
         for i in range(repeat):
             print(f"round {i + 1}/{repeat}", flush=True)
             for variant in VARIANTS:
                 rows.append(one(mc, tb, bind, args, variant, settings))
-    finally:
-        tb.stop()
 
     def med(variant: str, key: str):
         vals = [r[key] for r in rows if r["variant"] == variant and r.get(key) is not None]

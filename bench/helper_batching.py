@@ -34,6 +34,7 @@ Run: ``/opt/vfab-venv/bin/python bench/helper_batching.py [--smoke] [--rates 200
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -232,6 +233,8 @@ def main() -> int:
     slap: list[dict] = []
     with quiet_machine("helper_batching"):
         rc = run(t, topo, binary, rates, duration, keys, args.clients, rows, slap)
+    if rc == 0:   # a failed run keeps its folder (logs, the helper's stats) for a post-mortem
+        shutil.rmtree(work, ignore_errors=True)
     summary: dict = {}
     for rate in rates:
         at = {r["variant"]: r for r in rows if r["offered_per_s"] == rate}

@@ -133,3 +133,47 @@ def _read(path: str, default: str) -> str:
 def _write(path: str, text: str) -> None:
     with open(path, "w") as fh:
         fh.write(text)
+
+
+# The fabric rig of helper_activation.py and helper_failover.py: memcached on vfh1 (service "mc"), helpers h1
+# (vfh2) and h2 (vfh5, across the trunk), clients on vfh3, vfh4, vfh6 with 4 addresses each.
+FABRIC_CLIENTS = ("vfh3", "vfh4", "vfh6")
+FABRIC_HELPERS = {"h1": "vfh2", "h2": "vfh5"}
+FABRIC_KEYS = 2000
+FABRIC_HELPER_OPTS = ("--idle-us", "50", "--conns", "1", "--t-max", "1000")
+
+
+@contextmanager
+def helper_fabric(binary: str | None, stats_ms: int | None = None):
+    """A started ``line,2,3`` testbed with memcached preloaded and both helpers announced; yields
+    (testbed, McFabric, {client host: its 4 source addresses}).  ``binary``: mc-helper (default: the one
+    'make helper' built, else one built now in a temporary folder, removed afterwards)."""
+    import shutil
+    import tempfile
+
+    from vfab.services.memcached_helper import agent, topo
+    from vfab.services.memcached_helper.onfabric import McFabric
+    from vfab.testbed.fabric import Testbed
+    binary = binary or agent.DEFAULT_BINARY
+    build = None
+    if not os.path.exists(binary):   # not built by 'make helper': build it for this run (as CI's smoke run does)
+        build = tempfile.mkdtemp(prefix="vfab-bench-mch-")
+        binary = topo.build_helper(build)
+    tb = Testbed("line,2,3", poll=1.0)
+    tb.start()
+    try:
+        mc = McFabric(tb, "mc", "vfh1", binary=binary)
+        mc.start_memcached()
+        mc.preload("vfh3", FABRIC_KEYS)
+        for name, host in FABRIC_HELPERS.items():
+            if stats_ms is None:
+                mc.start_helper(name, host, extra=FABRIC_HELPER_OPTS)
+            else:
+                mc.start_helper(name, host, extra=FABRIC_HELPER_OPTS, stats_ms=stats_ms)
+        bind = {h: ",".join(mc.client_addresses(h, 4)) for h in FABRIC_CLIENTS}
+        tb.wait_revision(tb.registry.state_revision())
+        yield tb, mc, bind
+    finally:
+        tb.stop()
+        if build is not None:
+            shutil.rmtree(build, ignore_errors=True)

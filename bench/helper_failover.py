@@ -28,7 +28,6 @@ import os
 import signal
 import statistics
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,11 +35,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(HERE))
 
 from bench.common import parser, write  # noqa: E402
+from bench.helper_common import (FABRIC_CLIENTS, FABRIC_HELPER_OPTS, FABRIC_HELPERS, FABRIC_KEYS,  # noqa: E402
+                                 helper_fabric)
 
-CLIENTS = ("vfh3", "vfh4", "vfh6")
-HELPERS = {"h1": "vfh2", "h2": "vfh5"}
-KEYS = 2000
-HELPER_OPTS = ("--idle-us", "50", "--conns", "1", "--t-max", "1000")
+CLIENTS, HELPERS, KEYS, HELPER_OPTS = FABRIC_CLIENTS, FABRIC_HELPERS, FABRIC_KEYS, FABRIC_HELPER_OPTS
 BIN_S = 0.01
 
 
@@ -111,29 +109,12 @@ def main() -> int:
         return 1
     repeat = 1 if args.smoke else args.repeat
     args.seconds = args.seconds or (5.0 if args.smoke else 6.0)
-    from vfab.services.memcached_helper import agent
-    from vfab.services.memcached_helper.onfabric import McFabric
-    from vfab.testbed.fabric import Testbed
-    binary = args.binary or agent.DEFAULT_BINARY
-    if not os.path.exists(binary):   # not built by 'make helper': build it for this run (as CI's smoke run does)
-        from vfab.services.memcached_helper import topo
-        binary = topo.build_helper(tempfile.mkdtemp(prefix="vfab-bench-mch-"))
-    tb = Testbed("line,2,3", poll=1.0)
-    rows: list[dict] = []
-    tb.start()
-    try:
-        mc = McFabric(tb, "mc", "vfh1", binary=binary)
-        mc.start_memcached()
-        mc.preload("vfh3", KEYS)
-        for name, host in HELPERS.items():
-            mc.start_helper(name, host, extra=HELPER_OPTS)
-        bind = {h: ",".join(mc.client_addresses(h, 4)) for h in CLIENTS}
+    with helper_fabric(args.binary) as (tb, mc, bind):
+        rows: list[dict] = []
         for i in range(repeat):
             print(f"round {i + 1}/{repeat}", flush=True)
             for mode in ("helper", "host"):
                 rows.append(one(mc, tb, bind, args, mode))
-    finally:
-        tb.stop()
 
     def med(mode: str, key: str):
         vals = [r[key] for r in rows if r["mode"] == mode and r.get(key) is not None]

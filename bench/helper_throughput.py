@@ -181,6 +181,8 @@ def main() -> int:
     rows: list[dict] = []
     with quiet_machine("helper_throughput"):
         rc = run(t, topo, binary, gen, rounds, duration, args.share, rows)
+    if rc == 0:   # a failed run keeps its folder (logs, the helper's stats) for a post-mortem
+        shutil.rmtree(work, ignore_errors=True)
 
     def med(dut: str, key: str, capped: bool) -> float:
         xs = [r[key] for r in rows if r["dut"] == dut and r["capped"] == capped]
