@@ -65,12 +65,20 @@ def their_pids(state: dict) -> dict[str, int]:
             **{f"shell {k}": v for k, v in state["shells"].items()}}
 
 
+def default_signals() -> None:
+    """In the child: SIGINT, SIGHUP and SIGTERM at their defaults, as from an operator's shell (a run under
+    nohup, or a background job of a script, inherits SIGHUP or SIGINT ignored, which the testbed leaves alone
+    by design)."""
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def hold(tmp_path) -> tuple[subprocess.Popen, dict, str]:
     """Start a testbed in a subprocess; wait until it is up; (process, its report, its log path)."""
     ready, logpath = tmp_path / "ready.json", str(tmp_path / "hold.log")
     proc = subprocess.Popen([sys.executable, "-m", "tests.integration.hold_testbed", "--topo", TOPO,
                              "--ready", str(ready), "--workdir", str(tmp_path / "held")], cwd=REPO,
-                            stdout=open(logpath, "wb"), stderr=subprocess.STDOUT)
+                            stdout=open(logpath, "wb"), stderr=subprocess.STDOUT, preexec_fn=default_signals)
     deadline = time.monotonic() + LOCK_WAIT + 120  # it may first wait for another testbed to finish
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:

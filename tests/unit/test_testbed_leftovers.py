@@ -45,9 +45,17 @@ print("after", flush=True)
 """
 
 
+def default_signals() -> None:
+    """In the child: SIGINT, SIGHUP and SIGTERM at their defaults, as from an operator's shell.  A run started
+    under nohup or as a background job of a script inherits SIGHUP or SIGINT ignored, and an ignored signal is
+    left alone by design (unwind_on_signals): these tests are about the usual case."""
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def spawn(script: str, *args: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=default_signals)
     assert proc.stdout.readline().strip() in ("ready", "in")
     return proc
 
