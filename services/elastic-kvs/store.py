@@ -27,16 +27,14 @@ snapshot chunks and live replication may arrive in any order.
 from __future__ import annotations
 
 import logging
-import os
 import sqlite3
 import struct
-import threading
 from typing import Iterator
 
 from vfab.services.elastic_kvs.proto import RECENT_MAX, KvsError, vkey
-from vfab.vid.codec import KEY_MAX
 from vfab.vid.ranges import Range
 from vfab.vid.state.backend import BackendError
+from vfab.vid.state.sqlstore import SqliteStore
 
 log = logging.getLogger("vfab.kvs.store")
 REC = struct.Struct("!HIQHBB")
@@ -52,14 +50,6 @@ DROP_CHUNK = 4000  # records deleted per transaction (a drop never holds the wri
 class StoreError(KvsError, BackendError):
     """The store could not read or write; the message names the cause (e.g. the disk is full)."""
 
-
-def _why(exc: sqlite3.Error, path: str) -> str:
-    text = str(exc)
-    if "full" in text:
-        return f"{text} ({path}): free space on that file system"
-    if "readonly" in text or "read-only" in text:
-        return f"{text} ({path}): the store is read-only; check permissions and mounts"
-    return f"{text} ({path})"
 
 # A rowid table clustered by VID key: a row's id is (vkey << ID_BITS) + n, the next free n of its vkey, so
 # a range's rows lie together in the table in vkey order.  A copy arrives in vkey order: a fresh one appends
@@ -134,13 +124,15 @@ def recent_add(recent: bytes, client: int, reqid: int) -> bytes:
     return (recent + PAIR.pack(client, reqid))[-RECENT_MAX * PAIR.size:]
 
 
-class Store:
-    """One SQLite database per server; each thread gets its own connection."""
+class Store(SqliteStore):
+    """One SQLite database per server; each thread gets its own connection (``SqliteStore``)."""
+
+    Error = StoreError
+    WHAT = "store"
+    CHECKPOINT_PAGES = CHECKPOINT_PAGES
 
     def __init__(self, path: str):
-        self.path = path
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._local = threading.local()
+        super().__init__(path)
         old = self.db.execute("SELECT sql FROM sqlite_master WHERE name='kv'").fetchone()
         if old is None:
             self.db.executescript(SCHEMA + f"PRAGMA user_version = {LAYOUT};")
@@ -148,61 +140,6 @@ class Store:
             log.warning("%s: converting the store to the current layout (one transaction)", path)
             gen = "gen" if "gen INTEGER" in old[0] else "0"
             self.db.executescript("BEGIN IMMEDIATE;" + MIGRATE.format(gen=gen) + "COMMIT;")
-
-    @property
-    def db(self) -> sqlite3.Connection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            try:
-                conn = sqlite3.connect(self.path, isolation_level=None, timeout=30, check_same_thread=False)
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.execute("PRAGMA synchronous=FULL")
-                conn.execute(f"PRAGMA wal_autocheckpoint={CHECKPOINT_PAGES}")
-            except sqlite3.Error as exc:
-                raise KvsError(f"cannot open the store {self.path}: {exc}; check the --data directory") from None
-            self._local.conn = conn
-        return conn
-
-    # -- the data path: one transaction per batch ----------------------------
-    def begin(self) -> None:
-        self._exec("BEGIN IMMEDIATE")
-
-    def commit(self) -> None:
-        self._exec("COMMIT")
-
-    def rollback(self) -> None:
-        """Roll back the open transaction, if SQLite has not already (it does on a full disk)."""
-        try:
-            if self.db.in_transaction:
-                self.db.execute("ROLLBACK")
-        except sqlite3.Error as exc:
-            log.warning("rollback of %s failed: %s", self.path, exc)
-
-    def _exec(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
-        try:
-            return self.db.execute(sql, args)
-        except sqlite3.Error as exc:
-            raise StoreError(_why(exc, self.path)) from None
-
-    def _txn(self, fn, durable: bool = True):
-        """Run ``fn(db)`` in one write transaction; StoreError names the cause, never the rollback's."""
-        db = self.db
-        try:
-            if not durable:
-                db.execute("PRAGMA synchronous=NORMAL")
-            db.execute("BEGIN IMMEDIATE")
-            out = fn(db)
-            db.execute("COMMIT")
-            return out
-        except sqlite3.Error as exc:
-            self.rollback()
-            raise StoreError(_why(exc, self.path)) from None
-        except BaseException:
-            self.rollback()
-            raise
-        finally:
-            if not durable:
-                db.execute("PRAGMA synchronous=FULL")
 
     def row(self, k: bytes) -> tuple[bytes | None, int, bytes] | None:
         """(value or None if deleted, version, recent) of a key, or None if never written."""
@@ -309,25 +246,6 @@ class Store:
 
         return self._txn(run, durable)
 
-    def sync(self) -> None:
-        """Make every earlier commit durable: fsync the write-ahead log.
-
-        Only the WAL: what a checkpoint moved into the database file was fsync'd by that checkpoint
-        (synchronous=NORMAL does that).  Never open and close the database file itself here: closing
-        any descriptor of it drops every POSIX lock this process holds on it, and another process that
-        then closes its own connection believes it is the last one and deletes the live WAL.
-        """
-        try:
-            fd = os.open(self.path + "-wal", os.O_RDONLY)
-        except FileNotFoundError:
-            return  # no WAL: everything is in the database file, synced by the checkpoint that emptied it
-        try:
-            os.fsync(fd)
-        except OSError as exc:
-            raise StoreError(f"fsync of {self.path}-wal failed: {exc.strerror}") from None
-        finally:
-            os.close(fd)
-
     def drop(self, rng: Range, limit: int | None = None, below_gen: int | None = None) -> int:
         """Forget the keys of ``rng`` (about ``limit`` of them if given: fewer means none are left);
         with ``below_gen`` only rows of earlier copy generations (what a new copy did not overwrite).
@@ -347,20 +265,3 @@ class Store:
                 f"DELETE FROM kv WHERE vkey BETWEEN ? AND ?{extra}", (lo, cut, *args)).rowcount, durable=False)
             lo = cut + 1
         return total
-
-    def keep_only(self, ranges: list[Range]) -> int:
-        """Forget every key outside ``ranges`` (what a crash left behind); returns how many."""
-        total, lo = 0, 0
-        for r in sorted(ranges, key=lambda r: r.lo):
-            if r.lo > lo:
-                total += self.drop(Range(lo, r.lo - 1))
-            lo = max(lo, r.hi + 1)
-        if lo <= KEY_MAX:
-            total += self.drop(Range(lo, KEY_MAX))
-        return total
-
-    def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-            self._local.conn = None

@@ -33,11 +33,8 @@ with different ``pool``/``mask``/``server`` options.
 from __future__ import annotations
 
 import json
-import logging
-import os
 import sqlite3
 import struct
-import threading
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -47,8 +44,8 @@ from vfab.services.sdhcp.pool import Pool
 from vfab.vid.codec import KEY_MAX
 from vfab.vid.ranges import Range
 from vfab.vid.state.backend import BackendError
+from vfab.vid.state.sqlstore import SqliteStore
 
-log = logging.getLogger("vfab.sdhcp.store")
 
 HEAD = struct.Struct("!HBBIQ")
 LEASE = struct.Struct("!QIBQB")
@@ -83,15 +80,6 @@ CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value);
 
 class StoreError(DhcpError, BackendError):
     """The lease store could not read or write, or refused records; the message names the cause and the fix."""
-
-
-def _why(exc: sqlite3.Error, path: str) -> str:
-    text = str(exc)
-    if "full" in text:
-        return f"{text} ({path}): free space on that file system"
-    if "readonly" in text or "read-only" in text:
-        return f"{text} ({path}): the store is read-only; check permissions and mounts"
-    return f"{text} ({path})"
 
 
 @dataclass(frozen=True)
@@ -159,18 +147,19 @@ def unpack(blob: bytes) -> Iterator[tuple[int, Lease | Addr]]:
         off += length
 
 
-class Store:
-    """One SQLite database per shard; each thread gets its own connection.
+class Store(SqliteStore):
+    """One SQLite database per shard; each thread gets its own connection (``SqliteStore``).
 
     ``config`` None: use the configuration this store was created with (a restarted shard).
     A store refuses a configuration of another pool (``Config.fingerprint``): its rows were placed by the
     old pool's home keys.
     """
 
+    Error = StoreError
+    WHAT = "lease store"
+
     def __init__(self, path: str, config: Config | None = None):
-        self.path = path
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._local = threading.local()
+        super().__init__(path)
         self._exec_script(SCHEMA)
         row = self._exec("SELECT value FROM meta WHERE name='config'").fetchone()
         stored = parse_opts(json.loads(row[0])) if row else None
@@ -190,55 +179,10 @@ class Store:
         # (lo, hi) of a first_free search -> (ip, ms): at ms every address in [lo, ip) was taken
         self._hints: dict[tuple[int, int], tuple[int, int]] = {}
 
-    @property
-    def db(self) -> sqlite3.Connection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            try:
-                conn = sqlite3.connect(self.path, isolation_level=None, timeout=30, check_same_thread=False)
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.execute("PRAGMA synchronous=FULL")
-            except sqlite3.Error as exc:
-                raise StoreError(f"cannot open the lease store {self.path}: {exc}; check the --data directory") \
-                    from None
-            self._local.conn = conn
-        return conn
-
-    def _exec(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
-        try:
-            return self.db.execute(sql, args)
-        except sqlite3.Error as exc:
-            raise StoreError(_why(exc, self.path)) from None
-
-    def _exec_script(self, sql: str) -> None:
-        try:
-            self.db.executescript(sql)
-        except sqlite3.Error as exc:
-            raise StoreError(_why(exc, self.path)) from None
-
-    # -- the data path: one transaction per batch ------------------------------------------
-    def begin(self, durable: bool = True) -> None:
-        """Open the batch's transaction.  ``durable`` (the default): its commit fsyncs the write-ahead log
-        (synchronous=FULL).  ``durable=False`` (a batch that acknowledges nothing, see ``backend.py``): its
-        commit does not wait for the disk; it is atomic, a power loss can lose it (and only it and other
-        such batches after the last fsync), and the next durable commit's fsync makes it durable too."""
-        relaxed = getattr(self._local, "relaxed", False)
-        if relaxed == durable:  # the PRAGMA cannot change inside a transaction: set it before BEGIN
-            self._exec("PRAGMA synchronous=" + ("FULL" if durable else "NORMAL"))
-            self._local.relaxed = not durable
-        self._exec("BEGIN IMMEDIATE")
-
-    def commit(self) -> None:
-        """Commit the batch: after a durable ``begin`` the write-ahead log is fsync'd before this returns."""
-        self._exec("COMMIT")
-
+    # -- the data path: one transaction per batch (SqliteStore.begin/commit) -------------------
     def rollback(self) -> None:
         self._hints.clear()  # the batch's grants are undone: addresses below a hint may be free again
-        try:
-            if self.db.in_transaction:
-                self.db.execute("ROLLBACK")
-        except sqlite3.Error as exc:
-            log.warning("rollback of %s failed: %s", self.path, exc)
+        super().rollback()
 
     def lease(self, chaddr: int) -> Lease | None:
         row = self._exec("SELECT ip, state, expires, client_id, version FROM lease WHERE chaddr=?",
@@ -413,43 +357,6 @@ class Store:
 
         return self._txn(run, durable)
 
-    def _txn(self, fn, durable: bool = True):
-        db = self.db
-        try:
-            if not durable:
-                db.execute("PRAGMA synchronous=NORMAL")
-            elif getattr(self._local, "relaxed", False):  # left relaxed by a batch (begin): durable again
-                db.execute("PRAGMA synchronous=FULL")
-                self._local.relaxed = False
-            db.execute("BEGIN IMMEDIATE")
-            out = fn(db)
-            db.execute("COMMIT")
-            return out
-        except sqlite3.Error as exc:
-            self.rollback()
-            raise StoreError(_why(exc, self.path)) from None
-        except BaseException:
-            self.rollback()
-            raise
-        finally:
-            if not durable:
-                db.execute("PRAGMA synchronous=FULL")
-                self._local.relaxed = False
-
-    def sync(self) -> None:
-        """Make every earlier commit durable: fsync the write-ahead log (never open/close the database file
-        itself: closing a descriptor of it drops this process's POSIX locks on it)."""
-        try:
-            fd = os.open(self.path + "-wal", os.O_RDONLY)
-        except FileNotFoundError:
-            return
-        try:
-            os.fsync(fd)
-        except OSError as exc:
-            raise StoreError(f"fsync of {self.path}-wal failed: {exc.strerror}") from None
-        finally:
-            os.close(fd)
-
     def drop(self, rng: Range, limit: int | None = None, below_gen: int | None = None) -> int:
         """Forget the rows of ``rng`` (about ``limit`` of them: fewer means none are left); with ``below_gen``
         only rows of earlier copy generations.  Unsynced: a drop lost to a crash is redone by ``keep_only``."""
@@ -466,20 +373,3 @@ class Store:
                 if n < step:
                     break
         return total
-
-    def keep_only(self, ranges: list[Range]) -> int:
-        """Forget every row outside ``ranges`` (what a crash left behind); returns how many."""
-        total, lo = 0, 0
-        for r in sorted(ranges, key=lambda r: r.lo):
-            if r.lo > lo:
-                total += self.drop(Range(lo, r.lo - 1))
-            lo = max(lo, r.hi + 1)
-        if lo <= KEY_MAX:
-            total += self.drop(Range(lo, KEY_MAX))
-        return total
-
-    def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-            self._local.conn = None

@@ -1,0 +1,159 @@
+"""What the SQLite stores of stateful services share: one database file in WAL mode, a connection per thread,
+commits fsync'd unless asked otherwise, errors that name their cause, and the state layer's housekeeping.
+
+A service's store (elastic-KVS's ``store.py``, sdhcp's ``store.py``) subclasses :class:`SqliteStore`, sets
+``Error`` (its StoreError) and ``WHAT`` (how the error messages call it), and adds its tables and the
+backend's ``count/snapshot/apply/drop``; ``keep_only`` is built on its ``drop``.
+
+Durability: ``synchronous=FULL`` by default, so a commit returns once the write-ahead log is on disk.
+``begin(durable=False)`` and ``_txn(fn, durable=False)`` commit without waiting for the disk (atomic; a power
+loss can lose them, and only them); the next durable commit, or :meth:`sync`, makes them durable too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import threading
+
+from vfab.vid.codec import KEY_MAX
+from vfab.vid.ranges import Range
+
+log = logging.getLogger("vfab.state.store")
+
+
+def why(exc: sqlite3.Error, path: str) -> str:
+    """SQLite's error in words an operator can act on."""
+    text = str(exc)
+    if "full" in text:
+        return f"{text} ({path}): free space on that file system"
+    if "readonly" in text or "read-only" in text:
+        return f"{text} ({path}): the store is read-only; check permissions and mounts"
+    return f"{text} ({path})"
+
+
+class SqliteStore:
+    """One SQLite database; each thread gets its own connection (``db``)."""
+
+    Error: type[Exception] = RuntimeError   # the service's StoreError
+    WHAT = "store"                          # "cannot open the <WHAT> <path>"
+    CHECKPOINT_PAGES: int | None = None     # PRAGMA wal_autocheckpoint (None: SQLite's 1,000 pages)
+
+    def __init__(self, path: str):
+        self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._local = threading.local()
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            try:
+                conn = sqlite3.connect(self.path, isolation_level=None, timeout=30, check_same_thread=False)
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=FULL")
+                if self.CHECKPOINT_PAGES is not None:
+                    conn.execute(f"PRAGMA wal_autocheckpoint={self.CHECKPOINT_PAGES}")
+            except sqlite3.Error as exc:
+                raise self.Error(f"cannot open the {self.WHAT} {self.path}: {exc}; check the --data directory") \
+                    from None
+            self._local.conn = conn
+        return conn
+
+    def _exec(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
+        try:
+            return self.db.execute(sql, args)
+        except sqlite3.Error as exc:
+            raise self.Error(why(exc, self.path)) from None
+
+    def _exec_script(self, sql: str) -> None:
+        try:
+            self.db.executescript(sql)
+        except sqlite3.Error as exc:
+            raise self.Error(why(exc, self.path)) from None
+
+    def _synchronous(self, durable: bool) -> None:
+        """Set the connection's commit durability; the PRAGMA cannot change inside a transaction."""
+        relaxed = getattr(self._local, "relaxed", False)
+        if relaxed == durable:
+            self.db.execute("PRAGMA synchronous=" + ("FULL" if durable else "NORMAL"))
+            self._local.relaxed = not durable
+
+    # -- the data path: one transaction per batch ------------------------------------------
+    def begin(self, durable: bool = True) -> None:
+        """Open the batch's transaction.  ``durable`` (the default): its commit fsyncs the write-ahead log.
+        ``durable=False``: its commit does not wait for the disk (see the module's docstring)."""
+        try:
+            self._synchronous(durable)
+        except sqlite3.Error as exc:
+            raise self.Error(why(exc, self.path)) from None
+        self._exec("BEGIN IMMEDIATE")
+
+    def commit(self) -> None:
+        """Commit the batch: after a durable ``begin`` the write-ahead log is fsync'd before this returns."""
+        self._exec("COMMIT")
+
+    def rollback(self) -> None:
+        """Roll back the open transaction, if SQLite has not already (it does on a full disk)."""
+        try:
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+        except sqlite3.Error as exc:
+            log.warning("rollback of %s failed: %s", self.path, exc)
+
+    def _txn(self, fn, durable: bool = True):
+        """Run ``fn(db)`` in one write transaction; the error names the cause, never the rollback's."""
+        db = self.db
+        try:
+            self._synchronous(durable)
+            db.execute("BEGIN IMMEDIATE")
+            out = fn(db)
+            db.execute("COMMIT")
+            return out
+        except sqlite3.Error as exc:
+            self.rollback()
+            raise self.Error(why(exc, self.path)) from None
+        except BaseException:
+            self.rollback()
+            raise
+
+    def sync(self) -> None:
+        """Make every earlier commit durable: fsync the write-ahead log.
+
+        Only the WAL: what a checkpoint moved into the database file was fsync'd by that checkpoint
+        (synchronous=NORMAL does that).  Never open and close the database file itself here: closing
+        any descriptor of it drops every POSIX lock this process holds on it, and another process that
+        then closes its own connection believes it is the last one and deletes the live WAL.
+        """
+        try:
+            fd = os.open(self.path + "-wal", os.O_RDONLY)
+        except FileNotFoundError:
+            return  # no WAL: everything is in the database file, synced by the checkpoint that emptied it
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise self.Error(f"fsync of {self.path}-wal failed: {exc.strerror}") from None
+        finally:
+            os.close(fd)
+
+    # -- housekeeping ------------------------------------------------------------------------
+    def drop(self, rng: Range, limit: int | None = None, below_gen: int | None = None) -> int:
+        raise NotImplementedError
+
+    def keep_only(self, ranges: list[Range]) -> int:
+        """Forget every row outside ``ranges`` (what a crash left behind); returns how many."""
+        total, lo = 0, 0
+        for r in sorted(ranges, key=lambda r: r.lo):
+            if r.lo > lo:
+                total += self.drop(Range(lo, r.lo - 1))
+            lo = max(lo, r.hi + 1)
+        if lo <= KEY_MAX:
+            total += self.drop(Range(lo, KEY_MAX))
+        return total
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
