@@ -166,10 +166,7 @@ def helper_fabric(binary: str | None, stats_ms: int | None = None):
         mc.start_memcached()
         mc.preload("vfh3", FABRIC_KEYS)
         for name, host in FABRIC_HELPERS.items():
-            if stats_ms is None:
-                mc.start_helper(name, host, extra=FABRIC_HELPER_OPTS)
-            else:
-                mc.start_helper(name, host, extra=FABRIC_HELPER_OPTS, stats_ms=stats_ms)
+            mc.start_helper(name, host, extra=FABRIC_HELPER_OPTS, stats_ms=stats_ms)
         bind = {h: ",".join(mc.client_addresses(h, 4)) for h in FABRIC_CLIENTS}
         tb.wait_revision(tb.registry.state_revision())
         yield tb, mc, bind

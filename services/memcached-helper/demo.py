@@ -151,11 +151,7 @@ def run(args: argparse.Namespace) -> int:
         say()
         cfg = settings(args.rate)
         say(f"2. 'vfab balancer run mc' ({' '.join(f'{k}={v}' for k, v in cfg.items())})")
-        bal = mc.start_balancer(cfg)
-        while not mc.balancer_view():
-            if not bal.alive():
-                raise RuntimeError(f"the balancer exited:\n{bal.tail(30)}")
-            time.sleep(0.1)
+        bal = mc.start_balancer(cfg)   # returns once its first round is published (raises if it exited)
         time.sleep(1.0)
         live = Decisions(mc)
         say(f"  the same burst again ({args.seconds + 2:.0f} s); the balancer's decisions, timed from the burst's "

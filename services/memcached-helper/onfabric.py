@@ -198,9 +198,7 @@ class McFabric:
             if got and schema.BalancerStatus.from_json(got[0]).runner.endswith(f":{proc.pid}"):
                 return proc
             if not proc.alive():
-                with open(proc.logpath, errors="replace") as fh:
-                    tail = fh.read()[-2000:]
-                raise RuntimeError(f"'vfab balancer run' exited ({proc.popen.returncode}) at start:\n{tail}")
+                raise RuntimeError(f"'vfab balancer run' exited ({proc.popen.returncode}) at start:\n{proc.tail(30)}")
             time.sleep(0.02)
         raise RuntimeError(f"'vfab balancer run' (pid {proc.pid}) published no round within 15 s: see {proc.logpath}")
 
