@@ -210,7 +210,8 @@ def test_balancer_switches_helpers_by_itself(testbed, mc):
     ends, and it turns them off after the calm window.  The same client processes and sockets throughout; no
     request lost, none wrong, per-client order held across both switches."""
     reg = testbed.registry
-    assert all(not r.helpers for r, _ in reg.ranges(SVC))
+    ranges = reg.ranges(SVC)
+    assert ranges and all(not r.helpers for r, _ in ranges)
     bal = mc.start_balancer(BALANCER)
     try:
         calm = [mc.client(h, "load", "--clients", "8", "--rate", "150", "--duration", "14", "--keys", str(KEYS),
@@ -257,7 +258,8 @@ def test_balancer_switches_helpers_by_itself(testbed, mc):
     assert all(d["result"] == "done" for d in ds), ds
     assert "requests/s > 5000" in on["reason"] and on["at"] - t_burst < 2.0, on
     assert off["at"] > t_end and "requests/s < 2500" in off["reason"], off
-    assert all(not r.helpers and not r.weights for r, _ in reg.ranges(SVC))
+    ranges = reg.ranges(SVC)
+    assert ranges and all(not r.helpers and not r.weights for r, _ in ranges)
     for r in res_burst + res_calm:
         assert r["wrong"] == 0 and r["framing"] == 0 and r["sources"] == [mc.addr], r
         assert r["lost"] == 0, f"lost {r['lost']} (sent at {r['lost_at'][:10]}; on {on['at']}, off {off['at']})"

@@ -313,8 +313,9 @@ def test_helpers_off_keeps_the_group_one_round_then_deletes_it():
     on = plan_round(helped(), 5, empty())
     held = synced(on)
     gids = {d: groups_used(c) for d, c in on.configs.items()}
-    assert all(len(g) == 1 for g in gids.values()) and on.held == {}
+    assert gids and all(len(g) == 1 for g in gids.values()) and on.held == {}
     off = plan_round(helped(helpers_lo=(), epochs=(3, 2)), 6, held)
+    assert off.commits
     for c in off.commits:
         assert c.plan.del_groups == [], f"switch {c.dpid}: group deleted with the route change: {c.plan.summary()}"
         assert groups_used(c.want) == set() and set(c.want.groups) == gids[c.dpid]   # unused, still there
@@ -335,6 +336,7 @@ def test_helpers_off_keeps_the_group_one_round_then_deletes_it():
 def test_helpers_on_adds_the_group_with_the_flows_that_use_it():
     held = synced(plan_round(helped(helpers_lo=()), 5, empty()))
     on = plan_round(helped(epochs=(3, 2)), 6, held)
+    assert on.commits
     for c in on.commits:
         assert [g.group_id for g in c.plan.add_groups] == sorted(groups_used(c.want)) and not c.plan.del_groups
         assert on.held == {}
@@ -347,6 +349,7 @@ def test_group_ids_stay_put_when_another_range_leaves_its_group():
                       for a in f.actions if a[0] == "group") for d, c in both.configs.items()}
     # The lower half goes direct: the compiler would now number the upper half's group 1 (compile order)
     rnd = plan_round(helped(helpers_lo=(), helpers_hi=("a", "b"), epochs=(3, 2)), 6, held)
+    assert rnd.commits
     for c in rnd.commits:
         assert not c.plan.mod_groups and not c.plan.add_groups and not c.plan.del_groups, c.plan.summary()
         assert all(split_cookie(f.cookie)[2] != HALF + 1 for f in c.plan.add_flows), "upper half re-pointed"
