@@ -178,6 +178,24 @@ def test_writes_pass_through_and_take_effect(net, helper):
 
 # ----------------------------------------------------------------------------- coalescing and batching
 
+HELPER_DROPS = ("drop_peers", "drop_noconn", "drop_busy", "tx_drop", "tx_nombuf", "w_abort_drop", "w_abort_miss",
+                "port_imissed", "port_ierrors", "port_oerrors")
+
+
+def assert_helper_lost_nothing(before: dict, after: dict, res: list[dict], max_kernel_loss: float = 0.001) -> None:
+    """Single-datagram gets at a load that fills the machine: the helper answered every get it received,
+    dropped nothing by any of its counters, and what clients still lost went missing in the kernel (bridge,
+    veth or a socket, on the way to the helper or back), which the direct path shares; that must stay rare.
+    (CI saw 5 of 181,000 gets unanswered once under this test's 1,024 gets in flight; the helper's own
+    counters are what say whose loss it was.)"""
+    sent, answered, lost = (sum(r[k] for r in res) for k in ("sent", "answered", "lost"))
+    got, done, dgrams = (delta(after, before, k) for k in ("rx_get", "w_done", "reply_dgrams"))
+    assert {k: after[k] - before[k] for k in HELPER_DROPS} == dict.fromkeys(HELPER_DROPS, 0)
+    assert done == got and dgrams == done, (got, done, dgrams)  # every get received was answered, once
+    assert sent - got + dgrams - answered == lost, (sent, got, dgrams, answered, lost)
+    assert lost <= max_kernel_loss * sent, f"{lost} of {sent} gets lost outside the helper: " \
+        f"{sent - got} requests never reached it, {dgrams - answered} replies never reached their client"
+
 def load_args(clients: int, duration: float, window: int = 2, prefix: str = "k", keys: int = 2000,
               value_size: int = 64, rate: float = 0) -> tuple[str, ...]:
     return ("load", "--server", SVC, "--clients", str(clients), "--duration", str(duration), "--window",
@@ -228,7 +246,8 @@ def test_batch_size_and_interval_adapt_to_load(net, helper):
         time.sleep(0.05)
     res = [topo.finish(p, 60) for p in procs]
     busy = h.stats()
-    assert all(r["wrong"] == 0 and r["missed"] == 0 and r["lost"] == 0 for r in res), res
+    assert all(r["wrong"] == 0 and r["missed"] == 0 for r in res), res
+    assert_helper_lost_nothing(calm, busy, res)
     assert max(seen_s) > 1875, seen_s                            # a batch over 1.25 x 1500 bytes moved S
     assert delta(busy, calm, "conn_0_0_S_moves") > 0 and delta(busy, calm, "close_size") > 0
     # busy: T came down from its bound.  Counted by the helper itself (T only moves when it changes, and it
