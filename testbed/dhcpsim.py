@@ -227,6 +227,29 @@ class SimClients:
                 elif msg.msg_type is MessageType.NAK:
                     c.naks.append((at, msg.server_id, msg.message))
 
+    def renew_once(self, timeout: float, macs: list[bytes] | None = None) -> dict[bytes, float | None]:
+        """Each leased client (of ``macs``) sends one unicast renewal and never retransmits it: per client, the
+        seconds to its ACK (None: none within ``timeout``).  A real client's next try may be many seconds
+        away (ISC dhclient: 10 s, or its lease's end): this asks whether the first one is answered."""
+        live = [c for c in self.clients if c.ip is not None and (macs is None or c.mac in macs)]
+        t0 = time.monotonic()
+        for c in live:
+            c.sent_at = t0
+            self._send(c, MessageType.REQUEST, ciaddr=c.ip, unicast_to=c.server)
+        got: dict[bytes, float | None] = {c.mac: None for c in live}
+        end = t0 + timeout
+        while None in got.values() and time.monotonic() < end:
+            for at, c, msg in self._replies(min(0.05, end - time.monotonic())):
+                if msg.msg_type is MessageType.ACK and got.get(c.mac, 0.0) is None:
+                    got[c.mac] = at - t0
+                    c.acks.append((t0, at, msg.yiaddr, msg.server_id, "renew", t0))
+                    c.ip, c.server, c.last_ack, c.sent_at = msg.yiaddr, msg.server_id, at, 0.0
+                elif msg.msg_type is MessageType.NAK:
+                    c.naks.append((at, msg.server_id, msg.message))
+        for c in live:
+            c.sent_at = 0.0  # not retransmitted by a later renew() either
+        return got
+
     # -- results --------------------------------------------------------------------------------
     def first_ack_after(self, t: float) -> dict[bytes, float | None]:
         """Per client: seconds from ``t`` to its first ACK of a request (last) sent after ``t`` (None: never);

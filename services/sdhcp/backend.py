@@ -87,6 +87,11 @@ class _Batch:
 
 
 class SdhcpBackend:
+    # A mirror taking over from a dead shard answers again what the shard got just before it died: a DHCP
+    # request served twice gets the same answer (the lease is the mirror's copy), and ISC dhclient with its
+    # default 10 s initial interval would otherwise not retransmit a lost renewal before a short lease ends.
+    replay_on_takeover = True
+
     def __init__(self, store: Store):
         self.store = store
         self.config: Config = store.config

@@ -26,9 +26,12 @@ new route, and the client's next retransmission.  The shards run with
 ``--ttl 1`` (sdhcp's default): etcd here allows 1 s (testbed/etcd.py); the
 stock etcd's minimum is 2 s and it raises shorter TTLs to that.
 
-The last test sends a burst of malformed DHCP frames (``tests/unit/test_dhcp_fuzz.py``'s
-generator) to the shard that took over and checks it goes on serving the real
-client and the simulated ones.
+Then a burst of malformed DHCP frames (``tests/unit/test_dhcp_fuzz.py``'s
+generator) goes to the shard that took over, which must go on serving the real
+client and the simulated ones.  Last, m gets a mirror (r) and is frozen
+(SIGSTOP) just as p's former clients each send one renewal and never
+retransmit it (ISC dhclient's first retry comes 10 s later, after a short
+lease's end): r, taking over, must answer them from what it got as a mirror.
 """
 
 from __future__ import annotations
@@ -221,3 +224,42 @@ def test_a_burst_of_malformed_frames_leaves_the_new_owner_serving(testbed, dhf):
     recent = [c2 for c2 in sim.clients if c2.acks and c2.acks[-1][1] > t]
     assert len(recent) == len(sim.clients), f"only {len(recent)} of {len(sim.clients)} renewed after the burst"
     print(f"burst: {counted()} of {BURST} frames refused and counted at m; {after}")
+
+
+def test_a_renewal_its_dying_owner_never_answered_is_answered_by_the_mirror(testbed, dhf):
+    """sdhcp asks the loop for a takeover replay: m (owner of the lower half) is mirrored on a new shard r, then
+    frozen with SIGSTOP as each of its 16 simulated clients sends one unicast renewal, never retransmitted.
+    m never answers; r, taking the range over when m's lease runs out, serves what it got as a mirror in the
+    last seconds: every client is ACKed, with its address, within TAKEOVER."""
+    reg, procs, sim, workdir = testbed.registry, dhf["procs"], dhf["sim"], dhf["workdir"]
+    host = SHARDS["p"][0]  # p's host: p is dead
+    out = os.path.join(workdir, "r.out")
+    args = ["-m", "vfab.services.sdhcp", "server", "--etcd", testbed.etcd_endpoint, "--service", SVC, "--name", "r",
+            "--iface", testbed.hosts[host]["iface"], "--data", os.path.join(workdir, "data"), "--ttl", str(TTL),
+            *[a for k, v in OPTS.items() for a in ("--opt", f"{k}={v}")]]
+    procs["r"] = testbed.run_on(host, "sdhcp-r", args, stdout=open(out, "wb"))
+    wait_for(lambda: b"ready" in open(out, "rb").read() or not procs["r"].alive(), 20, "shard r")
+    op = statectl.wait(reg, SVC, statectl.mirror(reg, SVC, "m", "r").op, timeout=60)
+    assert op.phase == "done", op
+    testbed.wait_revision(reg.state_revision())
+    low = [c.mac for c in sim.clients if in_low(c.mac)]
+    had = {c.mac: c.ip for c in sim.clients}
+    wait_for(lambda: stats(testbed, "r")["mirrored"]["bound"] >= len(low), 10, "r to hold m's leases")
+    m = procs.pop("m")
+    os.kill(m.pid, signal.SIGSTOP)
+    try:
+        got = sim.renew_once(TAKEOVER + 3.0, low)
+    finally:
+        os.kill(m.pid, signal.SIGKILL)
+        os.kill(m.pid, signal.SIGCONT)
+        m.popen.wait(5)
+        testbed.untrack(m.pid)
+    owners = {r.owner for r, _ in reg.ranges(SVC)}
+    print(f"\nm frozen; its clients' one renewal answered after {sorted(round(t, 3) for t in got.values() if t)} s")
+    assert owners == {"r", "q"}, reg.ranges(SVC)
+    late = {codec.int_to_mac(int.from_bytes(mac, "big")): t for mac, t in got.items() if t is None or t > TAKEOVER}
+    assert not late, f"renewals sent once to the frozen owner and not answered within {TAKEOVER} s: {late}"
+    for c in sim.clients:
+        assert not c.naks and c.ip == had[c.mac], (c.mac.hex(), c.naks, c.ip, had[c.mac])
+    counters = statectl.command(reg, SVC, "r", "STATS", {}).body["counters"]
+    assert counters.get("replayed", 0) >= len(low), counters

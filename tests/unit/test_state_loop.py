@@ -296,3 +296,33 @@ def test_a_mirror_taking_a_range_over_serves_only_what_the_source_did_not(endpoi
     assert [(f.payload, f.seq) for f in got] == [(b"ok:held", 2)]
     assert backend.data.get(0x800001) is None and backend.data[0x800002] == b"held"
     assert loop.call(lambda: loop.counters["mirror_copies_dropped"]) == 1
+
+
+def test_a_mirror_that_takes_over_from_a_dead_owner_replays_what_it_ignored(endpoint, registry):
+    """With a takeover replay (a backend whose requests may be served twice), the mirrored requests a mirror
+    ignored for the owner in the replay window are served, in order, when it takes the range over; older
+    ones and other ranges' are not.  Without it (the default) nothing is kept."""
+    from vfab.vid.registry import schema
+
+    loop, backend, client, svc = endpoint
+    assert loop.replay_window == 0.0 and not loop.mirrored     # MemBackend does not ask for it
+    hi = Range(0x800000, 0xFFFFFF)
+    registry.announce(schema.Endpoint(service="t", name="src", mac="02:00:00:00:00:99", rx="ovs"), ttl=60)
+    registry.assign("t", hi, "src", mirrors=["e1"])
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and "e1" not in (loop.call(lambda: loop.view.find(hi.lo).mirrors) or []):
+        time.sleep(0.01)
+    loop.call(lambda: setattr(loop, "replay_window", 3.0))
+    loop.call(lambda: loop.mirrored.append((time.monotonic() - 10, 0x800009, b"too old")))
+    for seq, key in enumerate((0x800001, 0x800002, 0x800001), 1):
+        send(client, svc, key, b"%06x:w:v%d" % (key, seq), seq)
+    deadline = time.monotonic() + 2
+    while loop.call(lambda: len(loop.mirrored)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert replies(client, 0.3) == [] and backend.data.get(0x800001) is None   # a mirror ignores them
+    rev = registry.assign("t", hi, "e1", expect_epoch=registry.ranges("t")[-1][0].epoch)
+    loop.call(lambda: loop.took_over(schema.RangeRec(lo=hi.lo, hi=hi.hi, owner="e1", epoch=99), rev))
+    got = replies(client, 0.6)
+    assert [(f.payload, f.seq) for f in got] == [(b"ok:v1", 1), (b"ok:v2", 2), (b"ok:v3", 3)]
+    assert backend.data[0x800001] == b"v3" and 0x800009 not in backend.data
+    assert loop.call(lambda: (loop.counters["replayed"], len(loop.mirrored))) == (3, 0)

@@ -19,6 +19,12 @@ Rules a backend keeps (the loop's safety rests on them):
   unchanged.
 * ``error_reply`` builds the service's own error reply to a request payload
   (with the request's own id): the loop never parses payloads.
+* A backend whose requests may safely be served twice (sdhcp: a DHCP server
+  answers a retransmission anyway) sets ``replay_on_takeover = True``: a
+  mirror that takes a range over from a dead owner then serves again the
+  requests of that range it got (and ignored) in the last few seconds, so a
+  request the owner took to its grave is still answered.  Never for writes
+  that are not idempotent (elastic-KVS: a replayed PUT could undo a later one).
 """
 
 from __future__ import annotations

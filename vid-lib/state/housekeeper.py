@@ -96,7 +96,7 @@ class Housekeeper:
                         lp.name, rec.owner, rec.range)
             new = schema.RangeRec(lo=rec.lo, hi=rec.hi, owner=lp.name, mirrors=live[1:], helpers=rec.helpers,
                                   epoch=rec.epoch + 1)
-            lp.call(lambda new=new, rev=rev: lp._patch(new, rev), wait=False)
+            lp.call(lambda new=new, rev=rev: lp.took_over(new, rev), wait=False)
 
     def _report_load(self, reg: Registry) -> None:
         lp = self.loop

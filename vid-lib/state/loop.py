@@ -65,6 +65,7 @@ TICK = 0.05              # s between timer checks when idle
 # handover wait up to 5 ms (several per batch).  The process serves requests: hand over sooner.
 SWITCH_INTERVAL = 0.0005
 STALL = 0.02             # s: a pass of the loop that ran longer held every request behind it that long
+REPLAY_KEPT = 4096       # mirrored requests kept for a takeover replay (backends that ask for it)
 
 
 class _Call:
@@ -118,6 +119,11 @@ class EndpointLoop(PeerSide, Replication):
         self.pending_drops: list[Range] = []
         self.rates: dict[int, int] = {}
         self.counters: collections.Counter = collections.Counter()
+        # A backend whose requests may be served twice (DHCP: an ACK again is an ACK) asks for a takeover
+        # replay: as a mirror, the requests it ignored for the owner in the last REPLAY window are served again
+        # when it takes the range over from a dead owner (which may never have answered them).
+        self.replay_window = ttl + 2.0 if getattr(backend, "replay_on_takeover", False) else 0.0
+        self.mirrored: collections.deque = collections.deque(maxlen=REPLAY_KEPT)  # (monotonic, vk, raw)
         self._next_id = 0
         self._thread: threading.Thread | None = None
         self._wakefd = os.eventfd(0, os.EFD_NONBLOCK)
@@ -172,6 +178,22 @@ class EndpointLoop(PeerSide, Replication):
         self.view = self.view.patched(rec)
         self.min_revision = max(self.min_revision, revision)
         self._refilter()
+
+    def took_over(self, rec: schema.RangeRec, revision: int) -> None:
+        """(loop thread) This mirror now owns ``rec`` (its owner died): serve, in order, the requests of its
+        range that the owner got in the replay window and may never have answered (replay backends only)."""
+        self._patch(rec, revision)
+        if not self.replay_window:
+            return
+        cutoff = time.monotonic() - self.replay_window
+        again = [(raw, 0) for t, vk, raw in self.mirrored if t >= cutoff and vk in rec.range]
+        self.mirrored = collections.deque(((t, vk, raw) for t, vk, raw in self.mirrored
+                                           if t >= cutoff and vk not in rec.range), maxlen=REPLAY_KEPT)
+        if again:
+            self.pending.extend(again)
+            self.counters["replayed"] += len(again)
+            log.warning("%s: serving again %d request(s) of %s that its dead owner got in the last %.0f s",
+                        self.name, len(again), rec.range, self.replay_window)
 
     def _renewed(self, lease_id: int) -> None:
         """(lease thread) The lease expired while we were away: put our records back, re-read the map."""
@@ -342,6 +364,8 @@ class EndpointLoop(PeerSide, Replication):
                 self.counters["fenced"] += 1
             elif role == "ignore":
                 self.counters["mirror_ignored"] += 1
+                if self.replay_window:
+                    self.mirrored.append((time.monotonic(), vk, raw))
             elif not self._forward(raw, vk, hops):
                 self.counters["unroutable"] += 1
                 direct.append((frame, vk, self.backend.error_reply(
