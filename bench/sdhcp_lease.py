@@ -27,11 +27,12 @@ Servers, one after the other:
 
 * **sdhcp** with 1 shard (vfh1), 2 (vfh1, vfh4: one per switch) and 4 (vfh1,
   vfh4, vfh5, vfh6), equal key ranges.  Durability: each batch of requests is
-  one SQLite transaction; a batch holding a REQUEST, RELEASE or DECLINE is
-  committed with ``synchronous=FULL`` (the WAL is fsync'd before any ACK or
-  NAK of the batch leaves), a batch of only DISCOVERs (OFFERs: no lease yet)
-  without an fsync; no mirrors here (with mirrors, every lease is also on each
-  mirror's disk before the ACK).  sdhcp has no setting that skips the fsync
+  one SQLite transaction; no ACK or NAK of a batch holding a REQUEST, RELEASE
+  or DECLINE leaves before an fsync of the WAL that began after the batch
+  committed (group commit: the shard serves the next batches while that fsync
+  runs, and one fsync covers all of them), a batch of only DISCOVERs (OFFERs:
+  no lease yet) needs none; no mirrors here (with mirrors, every lease is also
+  on each mirror's disk before the ACK).  sdhcp has no setting that skips the fsync
   before an ACK, so there is no row at Kea's durability.
 * **Kea** (kea-dhcp4 2.2) in vfh1, memfile lease file (each lease written
   before the reply, never fsync'd: survives kill -9, not power loss), raw
@@ -93,8 +94,9 @@ NOT_PHASES = ("shards", "idle_cpu_per_s")   # per-run entries that are not a pha
 
 
 DURABILITY = {
-    "sdhcp": "fsync (SQLite WAL, synchronous=FULL) of every batch holding a REQUEST, RELEASE or DECLINE, "
-             "before its ACKs/NAKs leave; batches of only DISCOVERs (OFFERs) unsynced; no mirrors in this bench",
+    "sdhcp": "fsync of the SQLite WAL covering every batch holding a REQUEST, RELEASE or DECLINE before its "
+             "ACKs/NAKs leave (group commit: one fsync for the batches committed while the last one ran); "
+             "batches of only DISCOVERs (OFFERs) unsynced; no mirrors in this bench",
     "kea": "memfile: each lease written before the reply, never fsync'd (survives kill -9, not power loss)",
     "dnsmasq": "lease file rewritten and fsync'd on every change, before the reply",
 }

@@ -91,6 +91,11 @@ class SdhcpBackend:
     # request served twice gets the same answer (the lease is the mirror's copy), and ISC dhclient with its
     # default 10 s initial interval would otherwise not retransmit a lost renewal before a short lease ends.
     replay_on_takeover = True
+    # Group commit (vfab.vid.state.syncer): under the loop, a batch's commit does not wait for the disk; the
+    # loop keeps its ACKs until the syncer's fsync covers it, and serves the next batches meanwhile.
+    group_commit = True
+    defer_sync = False        # set by the loop; alone (tests, tools) every durable commit fsyncs itself
+    batch_unsynced = False    # the last batch committed durable-needing writes without an fsync
 
     def __init__(self, store: Store):
         self.store = store
@@ -178,7 +183,8 @@ class SdhcpBackend:
         # DISCOVERs and INFORMs commits without an fsync (Store.begin).  Its records still reach every mirror
         # before its replies leave (the loop sees to that), and the next durable batch's fsync covers it.
         durable = any(p is not None and p[2].msg_type not in NO_SYNC for p in parsed)
-        self.store.begin(durable)
+        self.batch_unsynced = False
+        self.store.begin(durable and not self.defer_sync)
         try:
             for r, p in zip(requests, parsed):
                 replies.append(None if p is None else self._one(r, p, ctx, records))
@@ -187,6 +193,7 @@ class SdhcpBackend:
             self.store.rollback()
             raise
         self.counters["batches_synced" if durable else "batches_unsynced"] += 1
+        self.batch_unsynced = durable and self.defer_sync
         return replies, records
 
     def _one(self, r: Request, parsed: tuple[bytes, bool, Message], ctx: _Batch, records: list) -> bytes | None:

@@ -326,3 +326,92 @@ def test_a_mirror_that_takes_over_from_a_dead_owner_replays_what_it_ignored(endp
     assert [(f.payload, f.seq) for f in got] == [(b"ok:v1", 1), (b"ok:v2", 2), (b"ok:v3", 3)]
     assert backend.data[0x800001] == b"v3" and 0x800009 not in backend.data
     assert loop.call(lambda: (loop.counters["replayed"], len(loop.mirrored))) == (3, 0)
+
+
+class GroupBackend(MemBackend):
+    """MemBackend with group commit: every write batch needs the disk; ``sync`` waits for the test's gate
+    (an fsync that takes as long as the test says) and may fail."""
+
+    group_commit = True
+    defer_sync = False
+    batch_unsynced = False
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.synced: list[dict] = []       # what each sync covered (the data as it was when it began)
+        self.fail = ""
+
+    def handle_batch(self, requests):
+        replies, records = super().handle_batch(requests)
+        self.batch_unsynced = bool(records) and self.defer_sync
+        return replies, records
+
+    def sync(self):
+        seen = dict(self.data)
+        self.gate.wait(5)
+        if self.fail:
+            from vfab.vid.state.backend import BackendError
+            raise BackendError(self.fail)
+        self.synced.append(seen)
+
+
+@pytest.fixture
+def group_endpoint(ns, registry):
+    registry.create_service("t")
+    svc = registry.service("t")
+    backend = GroupBackend()
+    loop = EndpointLoop(registry, "t", "e1", ns.b, backend, rx="bpf", netns=f"/var/run/netns/{ns.name}")
+    assert backend.defer_sync and loop.syncer is not None
+    stop = threading.Event()
+    th = threading.Thread(target=loop.serve, args=(stop,), daemon=True)
+    th.start()
+    registry.assign("t", LOW, "e1")
+    deadline = time.monotonic() + 5
+    while not (loop.view.owned_by("e1") and loop.port.blocks) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    client = ns.port(ns.a, rx="promisc")
+    try:
+        yield loop, backend, client, svc
+    finally:
+        backend.gate.set()
+        stop.set()
+        th.join(5)
+        loop.close()
+        client.close()
+
+
+def test_group_commit_answers_only_after_an_fsync_that_covers_the_batch_and_in_order(group_endpoint):
+    """While one fsync runs, the loop goes on serving: later writes commit and wait, reads behind them wait
+    too (in order), and one further fsync covers every batch committed meanwhile."""
+    loop, backend, client, svc = group_endpoint
+    backend.gate.clear()                                   # the disk is slow now
+    send(client, svc, 0x000001, b"000001:w:a", 1)
+    deadline = time.monotonic() + 2
+    while loop.call(lambda: loop.counters["disk_waits"]) < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    for seq, payload in ((2, b"000002:w:b"), (3, b"000003:w:c"), (4, b"000001:r:")):
+        send(client, svc, int(payload[:6], 16), payload, seq)
+    deadline = time.monotonic() + 2
+    while loop.call(lambda: len(loop.disk_wait)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)                                  # the loop served them while the fsync ran
+    assert backend.data == {1: b"a", 2: b"b", 3: b"c"}
+    assert replies(client, 0.3) == []                      # nothing acknowledged before the disk
+    backend.gate.set()
+    got = replies(client, 1.0)
+    assert [(f.seq, f.payload) for f in got] == [(1, b"ok:a"), (2, b"ok:b"), (3, b"ok:c"), (4, b"ok:a")]
+    assert backend.synced[0] == {1: b"a"}                  # the first fsync began with only batch 1 committed
+    assert backend.synced[-1] == {1: b"a", 2: b"b", 3: b"c"}
+    assert len(backend.synced) < 4                         # fewer fsyncs than write batches
+    assert loop.call(lambda: (len(loop.disk_wait), loop.counters["sync_failed"])) == (0, 0)
+
+
+def test_a_failed_group_fsync_answers_its_writes_unavailable(group_endpoint):
+    loop, backend, client, svc = group_endpoint
+    backend.fail = "disk I/O error"
+    send(client, svc, 0x000005, b"000005:w:x", 7)
+    got = replies(client, 1.0)
+    assert [(f.seq, f.payload[:16]) for f in got] == [(7, b"err:unavailable:")], got
+    assert b"could not be synced: disk I/O error" in got[0].payload
+    assert loop.call(lambda: loop.counters["sync_failed"]) == 1

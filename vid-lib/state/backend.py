@@ -25,6 +25,12 @@ Rules a backend keeps (the loop's safety rests on them):
   requests of that range it got (and ignored) in the last few seconds, so a
   request the owner took to its grave is still answered.  Never for writes
   that are not idempotent (elastic-KVS: a replayed PUT could undo a later one).
+* A backend may ask for group commit (``group_commit = True``, sdhcp does):
+  the loop sets its ``defer_sync`` to True, after which ``handle_batch``
+  commits without waiting for the disk and sets ``batch_unsynced`` when the
+  batch wrote something that must be durable before its replies leave; the
+  loop keeps those replies until ``sync`` (run by :mod:`.syncer`'s thread)
+  has covered the batch.
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ from vfab.vid.state.lease import EndpointLease
 from vfab.vid.state.peer import INCOMING_IDLE, Incoming, PeerSide
 from vfab.vid.state.replication import Inflight, Replication
 from vfab.vid.state.runner import OpRunner
+from vfab.vid.state.syncer import Syncer
 from vfab.vid.state.view import View, ViewWatcher, read_view
 from vfab.vid.transport import RawPort
 
@@ -125,6 +126,15 @@ class EndpointLoop(PeerSide, Replication):
         # when it takes the range over from a dead owner (which may never have answered them).
         self.replay_window = ttl + 2.0 if getattr(backend, "replay_on_takeover", False) else 0.0
         self.mirrored: collections.deque = collections.deque(maxlen=REPLAY_KEPT)  # (monotonic, vk, raw)
+        # Group commit (a backend that asks for it, see .syncer): replies of committed batches wait here, in
+        # order, for an fsync that covers them; (batch number, needs the disk, [(frame, vk, payload, wrote)]).
+        self.syncer: Syncer | None = None
+        if getattr(backend, "group_commit", False):
+            backend.defer_sync = True
+            self.syncer = Syncer(self)
+        self.disk_wait: collections.deque = collections.deque()
+        self.batch_seq = 0       # batches that went through group commit, numbered
+        self.synced_upto = 0     # the newest of them an fsync covered (as this thread learned it)
         self._next_id = 0
         self._thread: threading.Thread | None = None
         self._wakefd = os.eventfd(0, os.EFD_NONBLOCK)
@@ -224,6 +234,8 @@ class EndpointLoop(PeerSide, Replication):
         self.lease.start()
         self.watcher.start()
         self.housekeeper.start()
+        if self.syncer is not None:
+            self.syncer.start()
         idle = zmq.Poller()
         busy = zmq.Poller()
         for p in (idle, busy):
@@ -391,7 +403,50 @@ class EndpointLoop(PeerSide, Replication):
                 self.rates[rec.lo] = self.rates.get(rec.lo, 0) + 1
         written = {vk for vk, _ in records}
         out = [(f, r.key, rep, r.key in written) for f, r, rep in zip(meta, reqs, replies) if rep is not None]
-        self._replicate(out, records)
+        unsynced = self.syncer is not None and bool(getattr(self.backend, "batch_unsynced", False))
+        self._replicate(out, records, unsynced)
+
+    # -- group commit (see .syncer) -------------------------------------------------------------------
+    def _wait_disk(self, out: list, unsynced: bool) -> None:
+        """Keep a batch's replies until the disk holds it (``unsynced``) and every earlier batch's left."""
+        self.batch_seq += 1
+        self.disk_wait.append((self.batch_seq, unsynced, out))
+        if unsynced:
+            self.counters["disk_waits"] += 1
+            self.syncer.request(self.batch_seq)
+        self._release_synced()
+
+    def synced(self, upto: int, error: str = "") -> None:
+        """(loop thread) An fsync that began after batch ``upto`` committed returned (``error``: it failed)."""
+        self.counters["group_syncs"] += 1
+        if error:
+            self.counters["sync_failed"] += 1
+            while self.disk_wait and self.disk_wait[0][0] <= upto:
+                _, _, out = self.disk_wait.popleft()
+                for frame, vk, payload, _ in out:
+                    self._reply(frame, vk, self.backend.error_reply(
+                        frame.payload, Refusal.UNAVAILABLE, f"{self.name}: the store could not be synced: {error}"))
+        self._release_synced(upto)
+
+    def _release_synced(self, upto: int = 0) -> None:
+        # Only what this thread learned counts (never the syncer's own progress: a failed fsync must turn
+        # its replies into errors first).
+        self.synced_upto = done = max(upto, self.synced_upto)
+        while self.disk_wait and (self.disk_wait[0][0] <= done or not self.disk_wait[0][1]):
+            _, _, out = self.disk_wait.popleft()
+            for frame, vk, payload, _ in out:
+                self._reply(frame, vk, payload)
+
+    def _sync_now(self) -> str:
+        """Make every committed batch durable here and now, and send what waited for it; '' or the error."""
+        try:
+            self.backend.sync()
+        except BackendError as exc:
+            log.error("%s: fsync of the store failed: %s", self.name, exc)
+            self.synced(self.batch_seq, str(exc))
+            return str(exc)
+        self._release_synced(self.batch_seq)
+        return ""
 
     def _reply(self, frame: Frame, vk: int | None, payload: bytes | None) -> None:
         if payload is None:
@@ -525,6 +580,8 @@ class EndpointLoop(PeerSide, Replication):
             self.op.cancel.set()
         self.watcher.stop()
         self.housekeeper.stop()
+        if self.syncer is not None:
+            self.syncer.stop()
         self.lease.revoke()
         for peer in list(self.dealers):
             self._drop_dealer(peer) if hasattr(self, "_pollers") else self.dealers.pop(peer).close(0)

@@ -43,7 +43,7 @@ class Inflight:
 class Replication:
     """Sending writes and requests to other endpoints; mixed into EndpointLoop."""
 
-    def _replicate(self, out: list, records: list) -> None:
+    def _replicate(self, out: list, records: list, unsynced: bool = False) -> None:
         # (peer, lo of the copy or None for a mirror) -> blobs; a mirror applies durably, a copy target
         # under its copy's generation (made durable by the SYNC before the flip)
         need: dict[tuple[str, int | None], list] = {}
@@ -59,9 +59,21 @@ class Replication:
         for key in [k for k in need if k[0] == self.name]:
             del need[key]
         if not need:
+            if unsynced or self.disk_wait:   # group commit: wait for the disk, in order
+                self._wait_disk(out, unsynced)
+                return
             for frame, vk, payload, _ in out:
                 self._reply(frame, vk, payload)
             return
+        if unsynced or self.disk_wait:
+            # Replicated writes go out durable here first, as without group commit (and what waited leaves)
+            self.batch_seq += 1
+            error = self._sync_now()
+            if error:
+                for frame, vk, payload, _ in out:
+                    self._reply(frame, vk, self.backend.error_reply(
+                        frame.payload, Refusal.UNAVAILABLE, f"{self.name}: the store could not be synced: {error}"))
+                return
         self.inflight = Inflight(out, {}, time.monotonic() + ACK_TIMEOUT)
         for (peer, lo), blobs in need.items():
             sock = self._dealer(peer)
