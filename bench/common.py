@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 from vfab.testbed.procs import unwind_on_signals
@@ -30,6 +31,14 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--smoke", action="store_true", help="tiny run that only proves the benchmark works (CI)")
     ap.add_argument("--out", default=None, help="results file (default bench/results/NAME.json)")
     return ap
+
+
+def not_root(name: str, needs: str) -> bool:
+    """True (and says why on stderr) when the benchmark ``name`` does not run as root: it needs ``needs``."""
+    if os.geteuid() == 0:
+        return False
+    print(f"{name}: needs root ({needs})", file=sys.stderr)
+    return True
 
 
 def summary(samples: list[float]) -> dict:

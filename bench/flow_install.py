@@ -32,7 +32,7 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import parser, write  # noqa: E402
+from bench.common import not_root, parser, write  # noqa: E402
 from vfab.fabric.compiler import compile_fabric  # noqa: E402
 from vfab.fabric.flows import FlowSpec, Kind  # noqa: E402
 from vfab.fabric.state import FabricState  # noqa: E402
@@ -311,8 +311,7 @@ def main() -> int:
     ap.add_argument("--compile-reps", type=int, default=3)
     ap.add_argument("--no-floor", action="store_true", help="skip the ovs-ofctl --bundle floor")
     args = ap.parse_args()
-    if os.geteuid() != 0:
-        print("flow_install: needs root (Open vSwitch, network namespaces)", file=sys.stderr)
+    if not_root("flow_install", "Open vSwitch, network namespaces"):
         return 2
     sizes = [int(x) for x in (args.sizes or ("100,1000" if args.smoke else "1000,10000")).split(",")]
     layouts = args.layouts.split(",")

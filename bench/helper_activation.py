@@ -47,7 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(HERE))
 
-from bench.common import parser, write  # noqa: E402
+from bench.common import not_root, parser, write  # noqa: E402
 from bench.helper_common import (FABRIC_CLIENTS, FABRIC_HELPER_OPTS, FABRIC_HELPERS, FABRIC_KEYS,  # noqa: E402
                                  helper_fabric)
 
@@ -220,8 +220,7 @@ def main() -> int:
                     help="s the rate must stay above rate_on (default: one period, i.e. two observations)")
     ap.add_argument("--binary", default=None, help="mc-helper (default: the one 'make helper' built, else built now)")
     args = ap.parse_args()
-    if os.geteuid() != 0:
-        print("helper_activation: needs root (network namespaces, Open vSwitch, DPDK af_packet)", file=sys.stderr)
+    if not_root("helper_activation", "network namespaces, Open vSwitch, DPDK af_packet"):
         return 1
     repeat = 1 if args.smoke else args.repeat
     args.seconds = args.seconds or (2.0 if args.smoke else 3.0)

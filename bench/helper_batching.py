@@ -44,7 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(HERE))
 
-from bench.common import parser, write  # noqa: E402
+from bench.common import not_root, parser, write  # noqa: E402
 from bench.helper_common import helper_pkg, quiet_machine  # noqa: E402,F401  (helper_pkg: re-exported)
 
 PREFIX = "bench-key-padded-to-32-bytes-"   # + up to 5 digits: 30-34 bytes
@@ -218,8 +218,7 @@ def main() -> int:
                     help="client sockets (TCP connections for twemproxy) per namespace (4 namespaces)")
     ap.add_argument("--keys", type=int, default=10000)
     args = ap.parse_args()
-    if os.geteuid() != 0:
-        print("helper_batching: needs root (network namespaces, DPDK af_packet)", file=sys.stderr)
+    if not_root("helper_batching", "network namespaces, DPDK af_packet"):
         return 1
     rates = [int(r) for r in (args.rates or ("8000" if args.smoke else "20000,40000")).split(",")]
     duration = args.duration or (1.5 if args.smoke else 5.0)

@@ -34,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(HERE))
 
-from bench.common import parser, write  # noqa: E402
+from bench.common import not_root, parser, write  # noqa: E402
 from bench.helper_common import (FABRIC_CLIENTS, FABRIC_HELPER_OPTS, FABRIC_HELPERS, FABRIC_KEYS,  # noqa: E402
                                  helper_fabric)
 
@@ -104,8 +104,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=None, help="load per round (default 6; --smoke 5)")
     ap.add_argument("--binary", default=None, help="mc-helper (default: the one 'make helper' built, else built now)")
     args = ap.parse_args()
-    if os.geteuid() != 0:
-        print("helper_failover: needs root (network namespaces, Open vSwitch, DPDK af_packet)", file=sys.stderr)
+    if not_root("helper_failover", "network namespaces, Open vSwitch, DPDK af_packet"):
         return 1
     repeat = 1 if args.smoke else args.repeat
     args.seconds = args.seconds or (5.0 if args.smoke else 6.0)

@@ -44,7 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(HERE))
 
-from bench.common import parser, write  # noqa: E402
+from bench.common import not_root, parser, write  # noqa: E402
 from bench.helper_common import CpuCap, cpu_irq_s, helper_pkg, ksoftirqd_pid, quiet_machine  # noqa: E402
 
 DUT_CPU = 1
@@ -163,8 +163,7 @@ def main() -> int:
     ap.add_argument("--share", type=float, default=0.25,
                     help="CPU cap of the DUT in the capped runs, fraction of one CPU (default 0.25)")
     args = ap.parse_args()
-    if os.geteuid() != 0:
-        print("helper_throughput: needs root (namespaces, DPDK af_packet, a cpu cgroup)", file=sys.stderr)
+    if not_root("helper_throughput", "namespaces, DPDK af_packet, a cpu cgroup"):
         return 1
     if subprocess.run(["sh", "-c", "command -v dpdk-testpmd"], capture_output=True).returncode != 0:
         print("helper_throughput: dpdk-testpmd not found: install Debian's dpdk-dev (scripts/bootstrap.sh)",

@@ -38,7 +38,7 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import parser, write  # noqa: E402
+from bench.common import not_root, parser, write  # noqa: E402
 from vfab.testbed import kvs  # noqa: E402
 from vfab.testbed.busy import datapath_flows  # noqa: E402
 from vfab.testbed.fabric import Testbed  # noqa: E402
@@ -176,8 +176,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=None, help="seconds per phase (default 8, smoke 3)")
     ap.add_argument("--rate", type=float, default=2000.0, help="datagrams/s per front-door host (default 2000)")
     args = ap.parse_args()
-    if os.geteuid() != 0:
-        print("own_flows: needs root (network namespaces, Open vSwitch)", file=sys.stderr)
+    if not_root("own_flows", "network namespaces, Open vSwitch"):
         return 2
     sources = args.sources or (200 if args.smoke else 1000)
     seconds = args.seconds or (3.0 if args.smoke else 8.0)

@@ -45,7 +45,7 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import parser, summary, write  # noqa: E402
+from bench.common import not_root, parser, summary, write  # noqa: E402
 from vfab.fabric.flows import Kind, make_cookie  # noqa: E402
 from vfab.testbed.fabric import Testbed  # noqa: E402
 from vfab.vid import codec  # noqa: E402
@@ -223,8 +223,7 @@ def main() -> int:
     ap.add_argument("--floor-samples", type=int, default=None, help="ovs-ofctl floor samples (default 30, smoke 6)")
     ap.add_argument("--poll", type=float, default=1.0, help="controller counter-poll period (s)")
     args = ap.parse_args()
-    if os.geteuid() != 0:
-        print("reroute: needs root (network namespaces, Open vSwitch)", file=sys.stderr)
+    if not_root("reroute", "network namespaces, Open vSwitch"):
         return 2
     cutovers = args.cutovers or (10 if args.smoke else 100)
     counts = [int(x) for x in (args.clients or ("1,2" if args.smoke else "1,4,16")).split(",")]

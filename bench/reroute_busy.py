@@ -35,7 +35,7 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import parser, write  # noqa: E402
+from bench.common import not_root, parser, write  # noqa: E402
 from bench.reroute import Receiver, Sender, ms_stats, wait_flowing, wait_switched  # noqa: E402
 from vfab.testbed.busy import BusySender, datapath_state  # noqa: E402
 from vfab.testbed.fabric import Testbed  # noqa: E402
@@ -75,8 +75,7 @@ def main() -> int:
                     "(other_config:n-revalidator-threads; default 1,2; smoke 1)")
     ap.add_argument("--interval-ms", type=float, default=0.5, help="per-client send interval (default 0.5)")
     args = ap.parse_args()
-    if os.geteuid() != 0:
-        print("reroute_busy: needs root (network namespaces, Open vSwitch)", file=sys.stderr)
+    if not_root("reroute_busy", "network namespaces, Open vSwitch"):
         return 2
     levels = [int(x) for x in (args.levels or ("0,2000" if args.smoke else "0,1000,10000,30000,100000")).split(",")]
     cutovers = args.cutovers or (6 if args.smoke else 60)

@@ -72,19 +72,35 @@ class MemBackend:
         return 0
 
 
-@pytest.fixture
-def endpoint(ns, registry):
+def until(fn, timeout: float = 2.0) -> None:
+    """Poll ``fn()`` until it is true or ``timeout`` s passed (the assertion after it says what failed)."""
+    deadline = time.monotonic() + timeout
+    while not fn() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def mirror_upper_half(loop, registry) -> Range:
+    """The upper half owned by a fake endpoint ``src`` and mirrored on the loop's endpoint (e1)."""
+    from vfab.vid.registry import schema
+
+    hi = Range(0x800000, 0xFFFFFF)
+    registry.announce(schema.Endpoint(service="t", name="src", mac="02:00:00:00:00:99", rx="ovs"), ttl=60)
+    registry.assign("t", hi, "src", mirrors=["e1"])
+    until(lambda: "e1" in (loop.call(lambda: loop.view.find(hi.lo).mirrors) or []), 5)
+    return hi
+
+
+def serving(ns, registry, backend):
+    """The loop of endpoint e1 over ``backend``, owning the lower half, and a client port: (loop, backend,
+    client, service), stopped and closed when the generator ends."""
     registry.create_service("t")
     svc = registry.service("t")
-    backend = MemBackend()
     loop = EndpointLoop(registry, "t", "e1", ns.b, backend, rx="bpf", netns=f"/var/run/netns/{ns.name}")
     stop = threading.Event()
     th = threading.Thread(target=loop.serve, args=(stop,), daemon=True)
     th.start()
     registry.assign("t", LOW, "e1")
-    deadline = time.monotonic() + 5
-    while not (loop.view.owned_by("e1") and loop.port.blocks) and time.monotonic() < deadline:
-        time.sleep(0.01)  # the watcher brings the new map; the loop re-filters its port
+    until(lambda: loop.view.owned_by("e1") and loop.port.blocks, 5)  # the watcher's map; the port re-filtered
     assert loop.view.owned_by("e1"), "the loop never saw its range"
     client = ns.port(ns.a, rx="promisc")
     try:
@@ -94,6 +110,11 @@ def endpoint(ns, registry):
         th.join(5)
         loop.close()
         client.close()
+
+
+@pytest.fixture
+def endpoint(ns, registry):
+    yield from serving(ns, registry, MemBackend())
 
 
 def send(client, svc, key: int, payload: bytes, seq: int) -> bytes:
@@ -256,12 +277,7 @@ def test_a_mirror_taking_a_range_over_serves_only_what_the_source_did_not(endpoi
     from vfab.vid.registry import schema
 
     loop, backend, client, svc = endpoint
-    hi = Range(0x800000, 0xFFFFFF)
-    registry.announce(schema.Endpoint(service="t", name="src", mac="02:00:00:00:00:99", rx="ovs"), ttl=60)
-    registry.assign("t", hi, "src", mirrors=["e1"])
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and "e1" not in (loop.call(lambda: loop.view.find(hi.lo).mirrors) or []):
-        time.sleep(0.01)
+    hi = mirror_upper_half(loop, registry)
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(loop.ctl)
@@ -306,19 +322,12 @@ def test_a_mirror_that_takes_over_from_a_dead_owner_replays_what_it_ignored(endp
 
     loop, backend, client, svc = endpoint
     assert loop.replay_window == 0.0 and not loop.mirrored     # MemBackend does not ask for it
-    hi = Range(0x800000, 0xFFFFFF)
-    registry.announce(schema.Endpoint(service="t", name="src", mac="02:00:00:00:00:99", rx="ovs"), ttl=60)
-    registry.assign("t", hi, "src", mirrors=["e1"])
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and "e1" not in (loop.call(lambda: loop.view.find(hi.lo).mirrors) or []):
-        time.sleep(0.01)
+    hi = mirror_upper_half(loop, registry)
     loop.call(lambda: setattr(loop, "replay_window", 3.0))
     loop.call(lambda: loop.mirrored.append((time.monotonic() - 10, 0x800009, b"too old")))
     for seq, key in enumerate((0x800001, 0x800002, 0x800001), 1):
         send(client, svc, key, b"%06x:w:v%d" % (key, seq), seq)
-    deadline = time.monotonic() + 2
-    while loop.call(lambda: len(loop.mirrored)) < 4 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    until(lambda: loop.call(lambda: len(loop.mirrored)) >= 4)
     assert replies(client, 0.3) == [] and backend.data.get(0x800001) is None   # a mirror ignores them
     rev = registry.assign("t", hi, "e1", expect_epoch=registry.ranges("t")[-1][0].epoch)
     loop.call(lambda: loop.took_over(schema.RangeRec(lo=hi.lo, hi=hi.hi, owner="e1", epoch=99), rev))
@@ -359,27 +368,15 @@ class GroupBackend(MemBackend):
 
 @pytest.fixture
 def group_endpoint(ns, registry):
-    registry.create_service("t")
-    svc = registry.service("t")
     backend = GroupBackend()
-    loop = EndpointLoop(registry, "t", "e1", ns.b, backend, rx="bpf", netns=f"/var/run/netns/{ns.name}")
-    assert backend.defer_sync and loop.syncer is not None
-    stop = threading.Event()
-    th = threading.Thread(target=loop.serve, args=(stop,), daemon=True)
-    th.start()
-    registry.assign("t", LOW, "e1")
-    deadline = time.monotonic() + 5
-    while not (loop.view.owned_by("e1") and loop.port.blocks) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    client = ns.port(ns.a, rx="promisc")
+    gen = serving(ns, registry, backend)
+    got = next(gen)
+    assert backend.defer_sync and got[0].syncer is not None
     try:
-        yield loop, backend, client, svc
+        yield got
     finally:
-        backend.gate.set()
-        stop.set()
-        th.join(5)
-        loop.close()
-        client.close()
+        backend.gate.set()   # a test that failed with the disk held must not hold up the loop's stop
+        gen.close()
 
 
 def test_group_commit_answers_only_after_an_fsync_that_covers_the_batch_and_in_order(group_endpoint):
@@ -388,14 +385,10 @@ def test_group_commit_answers_only_after_an_fsync_that_covers_the_batch_and_in_o
     loop, backend, client, svc = group_endpoint
     backend.gate.clear()                                   # the disk is slow now
     send(client, svc, 0x000001, b"000001:w:a", 1)
-    deadline = time.monotonic() + 2
-    while loop.call(lambda: loop.counters["disk_waits"]) < 1 and time.monotonic() < deadline:
-        time.sleep(0.005)
+    until(lambda: loop.call(lambda: loop.counters["disk_waits"]) >= 1)
     for seq, payload in ((2, b"000002:w:b"), (3, b"000003:w:c"), (4, b"000001:r:")):
         send(client, svc, int(payload[:6], 16), payload, seq)
-    deadline = time.monotonic() + 2
-    while loop.call(lambda: len(loop.disk_wait)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.005)                                  # the loop served them while the fsync ran
+    until(lambda: loop.call(lambda: len(loop.disk_wait)) >= 2)   # the loop served them while the fsync ran
     assert backend.data == {1: b"a", 2: b"b", 3: b"c"}
     assert replies(client, 0.3) == []                      # nothing acknowledged before the disk
     backend.gate.set()

@@ -422,11 +422,14 @@ class EndpointLoop(PeerSide, Replication):
         if error:
             self.counters["sync_failed"] += 1
             while self.disk_wait and self.disk_wait[0][0] <= upto:
-                _, _, out = self.disk_wait.popleft()
-                for frame, vk, payload, _ in out:
-                    self._reply(frame, vk, self.backend.error_reply(
-                        frame.payload, Refusal.UNAVAILABLE, f"{self.name}: the store could not be synced: {error}"))
+                self._unsynced_replies(self.disk_wait.popleft()[2], error)
         self._release_synced(upto)
+
+    def _unsynced_replies(self, out: list, error: str) -> None:
+        """Answer a batch whose fsync failed: UNAVAILABLE (the client retries), whatever it asked."""
+        for frame, vk, _, _ in out:
+            self._reply(frame, vk, self.backend.error_reply(
+                frame.payload, Refusal.UNAVAILABLE, f"{self.name}: the store could not be synced: {error}"))
 
     def _release_synced(self, upto: int = 0) -> None:
         # Only what this thread learned counts (never the syncer's own progress: a failed fsync must turn

@@ -67,12 +67,9 @@ class Replication:
             return
         if unsynced or self.disk_wait:
             # Replicated writes go out durable here first, as without group commit (and what waited leaves)
-            self.batch_seq += 1
             error = self._sync_now()
             if error:
-                for frame, vk, payload, _ in out:
-                    self._reply(frame, vk, self.backend.error_reply(
-                        frame.payload, Refusal.UNAVAILABLE, f"{self.name}: the store could not be synced: {error}"))
+                self._unsynced_replies(out, error)
                 return
         self.inflight = Inflight(out, {}, time.monotonic() + ACK_TIMEOUT)
         for (peer, lo), blobs in need.items():
