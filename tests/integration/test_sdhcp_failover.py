@@ -257,6 +257,7 @@ def test_a_renewal_its_dying_owner_never_answered_is_answered_by_the_mirror(test
     owners = {r.owner for r, _ in reg.ranges(SVC)}
     print(f"\nm frozen; its clients' one renewal answered after {sorted(round(t, 3) for t in got.values() if t)} s")
     assert owners == {"r", "q"}, reg.ranges(SVC)
+    assert len(got) == len(low) == 16, got                    # every one of m's clients sent its renewal
     late = {codec.int_to_mac(int.from_bytes(mac, "big")): t for mac, t in got.items() if t is None or t > TAKEOVER}
     assert not late, f"renewals sent once to the frozen owner and not answered within {TAKEOVER} s: {late}"
     for c in sim.clients:
