@@ -174,11 +174,11 @@ class RawPort:
             return ioctl_mac
         return mac
 
-    def _apply_filter(self) -> None:
+    def _apply_filter(self, blocks: list | None = None) -> None:
         if self.rx == "ovs":
             program = bpf.host_only_filter()
         elif self.rx == "bpf":
-            program = bpf.vid_filter(self._blocks, own_mac=self.mac)
+            program = bpf.vid_filter(self._blocks if blocks is None else blocks, own_mac=self.mac)
         else:
             return
         self._filter = bpf.attach(self.sock, program)  # keeps the buffer alive
@@ -195,9 +195,12 @@ class RawPort:
 
     def set_blocks(self, blocks: Iterable[bpf.Block]) -> None:
         """Replace the owned (value, mask) blocks; in rx='bpf' the kernel filter is re-attached."""
-        self._blocks = bpf.normalize_blocks(blocks)
+        new = bpf.normalize_blocks(blocks)
         if self.rx == "bpf" and not self._closed:
-            self._apply_filter()
+            self._apply_filter(new)
+        # published once the kernel filter receives them: another thread that sees the new blocks (a test,
+        # waiting to send) used to find the old filter still attached, and its frame dropped
+        self._blocks = new
         log.info("port %s: now receiving %d blocks (rx=%s)", self.iface, len(self._blocks), self.rx)
 
     def accepts(self, dst: bytes) -> bool:
