@@ -59,13 +59,14 @@ def run_op(tb: Testbed, svc: str, name: str) -> dict:
     source = SOURCE[name]
     m0 = time.monotonic()
     started = start()
+    m_started = time.monotonic()
     if started.source != source:
         raise RuntimeError(f"{svc} {name}: run by an unexpected endpoint")
     rec = statectl.wait(reg, svc, started.op, timeout=300)
     m1 = time.monotonic()
     return {"op": name, "source": source, "phase": rec.phase, "error": rec.error, "keys": rec.done,
             "total": rec.total, "timings": {k: round(v, 4) for k, v in rec.timings.items()},
-            "wall_s": round(m1 - m0, 4), "t0": m0, "t1": m1}
+            "wall_s": round(m1 - m0, 4), "start_s": round(m_started - m0, 4), "t0": m0, "t1": m1}
 
 
 def configuration(tb: Testbed, n: int, placement: str, rep: int, load_s: float) -> dict:
