@@ -408,3 +408,28 @@ def test_a_failed_group_fsync_answers_its_writes_unavailable(group_endpoint):
     assert [(f.seq, f.payload[:16]) for f in got] == [(7, b"err:unavailable:")], got
     assert b"could not be synced: disk I/O error" in got[0].payload
     assert loop.call(lambda: loop.counters["sync_failed"]) == 1
+
+
+def test_a_failure_repeating_at_the_request_rate_is_logged_once_per_period(monkeypatch, caplog):
+    import logging
+
+    from vfab.vid.state import faillog
+    now = [100.0]
+    monkeypatch.setattr(faillog.time, "monotonic", lambda: now[0])
+    fl = faillog.FailureLog(logging.getLogger("vfab.test.failurelog"), "a batch", every=10.0)
+    with caplog.at_level(logging.WARNING, logger="vfab.test.failurelog"):
+        for i in range(400):               # a full disk: every batch for 25 s (16 a second)
+            now[0] += 0.0625
+            fl.failed("s1", f"database or disk is full ({i})")
+        fl.succeeded("s1")
+        fl.succeeded("s1")                 # nothing to say twice
+        now[0] += 1
+        fl.failed("s1", "again")           # a new episode is logged at once
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "s1: a batch failed: database or disk is full (0)"
+    assert lines[1] == ("s1: a batch failed 160 more time(s) in the last 10 s (161 in a row), latest: "
+                        "database or disk is full (160)")
+    assert lines[2].startswith("s1: a batch failed 160 more time(s)") and "(321 in a row)" in lines[2]
+    assert lines[3] == "s1: a batch works again after 400 failure(s)"
+    assert lines[4] == "s1: a batch failed: again"
+    assert len(lines) == 5

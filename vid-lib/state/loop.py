@@ -48,6 +48,7 @@ from vfab.vid.ranges import Range
 from vfab.vid.registry import Registry, schema
 from vfab.vid.state import machine
 from vfab.vid.state.backend import Backend, BackendError, BadRequest, Refusal, Request
+from vfab.vid.state.faillog import FailureLog
 from vfab.vid.state.housekeeper import Housekeeper
 from vfab.vid.state.lease import EndpointLease
 from vfab.vid.state.peer import INCOMING_IDLE, Incoming, PeerSide
@@ -68,8 +69,6 @@ IDLE_WAIT = 1.0          # s an idle loop with nothing timed sleeps (frames, con
 SWITCH_INTERVAL = 0.0005
 STALL = 0.02             # s: a pass of the loop that ran longer held every request behind it that long
 REPLAY_KEPT = 4096       # mirrored requests kept for a takeover replay (backends that ask for it)
-
-
 class _Call:
     def __init__(self, fn):
         self.fn = fn
@@ -121,6 +120,7 @@ class EndpointLoop(PeerSide, Replication):
         self.pending_drops: list[Range] = []
         self.rates: dict[int, int] = {}
         self.counters: collections.Counter = collections.Counter()
+        self.batch_failures = FailureLog(log, "a batch")
         # A backend whose requests may be served twice (DHCP: an ACK again is an ACK) asks for a takeover
         # replay: as a mirror, the requests it ignored for the owner in the last REPLAY window are served again
         # when it takes the range over from a dead owner (which may never have answered them).
@@ -393,10 +393,13 @@ class EndpointLoop(PeerSide, Replication):
         try:
             replies, records = self.backend.handle_batch(reqs)
         except BackendError as exc:
-            log.error("%s: batch of %d failed: %s", self.name, len(reqs), exc)
+            self.batch_failures.failed(self.name, f"{exc} ({len(reqs)} request(s) answered UNAVAILABLE)")
             self.counters["batch_failed"] += 1
             replies = [self.backend.error_reply(r.payload, Refusal.UNAVAILABLE, f"{self.name}: {exc}") for r in reqs]
             records = []
+        else:
+            if self.batch_failures.failing:
+                self.batch_failures.succeeded(self.name)
         for r in reqs:
             rec = self.view.find(r.key)
             if rec is not None:

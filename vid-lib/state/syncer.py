@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 import threading
 
+from vfab.vid.state.faillog import FailureLog
+
 log = logging.getLogger("vfab.state.loop")
 
 
@@ -36,6 +38,7 @@ class Syncer:
         self.want = 0          # the newest batch number that asked for the disk
         self.done = 0          # the newest batch number an fsync covered
         self.syncs = 0
+        self.failures = FailureLog(log, "fsync of the store (its replies are answered UNAVAILABLE)")
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"{loop.name}-syncer", daemon=True)
@@ -69,8 +72,10 @@ class Syncer:
                 self.backend.sync()
             except Exception as exc:  # noqa: BLE001 - reported to the loop, which answers with errors
                 error = str(exc) or type(exc).__name__
-                log.error("%s: fsync of the store failed: %s; the replies it held are answered as errors",
-                          self.loop.name, error)
+                self.failures.failed(self.loop.name, error)
+            else:
+                if self.failures.failing:
+                    self.failures.succeeded(self.loop.name)
             with self._cv:
                 self.done = target
                 self.syncs += 1
