@@ -220,12 +220,17 @@ class SimClients:
             wait = min([c.next_send for c in live] + [end]) - time.monotonic()
             for at, c, msg in self._replies(min(wait, 0.02)):
                 if msg.msg_type is MessageType.ACK and c.sent_at:
-                    kind = "rebind" if at - c.last_ack >= t2 else "renew"
-                    c.acks.append((c.last_sent, at, msg.yiaddr, msg.server_id, kind, c.sent_at))
-                    c.ip, c.server, c.last_ack = msg.yiaddr, msg.server_id, at
-                    c.sent_at, c.next_send = 0.0, end if finish else at + period
+                    self._acked(c, at, msg, "rebind" if at - c.last_ack >= t2 else "renew", c.last_sent)
+                    c.next_send = end if finish else at + period
                 elif msg.msg_type is MessageType.NAK:
                     c.naks.append((at, msg.server_id, msg.message))
+
+    @staticmethod
+    def _acked(c, at: float, msg, kind: str, sent: float) -> None:
+        """Record a renewal's ACK: (last send, answered at, address, server, kind, first send) in ``acks``;
+        the client now holds that address from that server and waits for nothing."""
+        c.acks.append((sent, at, msg.yiaddr, msg.server_id, kind, c.sent_at))
+        c.ip, c.server, c.last_ack, c.sent_at = msg.yiaddr, msg.server_id, at, 0.0
 
     def renew_once(self, timeout: float, macs: list[bytes] | None = None) -> dict[bytes, float | None]:
         """Each leased client (of ``macs``) sends one unicast renewal and never retransmits it: per client, the
@@ -242,8 +247,7 @@ class SimClients:
             for at, c, msg in self._replies(min(0.05, end - time.monotonic())):
                 if msg.msg_type is MessageType.ACK and got.get(c.mac, 0.0) is None:
                     got[c.mac] = at - t0
-                    c.acks.append((t0, at, msg.yiaddr, msg.server_id, "renew", t0))
-                    c.ip, c.server, c.last_ack, c.sent_at = msg.yiaddr, msg.server_id, at, 0.0
+                    self._acked(c, at, msg, "renew", t0)
                 elif msg.msg_type is MessageType.NAK:
                     c.naks.append((at, msg.server_id, msg.message))
         for c in live:
