@@ -91,8 +91,8 @@ class SdhcpBackend:
     # request served twice gets the same answer (the lease is the mirror's copy), and ISC dhclient with its
     # default 10 s initial interval would otherwise not retransmit a lost renewal before a short lease ends.
     replay_on_takeover = True
-    # Group commit (vfab.vid.state.syncer): under the loop, a batch's commit does not wait for the disk; the
-    # loop keeps its ACKs until the syncer's fsync covers it, and serves the next batches meanwhile.
+    # Group commit (the state loop): under the loop, a batch's commit does not wait for the disk; the loop
+    # keeps its ACKs, commits the next batches the port holds, and one fsync once the port is drained covers them.
     group_commit = True
     defer_sync = False        # set by the loop; alone (tests, tools) every durable commit fsyncs itself
     batch_unsynced = False    # the last batch committed durable-needing writes without an fsync

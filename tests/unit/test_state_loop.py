@@ -371,7 +371,7 @@ def group_endpoint(ns, registry):
     backend = GroupBackend()
     gen = serving(ns, registry, backend)
     got = next(gen)
-    assert backend.defer_sync and got[0].syncer is not None
+    assert backend.defer_sync and got[0].group_commit
     try:
         yield got
     finally:
@@ -380,23 +380,26 @@ def group_endpoint(ns, registry):
 
 
 def test_group_commit_answers_only_after_an_fsync_that_covers_the_batch_and_in_order(group_endpoint):
-    """While one fsync runs, the loop goes on serving: later writes commit and wait, reads behind them wait
-    too (in order), and one further fsync covers every batch committed meanwhile."""
+    """Batches the port holds one behind the other commit without waiting for the disk; once the port is
+    drained one fsync covers them all, and only then do their replies leave, in order (reads behind writes
+    too).  A write that arrives alone is answered after its own fsync."""
     loop, backend, client, svc = group_endpoint
-    backend.gate.clear()                                   # the disk is slow now
-    send(client, svc, 0x000001, b"000001:w:a", 1)
-    until(lambda: loop.call(lambda: loop.counters["disk_waits"]) >= 1)
-    for seq, payload in ((2, b"000002:w:b"), (3, b"000003:w:c"), (4, b"000001:r:")):
+    loop.call(lambda: setattr(loop, "batch_max", 1))       # one request per batch: four batches
+    held = threading.Event()
+    loop.call(lambda: held.wait(5), wait=False)            # the loop is busy while the burst arrives
+    for seq, payload in ((1, b"000001:w:a"), (2, b"000002:w:b"), (3, b"000003:w:c"), (4, b"000001:r:")):
         send(client, svc, int(payload[:6], 16), payload, seq)
-    until(lambda: loop.call(lambda: len(loop.disk_wait)) >= 2)   # the loop served them while the fsync ran
-    assert backend.data == {1: b"a", 2: b"b", 3: b"c"}
+    backend.gate.clear()                                   # the disk is slow now
+    held.set()
+    until(lambda: backend.data == {1: b"a", 2: b"b", 3: b"c"})
     assert replies(client, 0.3) == []                      # nothing acknowledged before the disk
     backend.gate.set()
     got = replies(client, 1.0)
     assert [(f.seq, f.payload) for f in got] == [(1, b"ok:a"), (2, b"ok:b"), (3, b"ok:c"), (4, b"ok:a")]
-    assert backend.synced[0] == {1: b"a"}                  # the first fsync began with only batch 1 committed
-    assert backend.synced[-1] == {1: b"a", 2: b"b", 3: b"c"}
-    assert len(backend.synced) < 4                         # fewer fsyncs than write batches
+    assert backend.synced == [{1: b"a", 2: b"b", 3: b"c"}]  # one fsync for the three write batches
+    send(client, svc, 0x000002, b"000002:w:d", 5)
+    assert [(f.seq, f.payload) for f in replies(client, 1.0)] == [(5, b"ok:d")]
+    assert backend.synced[-1] == {1: b"a", 2: b"d", 3: b"c"} and len(backend.synced) == 2
     assert loop.call(lambda: (len(loop.disk_wait), loop.counters["sync_failed"])) == (0, 0)
 
 

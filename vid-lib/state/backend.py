@@ -29,8 +29,9 @@ Rules a backend keeps (the loop's safety rests on them):
   the loop sets its ``defer_sync`` to True, after which ``handle_batch``
   commits without waiting for the disk and sets ``batch_unsynced`` when the
   batch wrote something that must be durable before its replies leave; the
-  loop keeps those replies until ``sync`` (run by :mod:`.syncer`'s thread)
-  has covered the batch.
+  loop keeps those replies, reads and commits whatever else the port holds,
+  and once the port is drained (or a reply has waited 2 ms) calls ``sync``
+  once for all of them before they leave.
 """
 
 from __future__ import annotations

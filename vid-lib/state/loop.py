@@ -54,7 +54,6 @@ from vfab.vid.state.lease import EndpointLease
 from vfab.vid.state.peer import INCOMING_IDLE, Incoming, PeerSide
 from vfab.vid.state.replication import Inflight, Replication
 from vfab.vid.state.runner import OpRunner
-from vfab.vid.state.syncer import Syncer
 from vfab.vid.state.view import View, ViewWatcher, read_view
 from vfab.vid.transport import RawPort
 
@@ -69,6 +68,7 @@ IDLE_WAIT = 1.0          # s an idle loop with nothing timed sleeps (frames, con
 SWITCH_INTERVAL = 0.0005
 STALL = 0.02             # s: a pass of the loop that ran longer held every request behind it that long
 REPLAY_KEPT = 4096       # mirrored requests kept for a takeover replay (backends that ask for it)
+GROUP_HOLD = 0.002       # s: group commit fsyncs once the port is drained, or once a reply has waited this long
 class _Call:
     def __init__(self, fn):
         self.fn = fn
@@ -126,15 +126,18 @@ class EndpointLoop(PeerSide, Replication):
         # when it takes the range over from a dead owner (which may never have answered them).
         self.replay_window = ttl + 2.0 if getattr(backend, "replay_on_takeover", False) else 0.0
         self.mirrored: collections.deque = collections.deque(maxlen=REPLAY_KEPT)  # (monotonic, vk, raw)
-        # Group commit (a backend that asks for it, see .syncer): replies of committed batches wait here, in
-        # order, for an fsync that covers them; (batch number, needs the disk, [(frame, vk, payload, wrote)]).
-        self.syncer: Syncer | None = None
-        if getattr(backend, "group_commit", False):
+        # Group commit (a backend that asks for it): a batch commits without waiting for the disk and its
+        # replies wait here, in order, while the loop goes on reading and committing whatever the port holds;
+        # once the port is drained (or a reply has waited GROUP_HOLD) one fsync makes them all durable and
+        # they go.  (batch number, needs the disk, [(frame, vk, payload, wrote)]).
+        self.group_commit = bool(getattr(backend, "group_commit", False))
+        if self.group_commit:
             backend.defer_sync = True
-            self.syncer = Syncer(self)
         self.disk_wait: collections.deque = collections.deque()
         self.batch_seq = 0       # batches that went through group commit, numbered
-        self.synced_upto = 0     # the newest of them an fsync covered (as this thread learned it)
+        self.synced_upto = 0     # the newest of them an fsync covered
+        self.unsynced_since = 0.0  # when the oldest batch still waiting for the disk committed (0: none waits)
+        self.sync_failures = FailureLog(log, "fsync of the store (its writes are answered UNAVAILABLE)")
         self._next_id = 0
         self._thread: threading.Thread | None = None
         self._wakefd = os.eventfd(0, os.EFD_NONBLOCK)
@@ -234,8 +237,6 @@ class EndpointLoop(PeerSide, Replication):
         self.lease.start()
         self.watcher.start()
         self.housekeeper.start()
-        if self.syncer is not None:
-            self.syncer.start()
         idle = zmq.Poller()
         busy = zmq.Poller()
         for p in (idle, busy):
@@ -282,6 +283,8 @@ class EndpointLoop(PeerSide, Replication):
             t4 = time.perf_counter()
             if t4 - t0 > STALL:
                 self._stalled(t4 - t0, {"control": t1 - t0, "chunk": t2 - t1, "calls": t3 - t2, "batch": t4 - t3})
+        if self.disk_wait:
+            self._sync_now()   # stopping: what committed and waits for the disk is answered, not dropped
 
     def _stalled(self, took: float, parts: dict[str, float]) -> None:
         """Count a long pass by what took longest (``stall_<part>`` in STATS), logged at most once a second."""
@@ -322,13 +325,17 @@ class EndpointLoop(PeerSide, Replication):
         frames = []
         while self.pending and len(frames) < self.batch_max:
             frames.append(self.pending.popleft())
+        drained = False
         while len(frames) < self.batch_max:
             got = self.port.recv_raw(0)
             if got is None:
+                drained = True
                 break
             frames.append((got[0], 0))
         if frames:
             self._handle(frames)
+        if self.unsynced_since and (drained or time.monotonic() - self.unsynced_since >= GROUP_HOLD):
+            self._sync_now()
 
     def _role(self, vk: int, hops: int) -> str:
         for inc in self.incoming.values():
@@ -406,27 +413,19 @@ class EndpointLoop(PeerSide, Replication):
                 self.rates[rec.lo] = self.rates.get(rec.lo, 0) + 1
         written = {vk for vk, _ in records}
         out = [(f, r.key, rep, r.key in written) for f, r, rep in zip(meta, reqs, replies) if rep is not None]
-        unsynced = self.syncer is not None and bool(getattr(self.backend, "batch_unsynced", False))
+        unsynced = self.group_commit and bool(getattr(self.backend, "batch_unsynced", False))
         self._replicate(out, records, unsynced)
 
-    # -- group commit (see .syncer) -------------------------------------------------------------------
+    # -- group commit --------------------------------------------------------------------------------
     def _wait_disk(self, out: list, unsynced: bool) -> None:
         """Keep a batch's replies until the disk holds it (``unsynced``) and every earlier batch's left."""
         self.batch_seq += 1
         self.disk_wait.append((self.batch_seq, unsynced, out))
         if unsynced:
             self.counters["disk_waits"] += 1
-            self.syncer.request(self.batch_seq)
+            if not self.unsynced_since:
+                self.unsynced_since = time.monotonic()
         self._release_synced()
-
-    def synced(self, upto: int, error: str = "") -> None:
-        """(loop thread) An fsync that began after batch ``upto`` committed returned (``error``: it failed)."""
-        self.counters["group_syncs"] += 1
-        if error:
-            self.counters["sync_failed"] += 1
-            while self.disk_wait and self.disk_wait[0][0] <= upto:
-                self._unsynced_replies(self.disk_wait.popleft()[2], error)
-        self._release_synced(upto)
 
     def _unsynced_replies(self, out: list, error: str) -> None:
         """Answer a batch whose fsync failed: UNAVAILABLE (the client retries), whatever it asked."""
@@ -435,8 +434,6 @@ class EndpointLoop(PeerSide, Replication):
                 frame.payload, Refusal.UNAVAILABLE, f"{self.name}: the store could not be synced: {error}"))
 
     def _release_synced(self, upto: int = 0) -> None:
-        # Only what this thread learned counts (never the syncer's own progress: a failed fsync must turn
-        # its replies into errors first).
         self.synced_upto = done = max(upto, self.synced_upto)
         while self.disk_wait and (self.disk_wait[0][0] <= done or not self.disk_wait[0][1]):
             _, _, out = self.disk_wait.popleft()
@@ -444,14 +441,21 @@ class EndpointLoop(PeerSide, Replication):
                 self._reply(frame, vk, payload)
 
     def _sync_now(self) -> str:
-        """Make every committed batch durable here and now, and send what waited for it; '' or the error."""
+        """Make every committed batch durable here and now, and send what waited for it; '' or the error
+        (then what waited for the disk is answered UNAVAILABLE: the clients retry)."""
+        upto, self.unsynced_since = self.batch_seq, 0.0
+        self.counters["group_syncs"] += 1
         try:
             self.backend.sync()
         except BackendError as exc:
-            log.error("%s: fsync of the store failed: %s", self.name, exc)
-            self.synced(self.batch_seq, str(exc))
+            self.sync_failures.failed(self.name, exc)
+            self.counters["sync_failed"] += 1
+            while self.disk_wait and self.disk_wait[0][0] <= upto:
+                self._unsynced_replies(self.disk_wait.popleft()[2], str(exc))
             return str(exc)
-        self._release_synced(self.batch_seq)
+        if self.sync_failures.failing:
+            self.sync_failures.succeeded(self.name)
+        self._release_synced(upto)
         return ""
 
     def _reply(self, frame: Frame, vk: int | None, payload: bytes | None) -> None:
@@ -586,8 +590,6 @@ class EndpointLoop(PeerSide, Replication):
             self.op.cancel.set()
         self.watcher.stop()
         self.housekeeper.stop()
-        if self.syncer is not None:
-            self.syncer.stop()
         self.lease.revoke()
         for peer in list(self.dealers):
             self._drop_dealer(peer) if hasattr(self, "_pollers") else self.dealers.pop(peer).close(0)
