@@ -436,3 +436,42 @@ def test_a_failure_repeating_at_the_request_rate_is_logged_once_per_period(monke
     assert lines[3] == "s1: a batch works again after 400 failure(s)"
     assert lines[4] == "s1: a batch failed: again"
     assert len(lines) == 5
+
+
+def test_progress_writer_writes_the_newest_record_and_nothing_after_close(registry):
+    """Progress records leave the operation's thread; the newest waiting one wins, and ``close`` waits for a
+    write under way, so a final record written after it is never overwritten by a late progress write."""
+    from vfab.vid.registry import schema
+    from vfab.vid.state.runner import ProgressWriter
+
+    key = schema.op_key("t", "op-progress-test")
+    w = ProgressWriter(registry.endpoint, key, lambda: None)
+    real, gate, written = w._reg.put, threading.Event(), []
+
+    def held_put(k, v, lease=None):  # etcd slow to answer
+        gate.wait(5)
+        written.append(v)
+        return real(k, v, lease=lease)
+
+    w._reg.put = held_put
+    w.post("one")
+    until(lambda: w._waiting is None)          # the thread took it and waits for "etcd"
+    w.post("two")
+    w.post("three")                            # only the newest waiting record is written
+    gate.set()
+    until(lambda: len(written) == 2)
+    assert written == ["one", "three"]
+    gate.clear()
+    w.post("late")
+    until(lambda: w._waiting is None)
+    closer = threading.Thread(target=w.close)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive(), "close() returned while a progress write was still under way"
+    gate.set()
+    closer.join(5)
+    assert not closer.is_alive()
+    registry.put(key, "final")
+    w.post("after close")                      # ignored: nothing writes any more
+    time.sleep(0.2)
+    assert registry.get(key)[0] == b"final" and written == ["one", "three", "late"]

@@ -7,7 +7,9 @@ and the snapshot stream.  It talks to the endpoint's loop only through
 loop's state.
 
 etcd blips are ridden out: reading the range map is retried for up to
-``RIDE_OUT`` s; progress records are best effort; the final record is retried
+``RIDE_OUT`` s; progress records are best effort, written by a thread of
+their own (:class:`ProgressWriter`) so no etcd round trip of theirs delays the
+operation; the final record is retried
 until etcd takes it, so an operation never stays "running" in etcd after it
 ended.
 """
@@ -52,6 +54,7 @@ class OpRunner:
         self._next_id = 0
         self.reg: Registry | None = None
         self.dealer: zmq.Socket | None = None
+        self.progress: ProgressWriter | None = None
 
     # -- the thread ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -62,10 +65,11 @@ class OpRunner:
         self.dealer = self.loop.zctx.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.connect(self.loop.view.endpoints[self.peer].ctl)
+        self.progress = ProgressWriter(self.loop.etcd, schema.op_key(self.loop.service.name, self.id),
+                                       lambda: self.loop.lease.id or None)
         try:
             self.rec.total = sum(self.loop.backend.count(r) for r in self.ranges)
-            self._prune_old_records()
-            self._publish(force=True)
+            self._publish()   # the record exists before anything moves (the balancer and 'vfab' read it)
             gen = m.operation(self.kind, self.loop.name, self.peer, self.ranges, time.monotonic())
             outcome = self._drive(gen)
         except Exception as exc:  # a bug: still end the op visibly
@@ -76,7 +80,9 @@ class OpRunner:
         self.rec.timings.update(outcome.timings)
         self.rec.total = max(self.rec.total, self.rec.done)
         self.loop.call(lambda: self.loop.op_ended(self))  # before anyone can see it ended (a BEGIN may follow)
+        self.progress.close()   # no progress write may land after the final record
         self._publish_final()
+        self._prune_old_records()
         log.info("%s: %s %s of %s to %s: %s in %.3f s %s %s", self.loop.name, self.kind, self.id, self.rec.ranges,
                  self.peer, self.rec.phase, self.rec.timings.get("total_s", 0), self.rec.error,
                  "; ".join(self.rec.notes))
@@ -98,7 +104,7 @@ class OpRunner:
         if isinstance(a, m.Publish):
             if "phase" in a.fields:
                 self.rec.phase = a.fields["phase"]
-            self._publish(force=True)
+            self._progress()
             return None
         if isinstance(a, m.ReadRanges):
             return self._read_ranges()
@@ -149,7 +155,12 @@ class OpRunner:
         except RegistryError as exc:
             return m.Failure("etcd", str(exc))
 
-    def _publish(self, force: bool = False) -> None:
+    def _progress(self) -> None:
+        """Publish the record as it is now, off the operation's path (best effort, newest wins)."""
+        self.rec.updated = time.time()
+        self.progress.post(self.rec.to_json())
+
+    def _publish(self) -> None:
         self.rec.updated = time.time()
         try:
             self.reg.put(schema.op_key(self.loop.service.name, self.id), self.rec.to_json(),
@@ -253,7 +264,7 @@ class OpRunner:
                 sent_at = time.monotonic()
             if time.monotonic() - last_pub > 0.2:
                 last_pub = time.monotonic()
-                self._publish()
+                self._progress()
         while waiting:
             bad = drain(block=True)
             if bad is not None:
@@ -261,3 +272,51 @@ class OpRunner:
         if self.failed:
             return m.Failure("replication", self.failed)
         return total
+
+
+class ProgressWriter:
+    """Writes an operation's progress records to etcd on a thread of its own, newest first.
+
+    Each write is an etcd round trip (2-4 ms, as much again with etcd busy): three of them per range sat
+    on the operation's path, between the copy and the flip among others (``bench/kvs_ops.py``).  Only
+    the newest record waiting is written; :meth:`close` waits for the write under way, so the final
+    record, written after it, is the last word.
+    """
+
+    def __init__(self, endpoint: str, key: str, lease_id):
+        self.key = key
+        self.lease_id = lease_id              # () -> the endpoint's lease now (it may be granted anew)
+        self._reg = Registry(endpoint)
+        self._cv = threading.Condition()
+        self._waiting: str | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="op-progress", daemon=True)
+        self._thread.start()
+
+    def post(self, record: str) -> None:
+        with self._cv:
+            if not self._closed:
+                self._waiting = record
+                self._cv.notify()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._waiting = None
+            self._cv.notify()
+        self._thread.join()   # a write under way ends within the registry's timeout
+        self._reg.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._waiting is None and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                record, self._waiting = self._waiting, None
+            try:
+                self._reg.put(self.key, record, lease=self.lease_id())
+            except RegistryError as exc:
+                log.debug("progress of %s not published: %s", self.key, exc)
+
