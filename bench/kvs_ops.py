@@ -15,7 +15,9 @@ order, each on all N keys:
 Per operation: the OpRec's own timings (copy; flip = from the pause to the peer serving;
 etcd = the flip's transaction; total), the wall time from the statectl call to
 ``statectl.wait`` returning (it follows the op's record with an etcd watch), keys
-moved (OpRec.done) and the load's latency for requests invoked in that window.  Failed client requests (status not OK/NOT_FOUND) are counted over
+moved (OpRec.done) and the load's latency for requests invoked in that window or in the GAP s after it
+(the old copy is dropped in the background after the op has ended, in steps on the loop's thread: its
+stalls count as the operation's).  Failed client requests (status not OK/NOT_FOUND) are counted over
 the whole load run.  Then, in the same run, Redis Cluster resharding of the same
 N keys (``redis_reshard.measure``, share 1.0, 4 clients) beside elastic's split.
 
@@ -96,7 +98,8 @@ def configuration(tb: Testbed, n: int, placement: str, rep: int, load_s: float) 
     hist = doc["history"]
     load_end = max((h[5] for h in hist), default=0.0)
     for op in ops:
-        rows = [h for h in hist if op["t0"] <= h[4] <= op["t1"]]
+        # the op and the GAP after it: its background drop of the old copy runs there
+        rows = [h for h in hist if op["t0"] <= h[4] <= op["t1"] + GAP]
         s = summary([h[5] - h[4] for h in rows])
         op["load"] = {"ops": len(rows), "median_ms": s.get("median_ms"), "p99_ms": s.get("p99_ms"),
                       "max_ms": s.get("max_ms"),
@@ -105,7 +108,7 @@ def configuration(tb: Testbed, n: int, placement: str, rep: int, load_s: float) 
         # and the drop of the old copy apart (copy_s and flip_s are in the op's timings).
         op["load"]["slowest"] = [[round((h[4] - op["t0"]) * 1e3, 1), round((h[5] - h[4]) * 1e3, 1), h[1]]
                                  for h in sorted(rows, key=lambda h: h[4] - h[5])[:5]]
-        op["load_covered"] = load_end >= op["t1"]
+        op["load_covered"] = load_end >= op["t1"] + GAP
         del op["t0"], op["t1"]
     failed = [h for h in hist if h[6] not in ("OK", "NOT_FOUND")]
     for p in procs:
