@@ -7,11 +7,10 @@ and the snapshot stream.  It talks to the endpoint's loop only through
 loop's state.
 
 etcd blips are ridden out: reading the range map is retried for up to
-``RIDE_OUT`` s; progress records are best effort, written by a thread of
-their own (:class:`ProgressWriter`) so no etcd round trip of theirs delays the
-operation; the final record is retried
-until etcd takes it, so an operation never stays "running" in etcd after it
-ended.
+``RIDE_OUT`` s; progress records are best effort, written by a thread of their
+own (:class:`ProgressWriter`) so no etcd round trip of theirs delays the
+operation; the final record is retried until etcd takes it, so an operation
+never stays "running" in etcd after it ended.
 """
 
 from __future__ import annotations
@@ -51,6 +50,7 @@ class OpRunner:
         self.failed = ""          # set by the loop when a replication to the peer failed
         self.rec = schema.OpRec(op=kind, source=loop.name, peer=peer, ranges=[[r.lo, r.hi] for r in ranges],
                                 id=op_id, started=time.time(), updated=time.time())
+        self.key = schema.op_key(loop.service.name, op_id)   # where the record lives in etcd
         self._next_id = 0
         self.reg: Registry | None = None
         self.dealer: zmq.Socket | None = None
@@ -65,8 +65,7 @@ class OpRunner:
         self.dealer = self.loop.zctx.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.connect(self.loop.view.endpoints[self.peer].ctl)
-        self.progress = ProgressWriter(self.loop.etcd, schema.op_key(self.loop.service.name, self.id),
-                                       lambda: self.loop.lease.id or None)
+        self.progress = ProgressWriter(self.loop.etcd, self.key, lambda: self.loop.lease.id or None)
         try:
             self.rec.total = sum(self.loop.backend.count(r) for r in self.ranges)
             self._publish()   # the record exists before anything moves (the balancer and 'vfab' read it)
@@ -163,8 +162,7 @@ class OpRunner:
     def _publish(self) -> None:
         self.rec.updated = time.time()
         try:
-            self.reg.put(schema.op_key(self.loop.service.name, self.id), self.rec.to_json(),
-                         lease=self.loop.lease.id or None)
+            self.reg.put(self.key, self.rec.to_json(), lease=self.loop.lease.id or None)
         except RegistryError as exc:
             log.debug("%s: progress of %s not published: %s", self.loop.name, self.id, exc)
 
@@ -174,8 +172,7 @@ class OpRunner:
         while True:
             self.rec.updated = time.time()
             try:
-                self.reg.put(schema.op_key(self.loop.service.name, self.id), self.rec.to_json(),
-                             lease=self.loop.lease.id or None)
+                self.reg.put(self.key, self.rec.to_json(), lease=self.loop.lease.id or None)
                 return
             except RegistryError as exc:
                 if time.monotonic() > deadline:
@@ -319,4 +316,3 @@ class ProgressWriter:
                 self._reg.put(self.key, record, lease=self.lease_id())
             except RegistryError as exc:
                 log.debug("progress of %s not published: %s", self.key, exc)
-
