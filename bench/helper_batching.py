@@ -46,17 +46,13 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(HERE))
 
 from bench.common import not_root, parser, write  # noqa: E402
-from bench.helper_common import helper_pkg, quiet_machine  # noqa: E402,F401  (helper_pkg: re-exported)
+from bench.helper_common import HELPER_CONFIGS, helper_pkg, quiet_machine  # noqa: E402,F401  (helper_pkg: re-exported)
 
 PREFIX = "bench-key-padded-to-32-bytes-"   # + up to 5 digits: 30-34 bytes
 VALUE = 64
 NS = 4
 GOAL = 5.0            # issue 8: memcached needs >= 5x less CPU per get through helpers
-# helper settings compared: the defaults (2 connections, T <= 200 us) and two that trade latency for larger
-# multi-gets (1 connection, T <= 1 ms or 3 ms: at 10,000-20,000 gets/s per helper only a bound of 2-3 ms lets
-# a batch reach the paper's S_min of 1,500 bytes, ~45 keys of 32 B)
-CONFIGS = {"default": (), "1conn_tmax1ms": ("--conns", "1", "--t-max", "1000"),
-           "1conn_tmax3ms": ("--conns", "1", "--t-max", "3000")}
+CONFIGS = HELPER_CONFIGS   # helper settings compared (helper_common.py)
 # (name, path, helpers, helper config)
 VARIANTS = [("direct", "direct", 0, "-"), ("twemproxy", "twemproxy", 0, "-")] + [
     (f"{n}helper{'s' if n > 1 else ''}/{c}", "helper", n, c) for n in (1, 2) for c in CONFIGS]

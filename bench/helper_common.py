@@ -135,6 +135,13 @@ def _write(path: str, text: str) -> None:
         fh.write(text)
 
 
+# mc-helper settings the benchmarks compare: its defaults (2 connections, T <= 200 us) and two that trade latency
+# for larger multi-gets (1 connection, T <= 1 ms or 3 ms: at 10,000-20,000 gets/s per helper only a bound of 2-3 ms
+# lets a batch reach the paper's S_min of 1,500 bytes, ~45 keys of 32 B)
+HELPER_CONFIGS = {"default": (), "1conn_tmax1ms": ("--conns", "1", "--t-max", "1000"),
+                  "1conn_tmax3ms": ("--conns", "1", "--t-max", "3000")}
+
+
 # The fabric rig of helper_activation.py and helper_failover.py: memcached on vfh1 (service "mc"), helpers h1
 # (vfh2) and h2 (vfh5, across the trunk), clients on vfh3, vfh4, vfh6 with 4 addresses each.
 FABRIC_CLIENTS = ("vfh3", "vfh4", "vfh6")

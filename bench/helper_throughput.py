@@ -22,11 +22,17 @@ CPU-second says nothing.  Each DUT is therefore run twice: *open* (no cap: does 
 generator offers?) and *capped* at ``--share`` of CPU 1 (a cpu cgroup, 10 ms period): then it cannot keep up,
 its ring overflows (it sends back less than offered), and frames out / CPU-second is its throughput per
 core.  Counters are read over a window inside each generator run (after 0.5 s), so the DUT is in its steady
-state throughout.  Rounds
-alternate the order of the DUTs.
+state throughout.
 
-Run: ``/opt/vfab-venv/bin/python bench/helper_throughput.py [--smoke] [--rounds 3] [--duration 4]
-[--share 0.25]`` (root).  Results: bench/results/helper_throughput[-smoke].json.
+mc-helper runs in each of the settings ``--configs`` names (helper_common.HELPER_CONFIGS: its defaults, 2
+connections and T <= 200 us; and 1 connection with T <= 1 ms or 3 ms, the settings of the fabric and of the
+helpee-CPU claim in bench/helper_batching.py): larger multi-gets cost fewer TCP sends and receives per get.  Each
+round runs testpmd and every setting once, the order reversed every other round; a setting's throughput is the
+median over rounds of its ratio to the same round's testpmd (paired: the capped rounds are noisy, 0.65-1.06 in
+single rounds, and a round's DUTs run within a minute of each other), the ratio of the medians beside it.
+
+Run: ``/opt/vfab-venv/bin/python bench/helper_throughput.py [--smoke] [--rounds 5] [--duration 4]
+[--share 0.25] [--configs default,1conn_tmax3ms]`` (root).  Results: bench/results/helper_throughput[-smoke].json.
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(HERE))
 
 from bench.common import not_root, parser, write  # noqa: E402
-from bench.helper_common import CpuCap, cpu_irq_s, helper_pkg, ksoftirqd_pid, quiet_machine  # noqa: E402
+from bench.helper_common import (  # noqa: E402
+    HELPER_CONFIGS, CpuCap, cpu_irq_s, helper_pkg, ksoftirqd_pid, quiet_machine)
 
 DUT_CPU = 1
 KEYS, PREFIX, VALUE = 1000, "k", 64
@@ -86,7 +93,7 @@ def measure(t, topo, binary: str, dut: str, pid: int, window: float, capped: boo
 
     def snap() -> tuple:
         return (time.monotonic(), t.link(t.ns_c[0], t.if_c[0]), topo.proc_cpu_s(pid) + topo.proc_cpu_s(softirqd),
-                cpu_irq_s(DUT_CPU), topo.proc_cpu_s(mc), t.stats() if dut == "helper" else {},
+                cpu_irq_s(DUT_CPU), topo.proc_cpu_s(mc), t.stats() if dut != "testpmd" else {},
                 cap.throttled() if cap else 0)
     a = snap()
     time.sleep(window)
@@ -104,7 +111,7 @@ def measure(t, topo, binary: str, dut: str, pid: int, window: float, capped: boo
            "frames_per_cpu_s": round(back / max(cpu, 1e-9)),
            "memcached_cpu_share": round((b[4] - a[4]) / el, 3),
            "throttled_periods": b[6] - a[6], "generator": g}
-    if dut == "helper":
+    if dut != "testpmd":
         d = {k: b[5].get(k, 0) - a[5].get(k, 0) for k in ("rx_frames", "tx_frames", "w_done", "b_cmds", "b_keys",
                                                           "drop_busy", "drop_peers", "tx_drop", "tx_nombuf",
                                                           "w_abort_miss", "loops", "rx_bursts")}
@@ -114,16 +121,18 @@ def measure(t, topo, binary: str, dut: str, pid: int, window: float, capped: boo
 
 
 def report(r: dict) -> dict:
-    extra = f", {r['keys_per_multiget']} keys/multi-get" if r["dut"] == "helper" else ""
-    print(f"{r['dut']:>7} {'capped' if r['capped'] else 'open':>6}: offered {r['offered_pps']:>7}/s, back "
+    extra = f", {r['keys_per_multiget']} keys/multi-get" if r["dut"] != "testpmd" else ""
+    print(f"{r['dut']:>20} {'capped' if r['capped'] else 'open':>6}: offered {r['offered_pps']:>7}/s, back "
           f"{r['returned_pps']:>7}/s (kept up {r['kept_up']:.3f}), DUT CPU {r['dut_cpu_share']:.2f} of a core "
           f"(irq {r['dut_cpu_irq_share']:.2f} of it) -> {r['frames_per_cpu_s']:>7} frames/CPU-s; memcached "
           f"{r['memcached_cpu_share']:.2f}{extra}", flush=True)
     return r
 
 
-def run(t, topo, binary: str, gen: str, rounds: int, duration: float, share: float, rows: list[dict]) -> int:
-    """The rounds: each DUT open, then capped; rows appended as they come.  The helper's exit code."""
+def run(t, topo, binary: str, gen: str, rounds: int, duration: float, share: float, configs: list[str],
+        rows: list[dict]) -> int:
+    """The rounds: testpmd and mc-helper in each setting, each open then capped, the order reversed every other
+    round; rows appended as they come (``round`` in each).  The helpers' exit codes, or-ed."""
     rc = 0
     cap = None
     t.create()
@@ -131,17 +140,20 @@ def run(t, topo, binary: str, gen: str, rounds: int, duration: float, share: flo
         cap = CpuCap(t.tag, share)
         t.start_memcached()
         t.preload(KEYS, prefix=PREFIX, value_size=VALUE)
+        duts = ["testpmd", *(f"helper/{c}" for c in configs)]
         for rnd in range(rounds):
-            order = ("testpmd", "helper") if rnd % 2 == 0 else ("helper", "testpmd")
-            for dut in order:
+            for dut in (duts if rnd % 2 == 0 else duts[::-1]):
                 if dut == "testpmd":
                     proc, prefix = start_testpmd(t)
                 else:
-                    proc = t.start_helper(binary, str(DUT_CPU), ())
+                    proc = t.start_helper(binary, str(DUT_CPU), HELPER_CONFIGS[dut.split("/", 1)[1]])
                 try:
-                    rows.append(report(measure(t, topo, gen, dut, proc.pid, duration, False, None)))
-                    cap.add(proc.pid)
-                    rows.append(report(measure(t, topo, gen, dut, proc.pid, duration, True, cap)))
+                    for capped in (False, True):
+                        if capped:
+                            cap.add(proc.pid)
+                        row = measure(t, topo, gen, dut, proc.pid, duration, capped, cap if capped else None)
+                        row["round"] = rnd
+                        rows.append(report(row))
                 finally:
                     if dut == "testpmd":
                         t.sup.stop(proc)
@@ -155,13 +167,42 @@ def run(t, topo, binary: str, gen: str, rounds: int, duration: float, share: flo
     return rc
 
 
+def summarize(rows: list[dict], configs: list[str]) -> dict:
+    """Per setting: the median of its per-round ratios to testpmd (the goal's measure), the ratio of the medians,
+    and the runs' medians; the open runs' keep-up; whether every capped run was saturated."""
+    capped = [r for r in rows if r["capped"]]
+    tp = {r["round"]: r["frames_per_cpu_s"] for r in capped if r["dut"] == "testpmd"}
+    tp_med = statistics.median(tp.values()) if tp else 0.0
+    out: dict = {"testpmd_frames_per_cpu_s": round(tp_med), "goal": GOAL, "helper": {}}
+    for c in configs:
+        mine = [r for r in capped if r["dut"] == f"helper/{c}"]
+        per_round = [round(r["frames_per_cpu_s"] / tp[r["round"]], 3) for r in mine if tp.get(r["round"])]
+        med = statistics.median(r["frames_per_cpu_s"] for r in mine) if mine else 0.0
+        paired = statistics.median(per_round) if per_round else 0.0
+        out["helper"][c] = {
+            "options": " ".join(HELPER_CONFIGS[c]) or "defaults", "gets_per_cpu_s": round(med),
+            "over_testpmd": round(paired, 3), "ratio_per_round": per_round,
+            "ratio_of_medians": round(med / max(tp_med, 1e-9), 3), "goal_met": paired >= GOAL,
+            "keys_per_multiget": statistics.median(r["keys_per_multiget"] for r in mine) if mine else 0}
+    opened = [r for r in rows if not r["capped"]]
+    out["open_offered_pps"] = round(statistics.median(r["offered_pps"] for r in opened)) if opened else 0
+    out["open_kept_up_min"] = {d: min(r["kept_up"] for r in opened if r["dut"] == d)
+                               for d in dict.fromkeys(r["dut"] for r in opened)}
+    out["capped_saturated"] = all(r["kept_up"] < 0.98 for r in capped)
+    return out
+
+
 def main() -> int:
     ap = parser(__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=None, help="rounds, DUT order alternating (default 3; smoke 1)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds, DUT order reversed every other (default 5; "
+                    "smoke 1)")
     ap.add_argument("--duration", type=float, default=None,
                     help="seconds measured per generator run (default 4; smoke 1)")
     ap.add_argument("--share", type=float, default=0.25,
                     help="CPU cap of the DUT in the capped runs, fraction of one CPU (default 0.25)")
+    ap.add_argument("--configs", default=None,
+                    help=f"mc-helper settings, comma-separated, of {', '.join(HELPER_CONFIGS)} (default all; smoke: "
+                    "default)")
     args = ap.parse_args()
     if not_root("helper_throughput", "namespaces, DPDK af_packet, a cpu cgroup"):
         return 1
@@ -169,7 +210,13 @@ def main() -> int:
         print("helper_throughput: dpdk-testpmd not found: install Debian's dpdk-dev (scripts/bootstrap.sh)",
               file=sys.stderr)
         return 1
-    rounds = args.rounds or (1 if args.smoke else 3)
+    configs = (args.configs or ("default" if args.smoke else ",".join(HELPER_CONFIGS))).split(",")
+    unknown = [c for c in configs if c not in HELPER_CONFIGS]
+    if unknown:
+        print(f"helper_throughput: unknown --configs {', '.join(unknown)}: choose from {', '.join(HELPER_CONFIGS)}",
+              file=sys.stderr)
+        return 2
+    rounds = args.rounds or (1 if args.smoke else 5)
     duration = args.duration or (1.0 if args.smoke else 4.0)
     helper_pkg()
     from vfab.services.memcached_helper import topo
@@ -179,34 +226,23 @@ def main() -> int:
     t = topo.PairTopo(os.path.join(work, "run"), pin="0")
     rows: list[dict] = []
     with quiet_machine("helper_throughput"):
-        rc = run(t, topo, binary, gen, rounds, duration, args.share, rows)
+        rc = run(t, topo, binary, gen, rounds, duration, args.share, configs, rows)
     if rc == 0:   # a failed run keeps its folder (logs, the helper's stats) for a post-mortem
         shutil.rmtree(work, ignore_errors=True)
-
-    def med(dut: str, key: str, capped: bool) -> float:
-        xs = [r[key] for r in rows if r["dut"] == dut and r["capped"] == capped]
-        return statistics.median(xs) if xs else 0.0
-    tp, hp = med("testpmd", "frames_per_cpu_s", True), med("helper", "frames_per_cpu_s", True)
-    ratio = round(hp / max(tp, 1e-9), 3)
-    summary = {
-        "testpmd_frames_per_cpu_s": round(tp), "helper_gets_per_cpu_s": round(hp),
-        "helper_over_testpmd": ratio, "goal": GOAL, "goal_met": ratio >= GOAL,
-        "ratio_per_round": [round(h["frames_per_cpu_s"] / max(p["frames_per_cpu_s"], 1), 3) for h, p in
-                            zip([r for r in rows if r["dut"] == "helper" and r["capped"]],
-                                [r for r in rows if r["dut"] == "testpmd" and r["capped"]])],
-        "open_offered_pps": round(med("testpmd", "offered_pps", False)),
-        "open_kept_up": {"testpmd": med("testpmd", "kept_up", False), "helper": med("helper", "kept_up", False)},
-        "capped_saturated": all(r["kept_up"] < 0.98 for r in rows if r["capped"]),
-    }
-    print(f"throughput per core (capped at {args.share} of CPU {DUT_CPU}): testpmd io-forward {round(tp)} frames/"
-          f"CPU-s, mc-helper {round(hp)} gets/CPU-s: {ratio:.2f} of testpmd (goal {GOAL}); open: both offered "
-          f"~{summary['open_offered_pps']}/s, kept up {summary['open_kept_up']}")
+    summary = summarize(rows, configs)
+    print(f"throughput per core (capped at {args.share} of CPU {DUT_CPU}), {rounds} round(s): testpmd io-forward "
+          f"{summary['testpmd_frames_per_cpu_s']} frames/CPU-s (median)")
+    for c, h in summary["helper"].items():
+        print(f"  mc-helper {c:>14} ({h['options']}): {h['gets_per_cpu_s']} gets/CPU-s, {h['keys_per_multiget']} "
+              f"keys/multi-get: {h['over_testpmd']:.2f} of testpmd (median of rounds {h['ratio_per_round']}; ratio "
+              f"of medians {h['ratio_of_medians']:.2f}; goal {GOAL})")
+    print(f"  open: offered ~{summary['open_offered_pps']}/s, kept up (least) {summary['open_kept_up_min']}")
     params = {"smoke": args.smoke, "rounds": rounds, "duration_s": duration, "share": args.share,
               "dut_cpu": DUT_CPU, "keys": KEYS, "value_bytes": VALUE, "generator": "mch_blast, CPU 0, 256 ports",
-              "memcached": "-t 1, CPU 0", "helper": "defaults (busy poll, 2 conns), lcore 1",
+              "memcached": "-t 1, CPU 0", "helper": "busy poll, lcore 1", "configs": configs,
               "testpmd": "--forward-mode=io --port-topology=loop, forwarding lcore 1", "helper_exit": rc}
     write("helper_throughput", params, {"runs": rows, "summary": summary}, args.out)
-    bad = [r for r in rows if r["returned_pps"] == 0 or (r["dut"] == "helper" and r["helper"]["w_abort_miss"])]
+    bad = [r for r in rows if r["returned_pps"] == 0 or (r["dut"] != "testpmd" and r["helper"]["w_abort_miss"])]
     return 1 if bad or rc != 0 else 0
 
 
