@@ -314,6 +314,39 @@ def test_a_mirror_taking_a_range_over_serves_only_what_the_source_did_not(endpoi
     assert loop.call(lambda: loop.counters["mirror_copies_dropped"]) == 1
 
 
+def test_a_copy_given_up_or_never_begun_is_never_reported_durable(endpoint, registry):
+    """SYNC answers OK only for a copy in progress from its sender.  Before, a peer that had given up a copy
+    (its source silent for 6 s while etcd hung) still answered the source's last SYNC with OK, the source's
+    flip then handed it the range, and every key of the split was gone."""
+    import zmq
+
+    from vfab.vid.envelope import Envelope, decode
+
+    loop, backend, client, svc = endpoint
+    hi = mirror_upper_half(loop, registry)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(loop.ctl)
+
+    def ask(type_, id_, body, sender="src"):
+        dealer.send_multipart(Envelope(type_, sender, id=id_, body=body).frames())
+        assert dealer.poll(5000), f"no answer to {type_}"
+        return decode(dealer.recv_multipart())
+
+    try:
+        never = ask("SYNC", 1, {"lo": hi.lo, "paused": True})
+        assert never.type == "ERR" and "holds no copy" in never.body["error"], never.body
+        assert ask("BEGIN", 2, {"lo": hi.lo, "hi": hi.hi, "mode": "split"}).type == "OK"
+        other = ask("SYNC", 3, {"lo": hi.lo}, sender="intruder")
+        assert other.type == "ERR" and "from intruder" in other.body["error"], other.body
+        until(lambda: ask("SYNC", 4, {"lo": hi.lo}).type == "OK")     # the copy in progress: durable
+        assert ask("ABORT", 5, {"lo": hi.lo}).type == "OK"
+        gone = ask("SYNC", 6, {"lo": hi.lo, "paused": True})
+        assert gone.type == "ERR" and "gave the copy up" in gone.body["error"], gone.body
+    finally:
+        dealer.close()
+
+
 def test_a_mirror_that_takes_over_from_a_dead_owner_replays_what_it_ignored(endpoint, registry):
     """With a takeover replay (a backend whose requests may be served twice), the mirrored requests a mirror
     ignored for the owner in the replay window are served, in order, when it takes the range over; older
@@ -446,14 +479,14 @@ def test_progress_writer_writes_the_newest_record_and_nothing_after_close(regist
 
     key = schema.op_key("t", "op-progress-test")
     w = ProgressWriter(registry.endpoint, key, lambda: None)
-    real, gate, written = w._reg.put, threading.Event(), []
+    real, gate, written = w._reg.txn, threading.Event(), []
 
-    def held_put(k, v, lease=None):  # etcd slow to answer
+    def held_txn(compares, puts, deletes=(), lease=None):  # etcd slow to answer
         gate.wait(5)
-        written.append(v)
-        return real(k, v, lease=lease)
+        written.append(puts[key])
+        return real(compares, puts, deletes, lease=lease)
 
-    w._reg.put = held_put
+    w._reg.txn = held_txn
     w.post("one")
     until(lambda: w._waiting is None)          # the thread took it and waits for "etcd"
     w.post("two")
@@ -475,3 +508,30 @@ def test_progress_writer_writes_the_newest_record_and_nothing_after_close(regist
     w.post("after close")                      # ignored: nothing writes any more
     time.sleep(0.2)
     assert registry.get(key)[0] == b"final" and written == ["one", "three", "late"]
+
+
+def test_a_progress_write_etcd_applies_late_cannot_overwrite_the_final_record(registry):
+    """etcd hung: the client gave up on a progress write, but etcd applies it after the final record
+    (seen with etcd SIGSTOPped during a split): it compares the revision it saw and changes nothing."""
+    from vfab.vid.errors import RegistryError
+    from vfab.vid.registry import schema
+    from vfab.vid.state.runner import ProgressWriter
+
+    for first in (False, True):   # before the first record was written, and after it
+        key = schema.op_key("t", f"op-late-{first}")
+        w = ProgressWriter(registry.endpoint, key, lambda: None)
+        if first:
+            w.written(registry.txn([registry.cmp_mod(key, 0)], {key: "prepare"})[1])
+        real, late = w._reg.txn, []
+
+        def lost_txn(compares, puts, deletes=(), lease=None, real=real, late=late):
+            late.append(lambda: real(compares, puts, deletes, lease=lease))
+            raise RegistryError("etcd at 127.0.0.1:2379 is unreachable (ReadTimeout)")
+
+        w._reg.txn = lost_txn
+        w.post("copy 100")
+        until(lambda: late)
+        w.close()
+        registry.put(key, "final")             # the runner's final record
+        ok, _ = late[0]()                      # etcd wakes up and applies the old request
+        assert not ok and registry.get(key)[0] == b"final", first

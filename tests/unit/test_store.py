@@ -170,6 +170,27 @@ def test_conflicting_reassignments_with_the_same_epoch_one_wins(registry, etcd_e
         check_partition(r.range for r, _ in registry.ranges("echo"))
 
 
+def test_a_peer_fencing_its_copy_makes_the_sources_flip_lose(registry):
+    """A peer gives up its copy (its source fell silent): the fence raises the epoch of what overlaps the
+    range, unchanged otherwise, so the source's flip (expecting the epoch it read) can no longer hand the
+    range to a peer that dropped it.  Once the flip won, the fence says so and changes nothing."""
+    registry.create_service("kvs")
+    registry.assign("kvs", FULL, "a")
+    half = Range(0x800000, KEY_MAX)
+    before = registry.owner_of("kvs", 0)
+    assert registry.fence("kvs", half, "b", "split") is None
+    after = registry.owner_of("kvs", 0)
+    assert (after.range, after.owner, after.epoch) == (FULL, "a", before.epoch + 1)
+    with pytest.raises(Conflict):
+        registry.assign("kvs", half, "b", expect_epoch=before.epoch)
+    registry.assign("kvs", half, "b", expect_epoch=after.epoch)     # a flip that read the map after the fence
+    won = registry.fence("kvs", half, "b", "split")
+    assert won is not None and won.owner == "b" and won.range == half
+    assert registry.owner_of("kvs", half.lo).epoch == after.epoch + 1   # not raised again
+    registry.assign("kvs", half, "b", mirrors=["c"])
+    assert registry.fence("kvs", half, "c", "mirror").mirrors == ["c"]   # a mirror copy that committed
+
+
 def test_race_without_expect_epoch_stale_reads_lose(registry, etcd_endpoint):
     """Both operators read the ranges, then both commit: the later txn must fail."""
     registry.create_service("echo")

@@ -12,7 +12,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 import etcd3gw
@@ -102,8 +102,11 @@ class Registry:
         body = {"key": _b64(prefix), "range_end": _prefix_end(prefix)}
         return int(self._post("/kv/deleterange", body)["header"]["revision"])
 
-    def txn(self, compares: list[dict], puts: dict[str, str], deletes: list[str] = ()) -> tuple[bool, int]:
-        success = [{"request_put": {"key": _b64(k), "value": _b64(v)}} for k, v in puts.items()]
+    def txn(self, compares: list[dict], puts: dict[str, str], deletes: list[str] = (),
+            lease: int | None = None) -> tuple[bool, int]:
+        """Puts (under ``lease`` if given) and deletes if every compare holds; (succeeded, revision)."""
+        extra = {"lease": str(lease)} if lease else {}
+        success = [{"request_put": {"key": _b64(k), "value": _b64(v), **extra}} for k, v in puts.items()]
         success += [{"request_delete_range": {"key": _b64(k)}} for k in deletes]
         out = self._post("/kv/txn", {"compare": compares, "success": success, "failure": []})
         return bool(out.get("succeeded")), int(out["header"]["revision"])
@@ -353,6 +356,30 @@ class Registry:
             )
         log.info("service %s: range %s -> %s (epoch %d, revision %d)", service, rng, owner or "-", top + 1, rev)
         return rev
+
+    def fence(self, service: str, rng: Range, name: str, mode: str) -> schema.RangeRec | None:
+        """A peer giving up its copy of ``rng`` (the source fell silent) makes sure the operation can no
+        longer commit behind its back.
+
+        If etcd already gives the range to ``name`` (its owner after a split or move, a mirror after a
+        mirror: ``mode`` "split" or "mirror"), that record is returned: the operation committed, keep the
+        copy.  Otherwise every range overlapping ``rng`` is written back unchanged but for its epoch + 1,
+        in one transaction comparing their mod-revisions, and None is returned: the source's flip (which
+        expects the epoch it read at its start) now loses.  Conflict if they changed meanwhile (ask again).
+        """
+        hit = [(r, m) for r, m in self.ranges(service) if r.range.overlaps(rng)]
+        at = next((r for r, _ in hit if rng.lo in r.range), None)
+        if at is not None and (at.owner == name if mode == "split" else name in at.mirrors):
+            return at
+        if not hit:
+            return None
+        puts = {schema.range_key(service, r.lo): replace(r, epoch=r.epoch + 1).to_json() for r, _ in hit}
+        ok, rev = self.txn([self.cmp_mod(schema.range_key(service, r.lo), m) for r, m in hit], puts)
+        if not ok:
+            raise Conflict(f"range {rng} of {service!r} changed while {name} fenced it; asking again")
+        log.info("service %s: %s gave up its copy of %s: epoch of %s raised (revision %d)", service, name, rng,
+                 ", ".join(str(r.range) for r, _ in hit), rev)
+        return None
 
     def coalesce(self, service: str) -> int | None:
         """Join neighbouring ranges with the same owner, mirrors, helpers and state; one txn.

@@ -6,12 +6,17 @@
   and this endpoint is the range's first live mirror, it takes the range over
   in one epoch-checked transaction (the old owner stopped serving before its
   lease could expire: see :mod:`.lease`);
-* old copies of ranges that moved away are dropped a step at a time (each step on the loop's
-  thread, between batches); a step that fails (disk full, I/O error) is retried every ``DROP_RETRY`` s.
+* old copies of ranges that moved away, and rows an incoming copy did not overwrite, are dropped a
+  step at a time (each step on the loop's thread, between batches), paced by a thread of their own
+  that never talks to etcd (an etcd that hangs must not hold up a copy's SYNC); a step that fails
+  (disk full, I/O error) is retried every ``DROP_RETRY`` s;
+* when the source of a copy to this endpoint falls silent, etcd is asked how its operation ended
+  (the loop acts on the answer: an etcd that hangs stalls this thread, never the data path).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -19,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from vfab.vid.errors import RegistryError, VfabError
 from vfab.vid.registry import Registry, schema
+from vfab.vid.state.view import read_view
 
 if TYPE_CHECKING:
     from vfab.vid.state.loop import EndpointLoop
@@ -33,35 +39,59 @@ class Housekeeper:
         self.loop = loop
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._drop_wake = threading.Event()
         self._last_error = ""
+        self._asks: collections.deque = collections.deque()   # silent sources' copies (Incoming), any thread
 
     def start(self) -> None:
         threading.Thread(target=self._run, name=f"housekeeper-{self.loop.name}", daemon=True).start()
+        threading.Thread(target=self._run_drops, name=f"drops-{self.loop.name}", daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+        self._drop_wake.set()
 
     def wake(self) -> None:
         self._wake.set()
+        self._drop_wake.set()
+
+    def ask_silent(self, inc) -> None:
+        """(loop thread) Ask etcd how the operation of ``inc``'s silent source ended; the answer goes to the
+        loop's ``_silent_answer``."""
+        self._asks.append(inc)
+        self._wake.set()
+
+    def _answer_asks(self, reg: Registry) -> None:
+        """For each silent source: fence the range in etcd (unless etcd gives it to us: then the operation
+        committed), then read the map; the loop commits or aborts by that.  Fencing first means the
+        source's flip cannot commit after we decided to abort (that lost every key of a split once)."""
+        lp = self.loop
+        while self._asks:
+            inc = self._asks.popleft()
+            try:
+                mine = reg.fence(lp.service.name, inc.range, lp.name, inc.mode) is not None
+                view, error = read_view(reg, lp.service.name), ""
+            except RegistryError as exc:
+                view, mine, error = None, False, str(exc)
+            lp.call(lambda inc=inc, view=view, mine=mine, error=error: lp._silent_answer(inc, view, mine, error),
+                    wait=False)
 
     def _run(self) -> None:
         reg = Registry(self.loop.etcd)
-        last_load = last_drop = 0.0
+        last_load = 0.0
         while not self._stop.is_set():
             self._wake.wait(LOAD_PERIOD / 2)
             self._wake.clear()
             if self._stop.is_set():
                 break
             try:
+                self._answer_asks(reg)
                 self._takeover(reg)
                 now = time.monotonic()
                 if now - last_load >= LOAD_PERIOD:
                     last_load = now
                     self._report_load(reg)
-                if self.loop.drops_pending() and now - last_drop >= DROP_RETRY:
-                    if not self._drain_drops():
-                        last_drop = now  # it failed (disk full, I/O error): retry a while later
             except VfabError as exc:
                 log.warning("%s: housekeeping: %s", self.loop.name, exc)
         reg.close()
@@ -108,6 +138,15 @@ class Housekeeper:
         role = {f"{r.lo:06x}": "owner" if r.owner == lp.name else "mirror" for r in mine}
         reg.put(schema.load_key(lp.service.name, lp.name), schema.Load(at=time.time(), ranges=rows, role=role).to_json(),
                 lease=lp.lease.id or None)
+
+    def _run_drops(self) -> None:
+        while not self._stop.is_set():
+            self._drop_wake.wait(DROP_RETRY)   # woken when there is something to drop
+            self._drop_wake.clear()
+            if self._stop.is_set() or not self.loop.drops_pending():
+                continue
+            if not self._drain_drops():   # it failed (disk full, I/O error): retry a while later
+                self._stop.wait(DROP_RETRY)
 
     def _drain_drops(self) -> bool:
         """Drop old copies a step at a time (each step on the loop's thread); False if a step failed."""

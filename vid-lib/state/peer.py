@@ -6,7 +6,8 @@ the first SYNC arrives once the copy is in: rows of earlier generations that
 the copy did not overwrite are then dropped in steps between batches, and the
 SYNC is answered (after an fsync) once they are gone; COMMIT serves the held
 requests, ABORT forwards them to the owner and drops the partial copy in the
-background.  A source that falls silent is looked up in etcd.
+background.  A source that falls silent is looked up in etcd by the housekeeper's
+thread (an etcd that hangs must not stall the loop), and the answer acted on here.
 
 Everything here runs on the loop's thread.
 """
@@ -18,11 +19,10 @@ import time
 from dataclasses import dataclass, field
 
 from vfab.vid.envelope import Envelope
-from vfab.vid.errors import RegistryError, StateError
+from vfab.vid.errors import StateError
 from vfab.vid.ranges import Range
 from vfab.vid.registry import schema
 from vfab.vid.state.backend import BackendError
-from vfab.vid.state.view import read_view
 
 log = logging.getLogger("vfab.state.loop")
 
@@ -42,6 +42,7 @@ class Incoming:
     gen: int | None = None         # the copy's generation (None: we mirror the range, our copy stays)
     clearing: bool = False         # rows of earlier generations are still being dropped
     sync_waiters: list = field(default_factory=list)   # (ident, SYNC envelope) answered once clear
+    asking: bool = False           # the source fell silent: the housekeeper is asking etcd how it ended
 
 
 
@@ -70,15 +71,20 @@ class PeerSide:
             self.counters["repl_applied" if t == "REPL" else "chunks_applied"] += 1
             return env.reply("OK", self.name, applied=n)
         if t == "SYNC":
-            inc = self.incoming.get(int(b.get("lo", -1)))
-            if inc is not None:
-                inc.seen = time.monotonic()
-                if b.get("paused") and inc.gen is None:
-                    self._drop_mirrored_copies(inc)
-                if inc.clearing:  # answered once the rows of earlier copies are gone
-                    inc.sync_waiters.append((ident, env))
-                    self.housekeeper.wake()
-                    return None
+            lo = int(b.get("lo", -1))
+            inc = self.incoming.get(lo)
+            if inc is None or inc.source != env.sender:
+                # Only a copy in progress is made durable: one this endpoint gave up (or never began) must not
+                # be reported durable, or the source's flip would hand over a range whose keys are gone.
+                return env.reply("ERR", self.name, error=f"{self.name} holds no copy of {lo:#08x} from "
+                                                         f"{env.sender} (it gave the copy up, or never began one)")
+            inc.seen = time.monotonic()
+            if b.get("paused") and inc.gen is None:
+                self._drop_mirrored_copies(inc)
+            if inc.clearing:  # answered once the rows of earlier copies are gone
+                inc.sync_waiters.append((ident, env))
+                self.housekeeper.wake()
+                return None
             try:
                 self.backend.sync()
             except BackendError as exc:
@@ -127,12 +133,12 @@ class PeerSide:
         return env.reply("OK", self.name)
 
     def _finish_incoming(self, lo: int, commit: bool, rec: schema.RangeRec | None = None,
-                         revision: int = 0) -> None:
+                         revision: int = 0, why: str = "the copy ended") -> None:
         inc = self.incoming.pop(lo, None)
         if inc is None:
             return
         for ident, env in inc.sync_waiters:
-            self.router.send_multipart([ident, *env.reply("ERR", self.name, error="the copy ended").frames()])
+            self.router.send_multipart([ident, *env.reply("ERR", self.name, error=why).frames()])
         if commit:
             if inc.clearing:  # (only if the source vanished before our SYNC): nothing stale may be served
                 self.backend.drop(inc.range, below_gen=inc.gen)
@@ -150,19 +156,35 @@ class PeerSide:
         self.pending.extend((raw, 0) for raw, _ in inc.buffered)   # classified afresh here
 
     def _silent_source(self, inc: Incoming) -> None:
-        try:
-            view = read_view(self.registry, self.service.name)
-        except RegistryError as exc:
+        """The source said nothing for INCOMING_IDLE s: the housekeeper asks etcd (off this thread, which an
+        etcd that hangs would stall for the whole HTTP timeout) and hands the answer to :meth:`_silent_answer`."""
+        if not inc.asking:
+            inc.asking = True
+            self.housekeeper.ask_silent(inc)
+
+    def _silent_answer(self, inc: Incoming, view, mine: bool, error: str) -> None:
+        """etcd's answer about a silent source: the map (``mine``: it gives us the range, the operation
+        committed) or why there is none.  Not ``mine`` means the housekeeper fenced the range first (its
+        epoch went up), so the source's flip can no longer commit: abort.  Nothing if the copy ended or
+        the source spoke meanwhile."""
+        if self.incoming.get(inc.range.lo) is not inc:
+            return
+        inc.asking = False
+        if time.monotonic() - inc.seen <= INCOMING_IDLE:
+            return
+        if view is None:
             log.warning("%s: source %s of %s silent and etcd unreachable (%s): still waiting", self.name,
-                        inc.source, inc.range, exc)
+                        inc.source, inc.range, error)
             inc.seen = time.monotonic() - INCOMING_IDLE / 2
             return
         rec = view.find(inc.range.lo)
-        mine = rec is not None and (rec.owner == self.name if inc.mode == "split" else self.name in rec.mirrors)
+        owner = rec.owner if rec else "-"
         log.warning("%s: source %s of %s silent for %.0f s; etcd says %s: %s", self.name, inc.source, inc.range,
-                    INCOMING_IDLE, rec.owner if rec else "-", "committing" if mine else "aborting")
+                    INCOMING_IDLE, owner, "committing" if mine else "aborting (range fenced)")
         self._set_view(view)
-        self._finish_incoming(inc.range.lo, commit=mine)
+        self._finish_incoming(inc.range.lo, commit=mine, why=(
+            f"{self.name} gave up the copy of {inc.range}: no word from {inc.source} for {INCOMING_IDLE:.0f} s and "
+            f"etcd names {owner} the owner"))
 
     def forget(self, rng: Range) -> None:
         """(loop thread) Drop our old copy of ``rng`` in the background, a step at a time."""

@@ -160,9 +160,14 @@ class OpRunner:
         self.progress.post(self.rec.to_json())
 
     def _publish(self) -> None:
+        """The first record, create-only: were etcd to apply it late (sent while etcd hung), it cannot
+        overwrite a later one."""
         self.rec.updated = time.time()
         try:
-            self.reg.put(self.key, self.rec.to_json(), lease=self.loop.lease.id or None)
+            ok, rev = self.reg.txn([self.reg.cmp_mod(self.key, 0)], {self.key: self.rec.to_json()},
+                                   lease=self.loop.lease.id or None)
+            if ok:
+                self.progress.written(rev)
         except RegistryError as exc:
             log.debug("%s: progress of %s not published: %s", self.loop.name, self.id, exc)
 
@@ -172,7 +177,10 @@ class OpRunner:
         while True:
             self.rec.updated = time.time()
             try:
-                self.reg.put(self.key, self.rec.to_json(), lease=self.loop.lease.id or None)
+                # Unconditional, so it wins over any progress write etcd applies late (those compare the
+                # revision they last saw), and under no lease: the outcome stays when the endpoint's lease
+                # expired meanwhile (etcd hung past it), until the source's next operations prune it.
+                self.reg.put(self.key, self.rec.to_json())
                 return
             except RegistryError as exc:
                 if time.monotonic() > deadline:
@@ -277,7 +285,9 @@ class ProgressWriter:
     Each write is an etcd round trip (2-4 ms, as much again with etcd busy): three of them per range sat
     on the operation's path, between the copy and the flip among others (``bench/kvs_ops.py``).  Only
     the newest record waiting is written; :meth:`close` waits for the write under way, so the final
-    record, written after it, is the last word.
+    record, written after it, is the last word.  A write etcd answers too late for the client (etcd hung)
+    may still be applied later: each write therefore compares the record's mod-revision with the one it
+    last saw (a transaction), so once the final record is in, such a late write changes nothing.
     """
 
     def __init__(self, endpoint: str, key: str, lease_id):
@@ -287,8 +297,14 @@ class ProgressWriter:
         self._cv = threading.Condition()
         self._waiting: str | None = None
         self._closed = False
+        self._rev: int | None = None          # the record's mod-revision as last written; None: read it first
         self._thread = threading.Thread(target=self._run, name="op-progress", daemon=True)
         self._thread.start()
+
+    def written(self, rev: int) -> None:
+        """The record was (first) written at ``rev`` by someone else (the runner)."""
+        with self._cv:
+            self._rev = rev
 
     def post(self, record: str) -> None:
         with self._cv:
@@ -312,7 +328,16 @@ class ProgressWriter:
                 if self._closed:
                     return
                 record, self._waiting = self._waiting, None
+                rev = self._rev
             try:
-                self._reg.put(self.key, record, lease=self.lease_id())
+                if rev is None:
+                    got = self._reg.get(self.key)
+                    rev = got[1] if got else 0
+                ok, new = self._reg.txn([self._reg.cmp_mod(self.key, rev)], {self.key: record},
+                                        lease=self.lease_id())
+                rev = new if ok else None   # not ok: somebody wrote it (a late write of ours): read it again
             except RegistryError as exc:
+                rev = None                  # the write may still land: read the revision before the next
                 log.debug("progress of %s not published: %s", self.key, exc)
+            with self._cv:
+                self._rev = rev
