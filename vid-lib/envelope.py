@@ -10,8 +10,8 @@ Every endpoint-to-endpoint control message is one ZeroMQ multipart message::
 Blobs carry bulk bytes (state records, forwarded frames) without re-encoding.
 A receiver rejects another major version ``v`` with ``EnvelopeError`` naming
 both; unknown body fields are the handler's business (it ignores extras).
-Types used by the state manager: BEGIN, CHUNK, REPL, COMMIT, ABORT, FWD (peer
-protocol); SPLIT, MIRROR, MOVE, MERGE, CANCEL, PING, STATS (operator
+Types used by the state manager: BEGIN, CHUNK, REPL, SYNC, COMMIT, ABORT, FWD,
+ALIVE (peer protocol; FWD and ALIVE are not answered); SPLIT, MIRROR, MOVE, MERGE, CANCEL, PING, STATS (operator
 commands); OK and ERR answer any of them.
 """
 

@@ -122,7 +122,10 @@ def test_etcd_dying_during_a_split_is_ridden_out_and_the_record_ends(testbed, se
 def test_etcd_frozen_past_the_leases_during_a_split(testbed, servers):
     """SIGSTOP etcd for longer than the endpoints' 3 s lease while a split copies, with a client writing: when
     etcd runs again the split's record ends (done, or aborted with its reason), both endpoints are registered
-    again, every range has one owner, and nothing acknowledged is lost (writes during the freeze included)."""
+    again, every range has one owner, and nothing acknowledged is lost (writes during the freeze included).
+    Before: the peer gave its copy up while the source waited for etcd, the source's flip then handed it the
+    range anyway, and every key of the split was gone; or the split's record read "copy" for good.  Now the
+    source tells the peer it waits (ALIVE) and rides the outage out: the split ends done."""
     servers("kvs-frz", [("vfh1", "a", "0-0xffffff"), ("vfh4", "b", None)])
     n = 2000
     assert kvs.preload(testbed, "vfh3", "kvs-frz", n, value_size=256) == n

@@ -502,6 +502,9 @@ class EndpointLoop(PeerSide, Replication):
         t, b = env.type, env.body
         if t in ("REPL", "CHUNK", "SYNC"):
             return self._receive(env, ident)
+        if t == "ALIVE":   # a source waiting for etcd: its copies to us are not abandoned (no answer)
+            self.source_alive(env.sender, [int(lo) for lo in b.get("los", [])])
+            return None
         if t == "FWD":
             hops = int(b.get("hops", 1))
             self.pending.extend((raw, hops) for raw in env.blobs)

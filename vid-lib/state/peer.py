@@ -91,6 +91,13 @@ class PeerSide:
                 return env.reply("ERR", self.name, error=str(exc))
             return env.reply("OK", self.name)
 
+    def source_alive(self, source: str, los: list[int]) -> None:
+        """ALIVE: ``source`` lives and waits for etcd; its copies to us (by their ranges' lo) are not silent."""
+        for lo in los:
+            inc = self.incoming.get(lo)
+            if inc is not None and inc.source == source:
+                inc.seen = time.monotonic()
+
     def _drop_mirrored_copies(self, inc: Incoming) -> None:
         """The source paused the range we mirror and is about to hand it to us.
 

@@ -35,6 +35,7 @@ log = logging.getLogger("vfab.state.runner")
 ACK_TIMEOUT = 3.0        # s for the peer to answer a control message
 SYNC_TIMEOUT = 60.0      # s for the peer to finish a copy (drop what an earlier copy left, fsync)
 RIDE_OUT = 10.0          # s an operation waits for etcd to come back before giving up
+ETCD_TIMEOUT = 2.0       # s per etcd request of an operation: several tries fit in RIDE_OUT (5 s fitted two)
 WINDOW = 4               # snapshot chunks in flight
 CHUNK_BYTES = 128 * 1024  # the peer's loop applies one chunk per pass (~1 ms): replicated writes wait no longer
 FINAL_RETRY = 120.0      # s the final record of an operation is retried
@@ -61,7 +62,7 @@ class OpRunner:
         threading.Thread(target=self._run, name=f"op-{self.id}", daemon=True).start()
 
     def _run(self) -> None:
-        self.reg = Registry(self.loop.etcd)
+        self.reg = Registry(self.loop.etcd, timeout=ETCD_TIMEOUT)
         self.dealer = self.loop.zctx.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.connect(self.loop.view.endpoints[self.peer].ctl)
@@ -142,6 +143,8 @@ class OpRunner:
                 if not down:
                     log.warning("%s: %s: %s; waiting up to %.0f s for it", self.loop.name, self.id, exc, RIDE_OUT)
                     down = True
+                # the peer gives a silent source up after INCOMING_IDLE s: tell it we live and wait for etcd
+                self._send("ALIVE", {"los": [r.lo for r in self.ranges]})
                 if self.cancel.wait(0.25):
                     return m.Failure("cancelled", "cancelled")
 
