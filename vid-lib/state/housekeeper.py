@@ -72,7 +72,7 @@ class Housekeeper:
             try:
                 mine = reg.fence(lp.service.name, inc.range, lp.name, inc.mode) is not None
                 view, error = read_view(reg, lp.service.name), ""
-            except RegistryError as exc:
+            except VfabError as exc:   # the loop asks again later (it must hear back, or it would never)
                 view, mine, error = None, False, str(exc)
             lp.call(lambda inc=inc, view=view, mine=mine, error=error: lp._silent_answer(inc, view, mine, error),
                     wait=False)
