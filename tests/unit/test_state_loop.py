@@ -192,6 +192,30 @@ def test_the_lease_is_registered_again_after_it_expired(endpoint, registry):
     assert [f.payload for f in got] == [b"ok:back"]
 
 
+def test_a_renewed_lease_serves_again_although_its_map_read_came_in_older_than_a_commit(endpoint, registry,
+                                                                                     monkeypatch):
+    """The map read after the lease was granted anew can reach the loop after the loop's own newer write (a
+    COMMIT that came in meanwhile: etcd SIGSTOPped during a split).  The loop used to drop that read as a
+    late event, and with it the generation that lets it serve: it fenced every request for good."""
+    import vfab.vid.state.loop as loopmod
+
+    loop, backend, client, svc = endpoint
+    real = loopmod.read_view
+
+    def read_then_commit(reg, service):
+        view = real(reg, service)
+        rev = registry.put("/vfab/v1/test-bump", "x")      # what our COMMIT's transaction did, after the read
+        loop.call(lambda: setattr(loop, "min_revision", rev))
+        return view
+
+    monkeypatch.setattr(loopmod, "read_view", read_then_commit)
+    registry.revoke(loop.lease.id)
+    loop.lease.tick()
+    send(client, svc, 0x000099, b"000099:w:back", 4)
+    got = replies(client, 2.0)
+    assert [f.payload for f in got] == [b"ok:back"], loop.call(lambda: dict(loop.counters))
+
+
 def test_an_old_copy_is_dropped_in_steps_between_batches_unless_it_is_ours_again(endpoint):
     loop, backend, client, svc = endpoint
     backend.data.update({0x800000 + i: b"old" for i in range(2500)})   # a copy of a range we gave away

@@ -42,6 +42,7 @@ class Housekeeper:
         self._drop_wake = threading.Event()
         self._last_error = ""
         self._asks: collections.deque = collections.deque()   # silent sources' copies (Incoming), any thread
+        self._reread: int | None = None   # a lease generation whose map must be read again (loop thread sets it)
 
     def start(self) -> None:
         threading.Thread(target=self._run, name=f"housekeeper-{self.loop.name}", daemon=True).start()
@@ -61,6 +62,20 @@ class Housekeeper:
         loop's ``_silent_answer``."""
         self._asks.append(inc)
         self._wake.set()
+
+    def reread(self, generation: int) -> None:
+        """(loop thread) The map read after the lease was granted anew (``generation``) came in older than the
+        loop's own last write: read it again and hand it over as that generation's."""
+        self._reread = generation
+        self._wake.set()
+
+    def _answer_reread(self, reg: Registry) -> None:
+        gen = self._reread
+        if gen is None:
+            return
+        view = read_view(reg, self.loop.service.name)   # etcd unreachable: raised, tried again next time
+        self._reread = None
+        self.loop.call(lambda: self.loop._set_view(view, generation=gen), wait=False)
 
     def _answer_asks(self, reg: Registry) -> None:
         """For each silent source: fence the range in etcd (unless etcd gives it to us: then the operation
@@ -87,6 +102,7 @@ class Housekeeper:
                 break
             try:
                 self._answer_asks(reg)
+                self._answer_reread(reg)
                 self._takeover(reg)
                 now = time.monotonic()
                 if now - last_load >= LOAD_PERIOD:

@@ -179,7 +179,12 @@ class EndpointLoop(PeerSide, Replication):
 
     def _set_view(self, view: View, generation: int | None = None) -> None:
         if view.revision < self.min_revision:
-            return  # older than our own last write: a late watch event
+            # Older than our own last write (a late watch event).  If it is the map a renewed lease read, we
+            # committed something after that read: read it again, or we would never serve again (seen with
+            # etcd SIGSTOPped during a split: the peer registered again, then its COMMIT came in).
+            if generation is not None:
+                self.housekeeper.reread(generation)
+            return
         old = self.view
         self.view = view
         if generation is not None:
