@@ -119,21 +119,27 @@ def test_etcd_dying_during_a_split_is_ridden_out_and_the_record_ends(testbed, se
     assert all(v == f"k{i}" for i, v in enumerate(back[f"k{i}"] for i in range(n)))
 
 
-def test_etcd_frozen_past_the_leases_during_a_split(testbed, servers):
-    """SIGSTOP etcd for longer than the endpoints' 3 s lease while a split copies, with a client writing: when
-    etcd runs again the split's record ends (done, or aborted with its reason), both endpoints are registered
-    again, every range has one owner, and nothing acknowledged is lost (writes during the freeze included).
+@pytest.mark.parametrize("kind", ["split", "mirror"])
+def test_etcd_frozen_past_the_leases_during_an_operation(testbed, servers, kind):
+    """SIGSTOP etcd for longer than the endpoints' 3 s lease while a split (or mirror) copies, with a client
+    writing: when etcd runs again the operation's record ends (done, or aborted with its reason), both
+    endpoints are registered again, the map is one of the two it may be, and nothing acknowledged is lost
+    (writes during the freeze included; after a mirror, read back from the mirror alone too).
     Before: the peer gave its copy up while the source waited for etcd, the source's flip then handed it the
-    range anyway, and every key of the split was gone; or the split's record read "copy" for good.  Now the
-    source tells the peer it waits (ALIVE) and rides the outage out: the split ends done."""
-    servers("kvs-frz", [("vfh1", "a", "0-0xffffff"), ("vfh4", "b", None)])
+    range anyway, and every key of the split was gone; or the record read "copy" for good; or the new owner
+    never served.  Now the source tells the peer it waits (ALIVE) and rides the outage out."""
+    svc = f"kvs-frz-{kind[:2]}"
+    servers(svc, [("vfh1", "a", "0-0xffffff"), ("vfh4", "b", None)])
     n = 2000
-    assert kvs.preload(testbed, "vfh3", "kvs-frz", n, value_size=256) == n
-    started = statectl.split(testbed.registry, "kvs-frz", HALF, "b", throttle=600)  # ~1.7 s of copying
-    wait_for(lambda: (op := testbed.registry.op("kvs-frz", started.op)[0]) and op.phase == "copy"
-             and op.done > 100, 20, "the split to be copying")
+    assert kvs.preload(testbed, "vfh3", svc, n, value_size=256) == n
+    if kind == "split":
+        started = statectl.split(testbed.registry, svc, HALF, "b", throttle=600)  # ~1.7 s of copying
+    else:
+        started = statectl.mirror(testbed.registry, svc, "a", "b", throttle=600)  # ~3.4 s of copying
+    wait_for(lambda: (op := testbed.registry.op(svc, started.op)[0]) and op.phase == "copy"
+             and op.done > 100, 20, f"the {kind} to be copying")
     acked: dict[bytes, bytes] = {}
-    with kvs.client(testbed, "vfh2", "kvs-frz", timeout=0.3) as cli:
+    with kvs.client(testbed, "vfh2", svc, timeout=0.3) as cli:
         os.kill(testbed.etcd.pid, signal.SIGSTOP)
         try:
             t_end, i = time.monotonic() + 5.0, 0
@@ -148,19 +154,25 @@ def test_etcd_frozen_past_the_leases_during_a_split(testbed, servers):
         finally:
             os.kill(testbed.etcd.pid, signal.SIGCONT)
         assert len(acked) > 50, f"only {len(acked)} of {i} writes were acknowledged while etcd was frozen"
-        op = statectl.wait(testbed.registry, "kvs-frz", started.op, timeout=60)
+        op = statectl.wait(testbed.registry, svc, started.op, timeout=60)
         assert op.finished, op
         assert op.phase == "done" or op.error, op          # aborted ones say why
-        assert not [o for o in testbed.registry.ops("kvs-frz") if not o.finished]
-        wait_for(lambda: sorted(e.name for e in testbed.registry.endpoints("kvs-frz")) == ["a", "b"], 10,
+        assert not [o for o in testbed.registry.ops(svc) if not o.finished]
+        wait_for(lambda: sorted(e.name for e in testbed.registry.endpoints(svc)) == ["a", "b"], 10,
                  "a and b registered again")
-        owners = sorted((r.range.lo, r.range.hi, r.owner) for r, _ in testbed.registry.ranges("kvs-frz"))
-        assert owners in ([(0, 0xFFFFFF, "a")], [(LOW.lo, LOW.hi, "a"), (HALF.lo, HALF.hi, "b")]), (op, owners)
+        layout = sorted((r.range.lo, r.range.hi, r.owner, tuple(r.mirrors))
+                        for r, _ in testbed.registry.ranges(svc))
+        maybe = [[(0, 0xFFFFFF, "a", ())]] + ([[(LOW.lo, LOW.hi, "a", ()), (HALF.lo, HALF.hi, "b", ())]]
+                                                if kind == "split" else [[(0, 0xFFFFFF, "a", ("b",))]])
+        assert layout in maybe, (op, layout)
         cli.retries = 12
         lost = [k for k, v in acked.items() if cli.get(k) != v]
         assert not lost, f"{len(lost)} of {len(acked)} writes acknowledged during the freeze lost ({op.phase})"
-    back = kvs.read_back(testbed, "vfh2", "kvs-frz", [f"k{i}" for i in range(n)])
+    back = kvs.read_back(testbed, "vfh2", svc, [f"k{i}" for i in range(n)])
     assert all(back[f"k{i}"] == f"k{i}" for i in range(n)), op
+    if kind == "mirror" and op.phase == "done":   # the mirror holds every key and acknowledged write
+        b_db = os.path.join(testbed.workdir, f"data-{svc}", "b.sqlite")
+        assert keys_in(b_db, Range(0, 0xFFFFFF)) >= n + len(acked), b_db
 
 
 @pytest.fixture
