@@ -84,6 +84,8 @@ class Housekeeper:
         lp = self.loop
         while self._asks:
             inc = self._asks.popleft()
+            if lp.incoming.get(inc.range.lo) is not inc:
+                continue   # the copy ended meanwhile (its ABORT or COMMIT was waiting): nothing to fence
             try:
                 mine = reg.fence(lp.service.name, inc.range, lp.name, inc.mode) is not None
                 view, error = read_view(reg, lp.service.name), ""
