@@ -119,6 +119,27 @@ def test_etcd_dying_during_a_split_is_ridden_out_and_the_record_ends(testbed, se
     assert all(v == f"k{i}" for i, v in enumerate(back[f"k{i}"] for i in range(n)))
 
 
+def write_while_stopped(cli, pid: int, seconds: float, prefix: str) -> tuple[dict[bytes, bytes], int]:
+    """SIGSTOP ``pid``, put PREFIX<i> keys one after another for ``seconds``, SIGCONT it; returns the
+    acknowledged writes (key -> value) and how many were tried.  An unanswered write is allowed; a lost
+    acknowledged one is not."""
+    acked: dict[bytes, bytes] = {}
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t_end, i = time.monotonic() + seconds, 0
+        while time.monotonic() < t_end:
+            key, value = f"{prefix}{i}".encode(), f"{prefix}{i}.stopped".encode()
+            try:
+                if cli.put(key, value):
+                    acked[key] = value
+            except Exception:  # noqa: BLE001 - unanswered (timed out, refused): allowed
+                pass
+            i += 1
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    return acked, i
+
+
 @pytest.mark.parametrize("kind", ["split", "mirror"])
 def test_etcd_frozen_past_the_leases_during_an_operation(testbed, servers, kind):
     """SIGSTOP etcd for longer than the endpoints' 3 s lease while a split (or mirror) copies, with a client
@@ -138,21 +159,8 @@ def test_etcd_frozen_past_the_leases_during_an_operation(testbed, servers, kind)
         started = statectl.mirror(testbed.registry, svc, "a", "b", throttle=600)  # ~3.4 s of copying
     wait_for(lambda: (op := testbed.registry.op(svc, started.op)[0]) and op.phase == "copy"
              and op.done > 100, 20, f"the {kind} to be copying")
-    acked: dict[bytes, bytes] = {}
     with kvs.client(testbed, "vfh2", svc, timeout=0.3) as cli:
-        os.kill(testbed.etcd.pid, signal.SIGSTOP)
-        try:
-            t_end, i = time.monotonic() + 5.0, 0
-            while time.monotonic() < t_end:   # the data path does not need etcd: writes go on
-                key, value = f"f{i}".encode(), f"f{i}.frozen".encode()
-                try:
-                    if cli.put(key, value):
-                        acked[key] = value
-                except Exception:  # noqa: BLE001 - an unanswered write is allowed; a lost acknowledged one is not
-                    pass
-                i += 1
-        finally:
-            os.kill(testbed.etcd.pid, signal.SIGCONT)
+        acked, i = write_while_stopped(cli, testbed.etcd.pid, 5.0, "f")   # the data path needs no etcd
         assert len(acked) > 50, f"only {len(acked)} of {i} writes were acknowledged while etcd was frozen"
         op = statectl.wait(testbed.registry, svc, started.op, timeout=60)
         assert op.finished, op
@@ -186,21 +194,8 @@ def test_peer_stopped_past_its_lease_during_a_split(testbed, servers):
     started = statectl.split(testbed.registry, svc, HALF, "b", throttle=600)
     wait_for(lambda: (op := testbed.registry.op(svc, started.op)[0]) and op.phase == "copy"
              and op.done > 100, 20, "the split to be copying")
-    acked: dict[bytes, bytes] = {}
     with kvs.client(testbed, "vfh2", svc, timeout=0.3) as cli:
-        os.kill(procs[1].pid, signal.SIGSTOP)
-        try:
-            t_end, i = time.monotonic() + 8.0, 0
-            while time.monotonic() < t_end:
-                key, value = f"p{i}".encode(), f"p{i}.stopped".encode()
-                try:
-                    if cli.put(key, value):
-                        acked[key] = value
-                except Exception:  # noqa: BLE001 - an unanswered write is allowed; a lost acknowledged one is not
-                    pass
-                i += 1
-        finally:
-            os.kill(procs[1].pid, signal.SIGCONT)
+        acked, i = write_while_stopped(cli, procs[1].pid, 8.0, "p")
         op = statectl.wait(testbed.registry, svc, started.op, timeout=90)
         assert op.finished and (op.phase == "done" or op.error), op
         wait_for(lambda: sorted(e.name for e in testbed.registry.endpoints(svc)) == ["a", "b"], 10,
