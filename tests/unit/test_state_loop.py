@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -77,6 +78,31 @@ def until(fn, timeout: float = 2.0) -> None:
     deadline = time.monotonic() + timeout
     while not fn() and time.monotonic() < deadline:
         time.sleep(0.005)
+
+
+@contextmanager
+def ctl_peer(loop):
+    """A DEALER on the loop's control socket, as a source endpoint talks to its peer; yields
+    ``ask(type, id, body, blobs=(), sender="src")`` -> the decoded answer (None for FWD, which has none)."""
+    import zmq
+
+    from vfab.vid.envelope import Envelope, decode
+
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(loop.ctl)
+
+    def ask(type_, id_, body, blobs=(), sender="src"):
+        dealer.send_multipart(Envelope(type_, sender, id=id_, body=body, blobs=list(blobs)).frames())
+        if type_ == "FWD":
+            return None
+        assert dealer.poll(5000), f"no answer to {type_}"
+        return decode(dealer.recv_multipart())
+
+    try:
+        yield ask
+    finally:
+        dealer.close()
 
 
 def mirror_upper_half(loop, registry) -> Range:
@@ -294,26 +320,11 @@ def test_a_mirror_taking_a_range_over_serves_only_what_the_source_did_not(endpoi
     (hops 0) and what the source forwards (hops 1).  The source served or holds every mirrored copy, so
     once it says it paused (SYNC "paused") the peer drops those and serves at COMMIT only the forwarded
     ones: before, it served ~800 duplicates in one burst at the flip of a 100k-key move."""
-    import zmq
-
-    from vfab.vid.envelope import Envelope, decode
-
     from vfab.vid.registry import schema
 
     loop, backend, client, svc = endpoint
     hi = mirror_upper_half(loop, registry)
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(loop.ctl)
-
-    def ask(type_, id_, body, blobs=()):
-        dealer.send_multipart(Envelope(type_, "src", id=id_, body=body, blobs=list(blobs)).frames())
-        if type_ == "FWD":
-            return None
-        assert dealer.poll(5000), f"no answer to {type_}"
-        return decode(dealer.recv_multipart())
-
-    try:
+    with ctl_peer(loop) as ask:
         assert ask("BEGIN", 1, {"lo": hi.lo, "hi": hi.hi, "mode": "split"}).type == "OK"
         send(client, svc, 0x800001, b"800001:w:mirrored", 1)       # the switch's copy: the source served it
         vid = codec.encode(svc.id, 0x800002).packed
@@ -331,8 +342,6 @@ def test_a_mirror_taking_a_range_over_serves_only_what_the_source_did_not(endpoi
         done = ask("COMMIT", 4, {"lo": hi.lo, "rec": rec})
         assert done.type == "OK", done.body
         got = replies(client, 0.6)
-    finally:
-        dealer.close()
     assert [(f.payload, f.seq) for f in got] == [(b"ok:held", 2)]
     assert backend.data.get(0x800001) is None and backend.data[0x800002] == b"held"
     assert loop.call(lambda: loop.counters["mirror_copies_dropped"]) == 1
@@ -342,22 +351,9 @@ def test_a_copy_given_up_or_never_begun_is_never_reported_durable(endpoint, regi
     """SYNC answers OK only for a copy in progress from its sender.  Before, a peer that had given up a copy
     (its source silent for 6 s while etcd hung) still answered the source's last SYNC with OK, the source's
     flip then handed it the range, and every key of the split was gone."""
-    import zmq
-
-    from vfab.vid.envelope import Envelope, decode
-
     loop, backend, client, svc = endpoint
     hi = mirror_upper_half(loop, registry)
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(loop.ctl)
-
-    def ask(type_, id_, body, sender="src"):
-        dealer.send_multipart(Envelope(type_, sender, id=id_, body=body).frames())
-        assert dealer.poll(5000), f"no answer to {type_}"
-        return decode(dealer.recv_multipart())
-
-    try:
+    with ctl_peer(loop) as ask:
         never = ask("SYNC", 1, {"lo": hi.lo, "paused": True})
         assert never.type == "ERR" and "holds no copy" in never.body["error"], never.body
         assert ask("BEGIN", 2, {"lo": hi.lo, "hi": hi.hi, "mode": "split"}).type == "OK"
@@ -367,8 +363,6 @@ def test_a_copy_given_up_or_never_begun_is_never_reported_durable(endpoint, regi
         assert ask("ABORT", 5, {"lo": hi.lo}).type == "OK"
         gone = ask("SYNC", 6, {"lo": hi.lo, "paused": True})
         assert gone.type == "ERR" and "gave the copy up" in gone.body["error"], gone.body
-    finally:
-        dealer.close()
 
 
 def test_a_mirror_that_takes_over_from_a_dead_owner_replays_what_it_ignored(endpoint, registry):

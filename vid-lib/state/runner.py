@@ -163,7 +163,8 @@ class OpRunner:
         self.progress.post(self.rec.to_json())
 
     def _publish(self) -> None:
-        """The first record, create-only: were etcd to apply it late (sent while etcd hung), it cannot
+        """Create the record (at the start, and again under a new lease when the old one expired and took the
+        record with it); create-only, so were etcd to apply it late (sent while etcd hung) it cannot
         overwrite a later one."""
         self.rec.updated = time.time()
         try:
