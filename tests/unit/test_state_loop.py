@@ -553,3 +553,27 @@ def test_a_progress_write_etcd_applies_late_cannot_overwrite_the_final_record(re
         registry.put(key, "final")             # the runner's final record
         ok, _ = late[0]()                      # etcd wakes up and applies the old request
         assert not ok and registry.get(key)[0] == b"final", first
+
+
+def test_the_view_watchers_two_threads_hand_views_over_in_the_order_they_made_them():
+    """The endpoints thread made its first view (no ranges yet, revision 0) before the ranges thread made
+    its own, but handed it over after: the loop kept the empty one, and a shard that had just claimed its
+    range answered everything "unroutable" until the next event (15 s once in bench/sdhcp_lease.py)."""
+    from vfab.vid.state.view import ViewWatcher
+
+    got, later = [], []
+
+    def on_view(view):
+        if not later:   # the first view: a second thread makes and hands over a newer one meanwhile
+            def newer():
+                w._revs[0] = 5
+                w._emit()
+            later.append(threading.Thread(target=newer))
+            later[0].start()
+            later[0].join(0.3)
+        got.append(view.revision)
+
+    w = ViewWatcher("127.0.0.1:1", "t", on_view)
+    w._emit()
+    later[0].join(2)
+    assert got == [0, 5]

@@ -103,10 +103,15 @@ class ViewWatcher:
         self._stop.set()  # the watch threads notice within IDLE s (closing a stream another thread reads blocks)
 
     def _emit(self) -> None:
+        # on_view under the lock (it only hands the view to the loop): the two watch threads' views then reach
+        # the loop in the order they were made.  Outside it, the endpoints thread's first view, made before
+        # the ranges were loaded (no ranges, revision 0), could arrive after the ranges thread's and stay
+        # the loop's view until the next event: a shard that had just claimed its range owned nothing and
+        # answered every request "unroutable" (seen once in bench/sdhcp_lease.py, for 15 s).
         with self._lock:
             view = View(ranges=tuple(_ranges(self._ranges)), endpoints=_endpoints(self._eps),
                         revision=self._revs[0])
-        self.on_view(view)
+            self.on_view(view)
 
     def _run(self, i: int, prefix: str) -> None:
         reg = Registry(self.endpoint)
