@@ -646,3 +646,52 @@ def test_sync_keeps_the_locks_so_another_process_never_deletes_the_live_wal(tmp_
         assert again.row(b"k2") == (b"v2", 1, again.row(b"k2")[2])
     finally:
         again.close()
+
+
+def _copy_in(s: Store, n: int, start: int = 0) -> None:
+    """n records of 1 KB applied in copy-sized chunks (unsynced, as a peer applies a copy)."""
+    value = b"v" * 1000
+    for lo in range(start, start + n, 100):
+        s.apply([b"".join(pack_record(f"c-{i}".encode(), vkey(f"c-{i}".encode()), value, 1, b"")
+                          for i in range(lo, min(lo + 100, start + n)))], durable=False)
+
+
+def test_checkpoints_run_on_a_thread_of_their_own_not_in_the_writers_commit(tmp_path, caplog):
+    """SQLite's own checkpoint runs inside the commit that crosses its limit, so the loop's thread waited
+    for it (a copy applied 30-40 % slower).  Here the writer's connection leaves checkpoints to the
+    checkpointer (its own limit is a far backstop), which runs them when about CHECKPOINT_PAGES pages were
+    committed; a failed one is logged and the next one runs; close() stops the thread."""
+    from vfab.vid.state import sqlstore
+
+    s = Store(str(tmp_path / "ck.sqlite"))
+    ran, fail = [], [True]
+    real = s.checkpoint
+
+    def spy():
+        ran.append(threading.current_thread().name)
+        if fail.pop() if fail else False:
+            raise store_mod.StoreError("database or disk is full")
+        real()
+
+    s.checkpoint = spy
+    try:
+        assert s.db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == sqlstore.BACKSTOP_PAGES
+        _copy_in(s, 300)          # ~80 pages: too few to wake it
+        time.sleep(0.1)
+        assert ran == []
+        _copy_in(s, 8000, 300)    # ~2,300 pages: two wakes
+        deadline = time.monotonic() + 3
+        while len(ran) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(ran) == 2 and set(ran) == {"checkpoint"}
+        assert "checkpoint of" in caplog.text and "disk is full" in caplog.text
+        thread = s._checkpointer._thread
+        assert thread.is_alive()
+    finally:
+        s.close()
+    assert not thread.is_alive()
+    again = Store(str(tmp_path / "ck.sqlite"))
+    try:
+        assert again.count(FULL) == 8300
+    finally:
+        again.close()

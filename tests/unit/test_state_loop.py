@@ -490,8 +490,9 @@ def test_a_failure_repeating_at_the_request_rate_is_logged_once_per_period(monke
 
 
 def test_progress_writer_writes_the_newest_record_and_nothing_after_close(registry):
-    """Progress records leave the operation's thread; the newest waiting one wins, and ``close`` waits for a
-    write under way, so a final record written after it is never overwritten by a late progress write."""
+    """Progress records leave the operation's thread; the newest waiting one wins.  ``close`` does not wait
+    for a write under way (an etcd round trip at every operation's end): that write compares the revision
+    it last saw, so it cannot overwrite the final record written after ``close``."""
     from vfab.vid.registry import schema
     from vfab.vid.state.runner import ProgressWriter
 
@@ -501,8 +502,9 @@ def test_progress_writer_writes_the_newest_record_and_nothing_after_close(regist
 
     def held_txn(compares, puts, deletes=(), lease=None):  # etcd slow to answer
         gate.wait(5)
-        written.append(puts[key])
-        return real(compares, puts, deletes, lease=lease)
+        ok, rev = real(compares, puts, deletes, lease=lease)
+        written.append((puts[key], ok))
+        return ok, rev
 
     w._reg.txn = held_txn
     w.post("one")
@@ -511,21 +513,49 @@ def test_progress_writer_writes_the_newest_record_and_nothing_after_close(regist
     w.post("three")                            # only the newest waiting record is written
     gate.set()
     until(lambda: len(written) == 2)
-    assert written == ["one", "three"]
+    assert written == [("one", True), ("three", True)]
     gate.clear()
     w.post("late")
-    until(lambda: w._waiting is None)
-    closer = threading.Thread(target=w.close)
-    closer.start()
-    closer.join(0.3)
-    assert closer.is_alive(), "close() returned while a progress write was still under way"
+    until(lambda: w._waiting is None)          # under way, held by "etcd"
+    t0 = time.monotonic()
+    w.close()
+    assert time.monotonic() - t0 < 0.2, "close() waited for the write under way"
+    registry.put(key, "final")                 # the runner's final record, sent before that write lands
     gate.set()
-    closer.join(5)
-    assert not closer.is_alive()
-    registry.put(key, "final")
+    until(lambda: len(written) == 3)
     w.post("after close")                      # ignored: nothing writes any more
     time.sleep(0.2)
-    assert registry.get(key)[0] == b"final" and written == ["one", "three", "late"]
+    assert registry.get(key)[0] == b"final" and written[2] == ("late", False) and len(written) == 3
+
+
+def test_a_progress_writer_that_must_read_the_revision_first_writes_nothing_once_closed(registry):
+    """Its last write failed (etcd blipped), so the next one reads the record's revision first.  Were that
+    read answered after the final record, the write would compare against the final record's revision and
+    overwrite it: once closed, nothing read afterwards is written."""
+    from vfab.vid.registry import schema
+    from vfab.vid.state.runner import ProgressWriter
+
+    key = schema.op_key("t", "op-progress-reread")
+    w = ProgressWriter(registry.endpoint, key, lambda: None)
+    real_get, gate, txns = w._reg.get, threading.Event(), []
+    real_txn = w._reg.txn
+
+    def held_get(k):
+        gate.wait(5)
+        return real_get(k)
+
+    def counted_txn(*a, **kw):
+        txns.append(a)
+        return real_txn(*a, **kw)
+
+    w._reg.get, w._reg.txn = held_get, counted_txn
+    w.post("copy 100")                         # _rev is None: the thread reads the revision first
+    until(lambda: w._waiting is None)
+    w.close()
+    registry.put(key, "final")
+    gate.set()                                 # the read now answers with the final record's revision
+    time.sleep(0.3)
+    assert registry.get(key)[0] == b"final" and txns == []
 
 
 def test_a_progress_write_etcd_applies_late_cannot_overwrite_the_final_record(registry):

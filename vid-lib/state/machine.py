@@ -213,7 +213,12 @@ def operation(kind: str, source: str, peer: str, ranges: list[Range], now: float
     return out
 
 
+def _add(out: Outcome, name: str, seconds: float) -> None:
+    out.timings[name] = round(out.timings.get(name, 0.0) + seconds, 4)
+
+
 def _one_range(kind: str, source: str, peer: str, rng: Range, out: Outcome) -> Gen:
+    t_start = (yield Now()).now
     recs = _need((yield ReadRanges()), "reading the range map")
     parent = _check_ours(recs, rng, source, None, "before starting")
     epoch = parent.epoch
@@ -225,10 +230,13 @@ def _one_range(kind: str, source: str, peer: str, rng: Range, out: Outcome) -> G
         _need((yield LoopCmd("target", rng, to=peer)), "replicating to the peer")
         yield Publish({"phase": "copy"})
         t_copy = (yield Now()).now
+        _add(out, "begin_s", t_copy - t_start)      # the map read, BEGIN, replication to the peer on
         _need((yield Copy(rng)), f"copying to {peer}")
+        t_sync = (yield Now()).now
         _need((yield Ask("SYNC", {"lo": rng.lo})), f"peer {peer} could not make the copy durable")
         t_copied = (yield Publish({"phase": "flip"})).now
-        out.timings["copy_s"] = round(out.timings.get("copy_s", 0.0) + t_copied - t_copy, 4)
+        _add(out, "sync_s", t_copied - t_sync)      # the peer clears what earlier copies left, fsyncs
+        _add(out, "copy_s", t_copied - t_copy)      # the snapshot streamed, and that SYNC
         # Checked before the pause, so an etcd outage here is ridden out without holding requests; the
         # flip's transaction compares the epoch again.
         recs = _need((yield ReadRanges()), "reading the range map before the flip")
@@ -260,15 +268,16 @@ def _one_range(kind: str, source: str, peer: str, rng: Range, out: Outcome) -> G
             out.notes.append(f"{peer} did not confirm the commit of {rng} ({got.value.why}); etcd names it "
                              f"{'a mirror' if kind == 'mirror' else 'the owner'} and it finds out by itself")
         # flip: pause -> last SYNC -> etcd transaction -> held requests forwarded -> the peer serves
-        out.timings["flip_s"] = round(out.timings.get("flip_s", 0.0) + got.now - t_pause, 4)
-        out.timings["etcd_s"] = round(out.timings.get("etcd_s", 0.0) + res.now - t_assign, 4)
+        _add(out, "flip_s", got.now - t_pause)
+        _add(out, "etcd_s", res.now - t_assign)
         yield Publish({"revision": rev})
         if kind != "mirror":
             dropped = yield Drop(rng)
             if isinstance(dropped.value, Failure):
                 out.notes.append(f"the old copy of {rng} could not be dropped here ({dropped.value.why}); "
                                  "it is retried in the background and at the next start")
-            yield Coalesce()
+            done = yield Coalesce()
+            _add(out, "after_s", done.now - got.now)  # the record, the old copy's drop queued, ranges joined
     except _Abort:
         if not committed:
             yield LoopCmd("release" if paused else "untarget", rng, to="", rec=None)

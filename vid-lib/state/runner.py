@@ -288,10 +288,11 @@ class ProgressWriter:
 
     Each write is an etcd round trip (2-4 ms, as much again with etcd busy): three of them per range sat
     on the operation's path, between the copy and the flip among others (``bench/kvs_ops.py``).  Only
-    the newest record waiting is written; :meth:`close` waits for the write under way, so the final
-    record, written after it, is the last word.  A write etcd answers too late for the client (etcd hung)
-    may still be applied later: each write therefore compares the record's mod-revision with the one it
-    last saw (a transaction), so once the final record is in, such a late write changes nothing.
+    the newest record waiting is written.  A write may land after the final record (one under way at
+    :meth:`close`, or one etcd answered too late for the client and applied later): each write therefore
+    compares the record's mod-revision with the one it last saw (a transaction), a revision learnt before
+    the final record was sent, so once the final record is in, such a write changes nothing.  Hence
+    :meth:`close` need not wait for the write under way (an etcd round trip off every operation's end).
     """
 
     def __init__(self, endpoint: str, key: str, lease_id):
@@ -317,14 +318,19 @@ class ProgressWriter:
                 self._cv.notify()
 
     def close(self) -> None:
+        """No write starts after this returns (one under way may still land: see the class)."""
         with self._cv:
             self._closed = True
             self._waiting = None
             self._cv.notify()
-        self._thread.join()   # a write under way ends within the registry's timeout
-        self._reg.close()
 
     def _run(self) -> None:
+        try:
+            self._write_newest()
+        finally:
+            self._reg.close()
+
+    def _write_newest(self) -> None:
         while True:
             with self._cv:
                 while self._waiting is None and not self._closed:
@@ -337,6 +343,9 @@ class ProgressWriter:
                 if rev is None:
                     got = self._reg.get(self.key)
                     rev = got[1] if got else 0
+                    with self._cv:
+                        if self._closed:   # the final record may be in already, and this its revision
+                            return
                 ok, new = self._reg.txn([self._reg.cmp_mod(self.key, rev)], {self.key: record},
                                         lease=self.lease_id())
                 rev = new if ok else None   # not ok: somebody wrote it (a late write of ours): read it again
