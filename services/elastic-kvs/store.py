@@ -40,6 +40,10 @@ log = logging.getLogger("vfab.kvs.store")
 REC = struct.Struct("!HIQHBB")
 PAIR = struct.Struct("!QQ")
 TOMBSTONE = 1
+# A commit that takes the WAL past this many pages copies them into the database file before it returns (the
+# loop's thread waits): 256 pages (1 MB) instead of SQLite's 1,000 cut the longest chunk of a 100k-key copy
+# from ~10-14 ms to ~6 ms, for the same total work.
+CHECKPOINT_PAGES = 256
 DROP_CHUNK = 4000  # records deleted per transaction (a drop never holds the write lock for long)
 
 
@@ -125,6 +129,7 @@ class Store(SqliteStore):
 
     Error = StoreError
     WHAT = "store"
+    CHECKPOINT_PAGES = CHECKPOINT_PAGES
 
     def __init__(self, path: str):
         super().__init__(path)
@@ -239,7 +244,7 @@ class Store(SqliteStore):
                 [(vk, k, value, version, recent, g) for k, vk, value, version, recent in rows])
             return db.total_changes - before
 
-        return self._txn(run, durable, nbytes=sum(map(len, blobs)))
+        return self._txn(run, durable)
 
     def drop(self, rng: Range, limit: int | None = None, below_gen: int | None = None) -> int:
         """Forget the keys of ``rng`` (about ``limit`` of them if given: fewer means none are left);

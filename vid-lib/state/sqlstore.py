@@ -8,12 +8,6 @@ backend's ``count/snapshot/apply/drop``; ``keep_only`` is built on its ``drop``.
 Durability: ``synchronous=FULL`` by default, so a commit returns once the write-ahead log is on disk.
 ``begin(durable=False)`` and ``_txn(fn, durable=False)`` commit without waiting for the disk (atomic; a power
 loss can lose them, and only them); the next durable commit, or :meth:`sync`, makes them durable too.
-
-Checkpoints (copying the write-ahead log into the database file, two fsyncs) run on a thread of their own
-(:class:`Checkpointer`), woken once about ``CHECKPOINT_PAGES`` pages were committed: SQLite's automatic
-checkpoint runs inside the commit that crosses its limit, so the loop's thread (the data path) waited for
-it.  Applying a 10,000-key copy took 100-147 ms with the automatic checkpoint every 256 pages, 70-79 ms
-without it (``bench/kvs_ops.py``'s keys and values, a microbenchmark).
 """
 
 from __future__ import annotations
@@ -22,7 +16,6 @@ import logging
 import os
 import sqlite3
 import threading
-import time
 
 from vfab.vid.codec import KEY_MAX
 from vfab.vid.ranges import Range
@@ -45,16 +38,12 @@ class SqliteStore:
 
     Error: type[Exception] = RuntimeError   # the service's StoreError
     WHAT = "store"                          # "cannot open the <WHAT> <path>"
-    CHECKPOINT_PAGES = 1000                 # pages committed (estimated) that wake the checkpointer
-    PAGES_PER_COMMIT = 4                    # the estimate for a commit that says nothing (a row, its indexes)
-    PAGE_BYTES = 4096
+    CHECKPOINT_PAGES: int | None = None     # PRAGMA wal_autocheckpoint (None: SQLite's 1,000 pages)
 
     def __init__(self, path: str):
         self.path = path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._local = threading.local()
-        self._checkpointer: Checkpointer | None = None
-        self._unchecked = 0                 # pages committed (estimated) since the checkpointer last woke
 
     @property
     def db(self) -> sqlite3.Connection:
@@ -64,8 +53,8 @@ class SqliteStore:
                 conn = sqlite3.connect(self.path, isolation_level=None, timeout=30, check_same_thread=False)
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute("PRAGMA synchronous=FULL")
-                # a backstop only: should the checkpointer fall far behind, a commit checkpoints itself
-                conn.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_PAGES}")
+                if self.CHECKPOINT_PAGES is not None:
+                    conn.execute(f"PRAGMA wal_autocheckpoint={self.CHECKPOINT_PAGES}")
             except sqlite3.Error as exc:
                 raise self.Error(f"cannot open the {self.WHAT} {self.path}: {exc}; check the --data directory") \
                     from None
@@ -101,20 +90,9 @@ class SqliteStore:
             raise self.Error(why(exc, self.path)) from None
         self._exec("BEGIN IMMEDIATE")
 
-    def commit(self, nbytes: int = 0) -> None:
-        """Commit the batch: after a durable ``begin`` the write-ahead log is fsync'd before this returns.
-        ``nbytes``: about how much it wrote (wakes the checkpointer in time)."""
+    def commit(self) -> None:
+        """Commit the batch: after a durable ``begin`` the write-ahead log is fsync'd before this returns."""
         self._exec("COMMIT")
-        self._written(nbytes)
-
-    def _written(self, nbytes: int) -> None:
-        """A write transaction committed about ``nbytes`` (0: unknown, a few pages)."""
-        self._unchecked += nbytes // self.PAGE_BYTES + self.PAGES_PER_COMMIT
-        if self._unchecked >= self.CHECKPOINT_PAGES:
-            self._unchecked = 0
-            if self._checkpointer is None:
-                self._checkpointer = Checkpointer(self)
-            self._checkpointer.wake()
 
     def rollback(self) -> None:
         """Roll back the open transaction, if SQLite has not already (it does on a full disk)."""
@@ -124,16 +102,14 @@ class SqliteStore:
         except sqlite3.Error as exc:
             log.warning("rollback of %s failed: %s", self.path, exc)
 
-    def _txn(self, fn, durable: bool = True, nbytes: int = 0):
-        """Run ``fn(db)`` in one write transaction; the error names the cause, never the rollback's.
-        ``nbytes``: about how much it writes (see :meth:`commit`)."""
+    def _txn(self, fn, durable: bool = True):
+        """Run ``fn(db)`` in one write transaction; the error names the cause, never the rollback's."""
         db = self.db
         try:
             self._synchronous(durable)
             db.execute("BEGIN IMMEDIATE")
             out = fn(db)
             db.execute("COMMIT")
-            self._written(nbytes)
             return out
         except sqlite3.Error as exc:
             self.rollback()
@@ -176,65 +152,8 @@ class SqliteStore:
             total += self.drop(Range(lo, KEY_MAX))
         return total
 
-    def checkpoint(self) -> None:
-        """Copy the write-ahead log into the database file now, as far as readers allow (the checkpointer's
-        step; PASSIVE: writers and readers go on meanwhile)."""
-        self._exec("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-
-    def close_thread_connection(self) -> None:
+    def close(self) -> None:
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()
             self._local.conn = None
-
-    def close(self) -> None:
-        """Close this thread's connection and stop the checkpointer."""
-        if self._checkpointer is not None:
-            self._checkpointer.stop()
-            self._checkpointer = None
-        self.close_thread_connection()
-
-
-BACKSTOP_PAGES = 16384     # 64 MB of log: SQLite's own checkpoint steps in only past that
-
-
-class Checkpointer:
-    """Runs a store's checkpoints on a thread of its own, when woken, at most one per ``PAUSE`` s.
-
-    SQLite releases Python's lock while it copies and fsyncs, so the data path goes on meanwhile; a
-    PASSIVE checkpoint never blocks a writer.  A failed checkpoint (a full disk) is logged and retried at
-    the next wake; the log only grows meanwhile, and the commits that need space fail on their own.
-    """
-
-    PAUSE = 0.02
-
-    def __init__(self, store: SqliteStore):
-        self._store = store
-        self._wake = threading.Event()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="checkpoint", daemon=True)
-        self._thread.start()
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    def stop(self) -> None:
-        self._stopped = True
-        self._wake.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        store = self._store
-        try:
-            while True:
-                self._wake.wait()
-                if self._stopped:
-                    return
-                self._wake.clear()
-                try:
-                    store.checkpoint()
-                except Exception as exc:  # noqa: BLE001 - keep checkpointing whatever one attempt met
-                    log.warning("checkpoint of %s failed: %s", store.path, exc)
-                time.sleep(self.PAUSE)
-        finally:
-            store.close_thread_connection()
