@@ -18,14 +18,15 @@ from vfab.vid.registry import schema
 log = logging.getLogger("vfab.controller")
 
 # Flows whose counters are published: (cookie kind, table).
-COUNTED = ((Kind.VID_ROUTE, 1), (Kind.VID_MISS, 1), (Kind.DENY, 0))
+COUNTED = ((Kind.VID_ROUTE, 1), (Kind.VID_MISS, 1), (Kind.DENY, 0), (Kind.GUARD, 0))
 
 
 def counters_from_stats(stats: Iterable[tuple[int, int, int, int]]) -> dict[str, list[int]]:
     """{name: [packets, bytes]} from (table, cookie, packets, bytes) rows.
 
     Names: ``<service id>/<range lo as 6 hex digits>`` for a range's route blocks
-    (summed), ``deny/<port>`` and ``vid_miss/0`` for the drop flows.
+    (summed), ``deny/<port>`` and ``vid_miss/0`` for the drop flows, ``guard/<service id>`` for a service's
+    answers dropped on ports with no server of it (summed).
     """
     per: dict[str, list[int]] = {}
     for table, cookie, packets, nbytes in stats:
@@ -34,6 +35,8 @@ def counters_from_stats(stats: Iterable[tuple[int, int, int, int]]) -> dict[str,
             name = f"{service}/{lo:06x}"
         elif kind in (Kind.DENY, Kind.VID_MISS):
             name = f"{Kind(kind).name.lower()}/{lo}"
+        elif kind == Kind.GUARD:
+            name = f"guard/{service}"
         else:
             continue
         acc = per.setdefault(name, [0, 0])

@@ -26,7 +26,8 @@ VIDs of no live range (10) → the miss policy.  Everything else (0) → NORMAL.
 
 Front doors (``fabric/frontdoor.py``): per service, per registered host (its
 port and MAC; never a trunk), a 400 flow that rewrites a real protocol's frames to the service's VIDs and goes on to
-table 1.  A bad or clashing front door is a line in ``problems`` (by default
+table 1; per registered host port without a live endpoint of the service, a 450 flow that drops (and counts)
+the protocol's server answers (a rogue DHCP server, a forged memcached reply).  A bad or clashing front door is a line in ``problems`` (by default
 the state's own ``FabricState.problems``) and is skipped.
 """
 
@@ -44,6 +45,7 @@ from vfab.vid import codec
 from vfab.vid.ranges import Range, to_masks
 
 PRIO_FRONTDOOR = 400
+PRIO_GUARD = 450
 PRIO_ADMIT = 300
 # A server answers from the VID of the key it was asked (its reply's source).  Above the own-MAC admit flows,
 # so the classifier finds these first and stops: a reply's megaflow then keeps the VID source masked to the
@@ -168,8 +170,11 @@ def _compile(st: FabricState, hops: dict[tuple[int, int], int] | None, problems:
         # endpoints of a service are its servers; a range's new owner can answer from the range's VIDs
         # the moment it takes the range over, before its route reaches the switches).
         every_key = block(0, 0)
+        serving: set[tuple[int, int]] = set()   # (dpid, port) of the hosts carrying a live endpoint of it
         for (s_name, _), ep in sorted(st.endpoints.items()):
             host = st.hosts.get(ep.mac) if s_name == sname else None
+            if host is not None:
+                serving.add((host.dpid, host.port))
             if host is not None and host.dpid in out:
                 out[host.dpid].add(FlowSpec(TABLE_ADMIT, PRIO_ADMIT_VID, match(in_port=host.port, eth_src=every_key),
                                             (("goto", TABLE_ROUTE),), make_cookie(Kind.ADMIT, svc.id, host.port)))
@@ -215,6 +220,9 @@ def _compile(st: FabricState, hops: dict[tuple[int, int], int] | None, problems:
                 continue
             claimed.append(door)
             for dpid, flow in frontdoor.door_flows(door, svc.id, layout, host_ports, PRIO_FRONTDOOR):
+                out[dpid].add(flow)
+            unserved = sorted({(dpid, port) for dpid, port, _ in host_ports} - serving)
+            for dpid, flow in frontdoor.guard_flows(door, svc.id, unserved, PRIO_GUARD):
                 out[dpid].add(flow)
     return out
 

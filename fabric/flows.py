@@ -43,6 +43,7 @@ class Kind(enum.IntEnum):
     VID_ROUTE = 5   # masked VID → owner
     HOST_ROUTE = 6  # plain MAC → host
     VID_MISS = 7    # VID of no live range
+    GUARD = 8       # a front door's server answers from a port with no server of it: drop (counted)
 
 
 @contextlib.contextmanager

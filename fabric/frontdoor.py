@@ -22,7 +22,22 @@ table 0 at the priority the compiler reserves (400), cookie kind FRONTDOOR::
              goto table 1                                  (normal VID routing)
 
 Matching ``eth_src`` keeps port security: a host speaks only for its own MAC,
-a forged source falls through to the port's deny flow.  Where the key sits in
+a forged source falls through to the port's deny flow.
+
+A door also guards its protocol's **answers**: a kind names the frames its
+servers answer with (DHCP: ``udp, udp_src=67, udp_dst=68``; udp: ``udp,
+ipv4_src=ip, udp_src=port``), and on every registered host port that carries
+no live endpoint of the service (its servers, helpers included) such frames are
+dropped and counted, in table 0 above the doors (450), cookie kind GUARD::
+
+    match    in_port=P, <the kind's answer match>
+    actions  (none: drop)
+
+Without it a tenant's rogue DHCP server, or a host forging memcached's
+address and port, reached the clients through the plain-Ethernet flows
+(NORMAL): the clients cannot tell.  (A DHCP server's answer to a relay,
+67 → 67, looks like a relay's request and is not guarded: relays are
+trusted by configuration.)  Where the key sits in
 the MAC comes from the codec: the prefix layout's key is the MAC's low 24 bits,
 the suffix layout's bits 16..39; both layouts work.
 
@@ -48,6 +63,7 @@ from vfab.vid.errors import VidError
 ETH_IPV4 = 0x0800
 IPPROTO_UDP = 17
 DHCP_SERVER_PORT = 67
+DHCP_CLIENT_PORT = 68
 
 
 class FrontDoorError(VidError):
@@ -74,6 +90,7 @@ class Door:
     protocol: tuple            # match fields beyond in_port/eth_src, as (name, value) pairs
     key_field: str             # where the 24-bit key comes from (bits 0..23)
     params: dict = field(default_factory=dict, compare=False)
+    answers: tuple = ()        # match fields of the servers' answers (guarded), as (name, value) pairs
 
     @property
     def label(self) -> str:
@@ -137,12 +154,23 @@ def _udp_protocol(port: int, ip: int | None = None) -> tuple:
     return tuple(proto)
 
 
+def _udp_answers(src_port: int, src_ip: int | None = None, dst_port: int | None = None) -> tuple:
+    ans = [("eth_type", ETH_IPV4), ("ip_proto", IPPROTO_UDP), ("udp_src", src_port)]
+    if src_ip is not None:
+        ans.append(("ipv4_src", src_ip))
+    if dst_port is not None:
+        ans.append(("udp_dst", dst_port))
+    return tuple(ans)
+
+
 KEY_FIELDS = {"ip_src": "ipv4_src", "eth_src": "eth_src"}  # the udp kind's "key" → the header field
 
 register(DoorKind(
     "dhcp4", {},
-    lambda svc, i, p: Door(svc, i, "dhcp4", _udp_protocol(DHCP_SERVER_PORT), "eth_src", p),
-    help="DHCPv4 (udp_dst=67) from host ports; key = low 24 bits of the client MAC",
+    lambda svc, i, p: Door(svc, i, "dhcp4", _udp_protocol(DHCP_SERVER_PORT), "eth_src", p,
+                           _udp_answers(DHCP_SERVER_PORT, dst_port=DHCP_CLIENT_PORT)),
+    help="DHCPv4 (udp_dst=67) from host ports; key = low 24 bits of the client MAC; DHCP answers "
+         "(67 -> 68) only from the service's hosts",
 ))
 
 register(DoorKind(
@@ -151,8 +179,10 @@ register(DoorKind(
      "port": Param(_udp_port, help="the service's UDP port"),
      "key": Param(_one_of(*KEY_FIELDS), required=False, default="ip_src",
                   help="client field whose low 24 bits are the key")},
-    lambda svc, i, p: Door(svc, i, "udp", _udp_protocol(p["port"], p["ip"]), KEY_FIELDS[p["key"]], p),
-    help="UDP to ip:port from host ports; key = low 24 bits of the client's IPv4 source (or MAC)",
+    lambda svc, i, p: Door(svc, i, "udp", _udp_protocol(p["port"], p["ip"]), KEY_FIELDS[p["key"]], p,
+                           _udp_answers(p["port"], p["ip"])),
+    help="UDP to ip:port from host ports; key = low 24 bits of the client's IPv4 source (or MAC); UDP from "
+         "ip:port only from the service's hosts",
 ))
 
 
@@ -224,3 +254,14 @@ def door_flows(door: Door, service_id: int, layout: codec.Layout | str,
     proto = dict(door.protocol)
     return [(dpid, FlowSpec(TABLE_ADMIT, priority, match(in_port=port, eth_src=mac, **proto), actions, cookie))
             for dpid, port, mac in host_ports]
+
+
+def guard_flows(door: Door, service_id: int, ports: list[tuple[int, int]], priority: int) -> list[tuple[int, FlowSpec]]:
+    """(dpid, drop flow) of the door's answers for every host port ``(dpid, port)`` given (those with no
+    server of the service)."""
+    if not door.answers:
+        return []
+    ans = dict(door.answers)
+    return [(dpid, FlowSpec(TABLE_ADMIT, priority, match(in_port=port, **ans), (),
+                            make_cookie(Kind.GUARD, service_id, lo=port)))
+            for dpid, port in ports]

@@ -155,6 +155,110 @@ def test_helpers_switch_in_and_out_under_load(testbed, mc):
     assert all(not r.helpers for r, _ in testbed.registry.ranges(SVC))
 
 
+def test_controller_and_etcd_killed_while_helpers_carry_the_load(testbed, mc):
+    """What outside testers do next: kill -9 the controller while helpers carry the load, start it again
+    (it must keep the helpers' select groups, not drop and re-add them), then kill -9 etcd for a second and
+    start it again (the agents and the endpoints must ride it out, their leases kept).  The clients keep their
+    sockets throughout: nothing lost, nothing wrong, the helpers carry gets through every step."""
+    drops0 = pipeline_drops()
+    procs = loads(mc, 11.0, 1500)
+    time.sleep(1.5)
+    mc.helpers_on()
+    time.sleep(1.0)
+    steps = [("helpers on", {n: mc.stats(n) for n in HELPERS})]
+    testbed.kill_controller()
+    time.sleep(1.5)                                     # the switches forward alone
+    steps.append(("controller dead", {n: mc.stats(n) for n in HELPERS}))
+    testbed.start_controller()
+    testbed.wait_revision(testbed.registry.state_revision(), timeout=30)
+    time.sleep(1.0)
+    steps.append(("controller back", {n: mc.stats(n) for n in HELPERS}))
+    groups = {b: group_weights(b) for b in ("vfbs1", "vfbs2")}
+    testbed.etcd.kill9()
+    time.sleep(1.0)
+    testbed.etcd.start()
+    time.sleep(2.0)
+    steps.append(("etcd back", {n: mc.stats(n) for n in HELPERS}))
+    live = control.live_helpers(testbed.registry, SVC)
+    mc.helpers_off()
+    res = [topo.finish(p, 90) for p in procs]
+    drops = pipeline_drops() - drops0
+
+    lost = sum(r["lost"] for r in res)
+    print(f"\nlost {lost} of {sum(r['sent'] for r in res)}; OVS pipeline drops {drops}; gets per step: " +
+          ", ".join(f"{name}: {sum(delta(st[n], prev[n], 'rx_get') for n in HELPERS)}"
+                    for (name, st), (_, prev) in zip(steps[1:], steps)))
+    for r in res:
+        assert r["wrong"] == 0 and r["framing"] == 0 and r["sources"] == [mc.addr], r
+    assert lost == 0, f"{lost} requests lost across the restarts (OVS pipeline drops {drops})"
+    for (name, st), (_, prev) in zip(steps[1:], steps):
+        for n in HELPERS:
+            assert delta(st[n], prev[n], "rx_get") > 100, f"helper {n} carried no gets until '{name}': {st[n]}"
+    for bridge, got in groups.items():   # the restarted controller kept one group with both helpers' buckets
+        assert len(got) == 1 and len(got[0]) == 2, f"{bridge} groups after the controller's restart: {got}"
+    assert live == ["h1", "h2"], f"live helpers after etcd's restart: {live}"
+    assert control.live_helpers(testbed.registry, SVC) == ["h1", "h2"]
+
+
+def test_forged_memcached_replies_reach_no_client(testbed, mc):
+    """A tenant on a client host forges memcached's replies (source memcached's address and port 11211, a
+    guessed 16-bit request id, to another client's address): before the guard they reached that client
+    through the plain-Ethernet flows, and a memcached UDP client takes the first datagram with its request
+    id.  The switches drop them at the tenant's port and count them; the real replies still arrive."""
+    import json
+    import socket
+    from ipaddress import IPv4Address
+
+    from vfab.services.sdhcp import ipudp
+    from vfab.vid import codec
+    from vfab.vid.netns import netns
+
+    def guard_drops(sid: int) -> int:
+        _, items = testbed.registry.get_prefix(schema.folder("counters"))
+        return sum(json.loads(raw)["counters"].get(f"guard/{sid}", [0, 0])[0] for raw, _ in items.values())
+
+    rogue_host, victim_host = "vfh3", "vfh4"
+    rogue = codec.mac_to_int(testbed.hosts[rogue_host]["mac"]).to_bytes(6, "big")
+    victim_mac = codec.mac_to_int(testbed.hosts[victim_host]["mac"]).to_bytes(6, "big")
+    victim_ip = mc.bind[victim_host].split(",")[0]
+    sid = testbed.registry.service(SVC).id
+    before = guard_drops(sid)
+    payload = lambda rid: rid.to_bytes(2, "big") + b"\x00\x00\x00\x01\x00\x00" + \
+        b"VALUE k1 0 6\r\nforged\r\nEND\r\n"
+    forged = [ipudp.Datagram(victim_mac, rogue, IPv4Address(mc.ip), IPv4Address(victim_ip), 11211, 40000 + i,
+                             payload(i)).serialize() for i in range(60)]
+    with netns(testbed.netns(victim_host)):
+        cap = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0800))
+    with netns(testbed.netns(rogue_host)):
+        s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+    try:
+        cap.bind((testbed.hosts[victim_host]["iface"], 0))
+        cap.settimeout(0.2)
+        s.bind((testbed.hosts[rogue_host]["iface"], 0))
+        for f in forged:
+            s.send(f)
+        got, t_end = 0, time.monotonic() + 1.5
+        while time.monotonic() < t_end:
+            try:
+                f = cap.recv(4096)
+            except socket.timeout:
+                continue
+            if f[6:12] == rogue:
+                got += 1
+    finally:
+        s.close()
+        cap.close()
+    assert got == 0, f"{got} of {len(forged)} forged replies reached {victim_host}"
+    deadline = time.monotonic() + 20
+    while guard_drops(sid) < before + len(forged) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert guard_drops(sid) >= before + len(forged), f"guard/{sid} counted {guard_drops(sid) - before}"
+    # the real replies (memcached's, directly) still reach the clients
+    res = [topo.finish(p, 60) for p in loads(mc, 1.0, 300, clients=4)]
+    for r in res:
+        assert r["answered"] == r["sent"] > 0 and r["wrong"] == 0 and r["sources"] == [mc.addr], r
+
+
 def group_weights(bridge: str) -> list[dict[str, int]]:
     """Per select group on ``bridge`` (ovs-ofctl dump-groups): bucket eth_dst MAC -> weight."""
     out = subprocess.run(["ovs-ofctl", "-O", "OpenFlow14", "dump-groups", bridge], capture_output=True, text=True,

@@ -333,3 +333,58 @@ def test_bad_input_is_dropped_and_counted_and_service_goes_on(testbed, dh):
     assert shown["s1"]["counters"]["spoofed"] >= 65 and shown["s2"]["owns"] == []
     res = CliRunner().invoke(cli, ["--etcd", testbed.etcd_endpoint, "sdhcp", "status", SVC])
     print(res.output)
+
+
+def guard_drops(tb, service_id: int) -> int:
+    """Packets the switches dropped as a service's answers from a port without a server (controller counters)."""
+    _, items = tb.registry.get_prefix(schema.folder("counters"))
+    return sum(json.loads(raw)["counters"].get(f"guard/{service_id}", [0, 0])[0] for raw, _ in items.values())
+
+
+def test_a_rogue_dhcp_server_reaches_no_client(testbed, dh):
+    """A tenant on a client host answers DHCP itself (OFFERs and ACKs, 67 -> 68, broadcast and unicast to
+    another client's MAC): before the guard they reached every client through the switches' plain-Ethernet
+    flows.  Now the switches drop them at the tenant's port and count them; the real clients renew as before."""
+    host, mac_s = CLIENTS["udhcpc"]
+    rogue = codec.mac_to_int(mac_s).to_bytes(6, "big")
+    victim_host, victim_s = CLIENTS["dhclient"]
+    victim = codec.mac_to_int(victim_s).to_bytes(6, "big")
+    sid = testbed.registry.service(SVC).id
+    before = guard_drops(testbed, sid)
+    answers = []
+    for i, (dst, kind) in enumerate([(b"\xff" * 6, MessageType.OFFER), (victim, MessageType.ACK)] * 25):
+        msg = Message(op=2, xid=0x5000 + i, chaddr=victim, yiaddr=IPv4Address("192.168.77.99"),
+                      options={Opt.MSG_TYPE: bytes([kind]), Opt.SERVER_ID: IPv4Address("192.168.77.66").packed,
+                               Opt.LEASE_TIME: (3600).to_bytes(4, "big")})
+        answers.append(ipudp.Datagram(dst, rogue, IPv4Address("192.168.77.66"), IPv4Address("255.255.255.255"),
+                                      67, 68, msg.serialize()).serialize())
+    with netns(testbed.netns(victim_host)):
+        cap = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0800))
+    with netns(testbed.netns(host)):
+        s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+    try:
+        cap.bind((testbed.hosts[victim_host]["iface"], 0))
+        cap.settimeout(0.2)
+        s.bind((testbed.hosts[host]["iface"], 0))
+        for f in answers:
+            s.send(f)
+        got, t_end = 0, time.monotonic() + 1.5
+        while time.monotonic() < t_end:
+            try:
+                f = cap.recv(4096)
+            except socket.timeout:
+                continue
+            if f[6:12] == rogue:
+                got += 1
+    finally:
+        s.close()
+        cap.close()
+    assert got == 0, f"{got} of the rogue server's {len(answers)} answers reached the dhclient host"
+    wait_for(lambda: guard_drops(testbed, sid) >= before + len(answers), WAIT,
+             f"the switches to count the {len(answers)} rogue answers (guard/{sid})")
+    # the real clients are still answered by the shards
+    cl, addrs = dh["clients"], dh["addr"]
+    mark = len(cl["udhcpc"].events())
+    cl["udhcpc"].signal(signal.SIGUSR1)
+    cl["udhcpc"].wait_event(("renew", "RENEW"), mark)
+    assert cl["udhcpc"].addrs() == [addrs["udhcpc"]]

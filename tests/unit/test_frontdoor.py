@@ -12,7 +12,7 @@ import random
 import pytest
 
 from vfab.fabric import frontdoor
-from vfab.fabric.compiler import PRIO_FRONTDOOR, compile_fabric
+from vfab.fabric.compiler import PRIO_FRONTDOOR, PRIO_GUARD, compile_fabric
 from vfab.fabric.flows import TABLE_ADMIT, Kind, split_cookie
 from vfab.fabric.frontdoor import FrontDoorError
 from vfab.fabric.state import FabricState
@@ -152,6 +152,67 @@ def test_udp_door_may_key_on_the_client_mac():
     _, _, fab = build(doors=[{"kind": "udp", "ip": "10.0.0.100", "port": 53, "key": "eth_src"}])
     mac = CLIENTS["c20"][0]
     assert dhcp_from(fab, "c20", udp_dst=53, ipv4_src=7, ipv4_dst=SVC_IP) == [owner_delivery(mac & 0xFFFFFF)]
+
+
+# -- answers: only the service's hosts may send them ----------------------------------------------------
+def test_a_rogue_dhcp_server_on_a_client_port_is_dropped_and_counted():
+    """A tenant runs its own DHCP server: its OFFERs and ACKs (67 -> 68) reached every client through NORMAL,
+    and the clients cannot tell.  Dropped on every port without a shard; a shard's port still answers."""
+    _, _, fab = build()
+    for client in ("c4", "c20"):   # one per switch
+        assert dhcp_from(fab, client, udp_src=67, udp_dst=68, ipv4_src=0x0A000001) == []
+    assert fab.drop_count(Kind.GUARD) == 2 and fab.drop_count() == 2
+    mac, dpid, port, _ = OWNERS["e1"]   # a shard's host: its answers go on (here: plain Ethernet, NORMAL)
+    assert fab.inject(dpid, port, mac, BCAST, IPV4, ip_proto=UDP, udp_src=67, udp_dst=68) == [(S1, "NORMAL", BCAST)]
+    # A relay's traffic (67 -> 67) is a request to the door, not an answer: still served
+    assert dhcp_from(fab, "c3", udp_src=67, udp_dst=67) == [owner_delivery(CLIENTS["c3"][0] & 0xFFFFFF)]
+
+
+def test_forged_replies_from_the_services_address_are_dropped_and_counted():
+    """A host forges memcached's replies (source 10.0.0.100:11211): dropped on every port that carries no
+    endpoint of the service; the service's own hosts (its servers, its helpers) answer freely, and other UDP
+    from port 11211 of another address is not this door's business."""
+    _, _, fab = build(doors=[{"kind": "udp", "ip": "10.0.0.100", "port": 11211}])
+    forged = dict(udp_src=11211, udp_dst=40000, ipv4_src=SVC_IP, ipv4_dst=0x0A000005)
+    assert dhcp_from(fab, "c7", **forged) == []
+    assert dhcp_from(fab, "c7", **{**forged, "udp_dst": 11211, "ipv4_dst": SVC_IP}) == []   # even to the door
+    assert fab.drop_count(Kind.GUARD) == 2
+    assert dhcp_from(fab, "c7", **{**forged, "ipv4_src": SVC_IP + 1}) == [(S1, "NORMAL", BCAST)]
+    for ep in ("e1", "e2", "e3"):
+        mac, dpid, port, _ = OWNERS[ep]
+        assert fab.inject(dpid, port, mac, BCAST, IPV4, ip_proto=UDP, **forged) == [(dpid, "NORMAL", BCAST)]
+    assert fab.drop_count() == 2
+
+
+def test_guard_flows_sit_on_host_ports_without_a_server_and_follow_the_endpoints():
+    st, cfg, _ = build()
+    for sw in (S1, S2):
+        guards = [f for f in cfg[sw].flows.values() if split_cookie(f.cookie)[0] == Kind.GUARD]
+        servers = {h.port for h in st.hosts.values() if h.dpid == sw and h.name in OWNERS}
+        clients = {h.port for h in st.hosts.values() if h.dpid == sw and h.name in CLIENTS}
+        ports = {dict((n, v) for n, v, _ in f.match)["in_port"] for f in guards}
+        assert ports == clients and servers and not servers & ports
+        assert all(f.table == TABLE_ADMIT and f.priority == PRIO_GUARD and f.actions == () for f in guards)
+        assert all(split_cookie(f.cookie)[:2] == (Kind.GUARD, SID) for f in guards)
+    # an endpoint gone (its lease expired): its host port is guarded too
+    items = make_items()
+    del items[schema.endpoint_key("dhcp", "e1")]
+    cfg = compile_fabric(FabricState.from_items(items))
+    guarded = {dict((n, v) for n, v, _ in f.match)["in_port"] for f in cfg[S1].flows.values()
+               if split_cookie(f.cookie)[0] == Kind.GUARD}
+    assert OWNERS["e1"][2] in guarded
+    # no front door: no guard
+    _, cfg, _ = build(doors=())
+    assert not any(split_cookie(f.cookie)[0] == Kind.GUARD for c in cfg.values() for f in c.flows.values())
+
+
+def test_guard_drops_are_published_per_service():
+    from vfab.controller.report import counters_from_stats
+    from vfab.fabric.flows import make_cookie
+
+    rows = [(0, make_cookie(Kind.GUARD, SID, lo=30), 3, 900), (0, make_cookie(Kind.GUARD, SID, lo=31), 2, 600),
+            (0, make_cookie(Kind.DENY, lo=30), 1, 60)]
+    assert counters_from_stats(rows) == {f"guard/{SID}": [5, 1500], "deny/30": [1, 60]}
 
 
 # -- validation -------------------------------------------------------------------------------------

@@ -67,7 +67,8 @@ def test_compiled_specs_cover_everything():
     assert len(FLOWS) > 500
     assert ops == {"output", "set_eth_dst", "group", "goto", "move", "normal", "controller", "flood"}
     fields = {name for f in FLOWS for name, _, _ in f.match}
-    assert fields == {"in_port", "eth_src", "eth_dst", "eth_type", "ip_proto", "udp_dst", "ipv4_dst"}
+    assert fields == {"in_port", "eth_src", "eth_dst", "eth_type", "ip_proto", "udp_dst", "ipv4_dst", "udp_src",
+                      "ipv4_src"}
     assert {g.type for g in GROUPS} == {"all", "select"}
 
 
