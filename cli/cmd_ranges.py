@@ -12,8 +12,9 @@ from vfab.vid.errors import RegistryError, VidError
 from vfab.vid.registry import schema
 
 
-def _counters(reg) -> dict[str, list[int]]:
-    """Packets/bytes per 'serviceid/lo' summed over switches (published by the controller)."""
+def fabric_counters(reg) -> dict[str, list[int]]:
+    """Packets/bytes per counter name (controller/report.py: "<service id>/<lo>", "deny/<port>", "guard/<service
+    id>", ...) summed over switches, as the controller published them."""
     _, items = reg.get_prefix(schema.folder("counters"))
     out: dict[str, list[int]] = {}
     for key, (raw, _) in items.items():
@@ -32,14 +33,21 @@ def _counters(reg) -> dict[str, list[int]]:
 @pass_ctx
 @errors
 def services(c) -> None:
-    """List services with their id, VID layout, ranges and live endpoints."""
+    """List services with their id, VID layout, ranges and live endpoints.
+
+    "answers dropped": frames that looked like the service's server answers (a front door's protocol: DHCP
+    67 -> 68, UDP from the service's address and port) sent from a host port with no endpoint of the
+    service (a rogue server, a forged reply), dropped by the switches since they started."""
     reg = c.registry
+    counters = fabric_counters(reg)
     rows = []
     for s in reg.services():
         doors = ", ".join(str(d.get("kind")) for d in s.frontdoors) or "-"
-        rows.append([s.name, s.kind or "-", s.id, s.layout, len(reg.ranges(s.name)), doors,
+        dropped = counters.get(f"guard/{s.id}", [0, 0])[0] if s.frontdoors else "-"
+        rows.append([s.name, s.kind or "-", s.id, s.layout, len(reg.ranges(s.name)), doors, dropped,
                      ", ".join(e.name for e in reg.endpoints(s.name)) or "-"])
-    c.console.print(table("services", ["name", "kind", "id", "layout", "ranges", "front doors", "endpoints"], rows))
+    c.console.print(table("services", ["name", "kind", "id", "layout", "ranges", "front doors", "answers dropped",
+                                       "endpoints"], rows))
 
 
 @click.group("service")
@@ -102,7 +110,7 @@ def ranges(c, service: str) -> None:
     reg = c.registry
     svc = reg.service(service)
     live = {e.name for e in reg.endpoints(service)}
-    counts = _counters(reg)
+    counts = fabric_counters(reg)
     loads = load_by_range(reg, service)  # the owners' reports: (keys, req/s) per range
     rows = []
     for r, _ in reg.ranges(service):

@@ -205,28 +205,23 @@ def test_forged_memcached_replies_reach_no_client(testbed, mc):
     guessed 16-bit request id, to another client's address): before the guard they reached that client
     through the plain-Ethernet flows, and a memcached UDP client takes the first datagram with its request
     id.  The switches drop them at the tenant's port and count them; the real replies still arrive."""
-    import json
     import socket
     from ipaddress import IPv4Address
 
+    from tests.integration.test_sdhcp import guard_drops
     from vfab.services.sdhcp import ipudp
     from vfab.vid import codec
     from vfab.vid.netns import netns
-
-    def guard_drops(sid: int) -> int:
-        _, items = testbed.registry.get_prefix(schema.folder("counters"))
-        return sum(json.loads(raw)["counters"].get(f"guard/{sid}", [0, 0])[0] for raw, _ in items.values())
 
     rogue_host, victim_host = "vfh3", "vfh4"
     rogue = codec.mac_to_int(testbed.hosts[rogue_host]["mac"]).to_bytes(6, "big")
     victim_mac = codec.mac_to_int(testbed.hosts[victim_host]["mac"]).to_bytes(6, "big")
     victim_ip = mc.bind[victim_host].split(",")[0]
     sid = testbed.registry.service(SVC).id
-    before = guard_drops(sid)
-    payload = lambda rid: rid.to_bytes(2, "big") + b"\x00\x00\x00\x01\x00\x00" + \
-        b"VALUE k1 0 6\r\nforged\r\nEND\r\n"
+    before = guard_drops(testbed, sid)
+    body = b"\x00\x00\x00\x01\x00\x00VALUE k1 0 6\r\nforged\r\nEND\r\n"   # memcached's UDP header after the id
     forged = [ipudp.Datagram(victim_mac, rogue, IPv4Address(mc.ip), IPv4Address(victim_ip), 11211, 40000 + i,
-                             payload(i)).serialize() for i in range(60)]
+                             i.to_bytes(2, "big") + body).serialize() for i in range(60)]
     with netns(testbed.netns(victim_host)):
         cap = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0800))
     with netns(testbed.netns(rogue_host)):
@@ -250,9 +245,10 @@ def test_forged_memcached_replies_reach_no_client(testbed, mc):
         cap.close()
     assert got == 0, f"{got} of {len(forged)} forged replies reached {victim_host}"
     deadline = time.monotonic() + 20
-    while guard_drops(sid) < before + len(forged) and time.monotonic() < deadline:
+    while guard_drops(testbed, sid) < before + len(forged) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert guard_drops(sid) >= before + len(forged), f"guard/{sid} counted {guard_drops(sid) - before}"
+    assert guard_drops(testbed, sid) >= before + len(forged), \
+        f"guard/{sid} counted {guard_drops(testbed, sid) - before}"
     # the real replies (memcached's, directly) still reach the clients
     res = [topo.finish(p, 60) for p in loads(mc, 1.0, 300, clients=4)]
     for r in res:

@@ -29,6 +29,7 @@ from ipaddress import IPv4Address
 import pytest
 
 from tests.unit.test_dhcp_clients import DHCPCD_CONF, HOOK, children, stop
+from vfab.cli.cmd_ranges import fabric_counters
 from vfab.services.sdhcp import ipudp
 from vfab.services.sdhcp.wire import Message, MessageType, Opt
 from vfab.testbed.procs import wait_for
@@ -337,8 +338,7 @@ def test_bad_input_is_dropped_and_counted_and_service_goes_on(testbed, dh):
 
 def guard_drops(tb, service_id: int) -> int:
     """Packets the switches dropped as a service's answers from a port without a server (controller counters)."""
-    _, items = tb.registry.get_prefix(schema.folder("counters"))
-    return sum(json.loads(raw)["counters"].get(f"guard/{service_id}", [0, 0])[0] for raw, _ in items.values())
+    return fabric_counters(tb.registry).get(f"guard/{service_id}", [0, 0])[0]
 
 
 def test_a_rogue_dhcp_server_reaches_no_client(testbed, dh):
@@ -382,6 +382,12 @@ def test_a_rogue_dhcp_server_reaches_no_client(testbed, dh):
     assert got == 0, f"{got} of the rogue server's {len(answers)} answers reached the dhclient host"
     wait_for(lambda: guard_drops(testbed, sid) >= before + len(answers), WAIT,
              f"the switches to count the {len(answers)} rogue answers (guard/{sid})")
+    from click.testing import CliRunner
+
+    from vfab.cli.main import cli
+    res = CliRunner().invoke(cli, ["--etcd", testbed.etcd_endpoint, "services"])
+    row = next(ln for ln in res.output.splitlines() if ln.strip("│ ").startswith(SVC + " "))
+    assert "dhcp4" in row and str(guard_drops(testbed, sid)) in row, res.output
     # the real clients are still answered by the shards
     cl, addrs = dh["clients"], dh["addr"]
     mark = len(cl["udhcpc"].events())
