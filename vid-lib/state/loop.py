@@ -137,7 +137,8 @@ class EndpointLoop(PeerSide, Replication):
         self.batch_seq = 0       # batches that went through group commit, numbered
         self.synced_upto = 0     # the newest of them an fsync covered
         self.unsynced_since = 0.0  # when the oldest batch still waiting for the disk committed (0: none waits)
-        self.sync_failures = FailureLog(log, "fsync of the store (its writes are answered UNAVAILABLE)")
+        self.sync_failures = FailureLog(log, "fsync of the store (its writes are not acknowledged; answered "
+                                             "'unavailable' where the protocol has such an answer)")
         self._next_id = 0
         self._thread: threading.Thread | None = None
         self._wakefd = os.eventfd(0, os.EFD_NONBLOCK)
@@ -405,7 +406,8 @@ class EndpointLoop(PeerSide, Replication):
         try:
             replies, records = self.backend.handle_batch(reqs)
         except BackendError as exc:
-            self.batch_failures.failed(self.name, f"{exc} ({len(reqs)} request(s) answered UNAVAILABLE)")
+            self.batch_failures.failed(self.name, f"{exc} ({len(reqs)} request(s) not served, answered 'unavailable' "
+                                                  "where the protocol has such an answer: the clients retry)")
             self.counters["batch_failed"] += 1
             replies = [self.backend.error_reply(r.payload, Refusal.UNAVAILABLE, f"{self.name}: {exc}") for r in reqs]
             records = []
