@@ -35,10 +35,12 @@ How the helper sits on the host (why it works on the fabric):
 - **Replies pass port security.**  mc-helper answers from the service's IP and UDP port (so an unmodified
   client accepts them) but from its own port's MAC, which is what table 0 admits from that port.
 
-Liveness: the agent is mc-helper's parent.  When mc-helper exits (``kill -9`` included) or its stats file
-stops advancing (``--stale`` s), the agent revokes the lease at once: endpoint and status vanish, the
-controller drops the helper's bucket, and its clients hash to the remaining helpers (or the owner) with no
-reconnect.  If the agent itself dies, mc-helper gets SIGTERM (parent-death signal) and the lease expires
+Liveness: the agent is mc-helper's parent.  When mc-helper exits (``kill -9`` included) the agent revokes
+the lease at once: endpoint and status vanish, the controller drops the helper's bucket, and its clients
+hash to the remaining helpers (or the owner) with no reconnect; the agent exits 1.  When its stats file
+stops advancing (``--stale`` s: SIGSTOP, a hung lcore, a starved host) the lease is revoked the same way,
+but the agent stays: once the file advances again it announces the helper again (a new lease), and the
+switches give it its bucket back.  If the agent itself dies, mc-helper gets SIGTERM (parent-death signal) and the lease expires
 after ``--ttl`` s.  SIGTERM/SIGINT: the lease goes first (clients leave the helper), then the child stops.
 """
 
@@ -249,6 +251,7 @@ class HelperAgent(Agent):
         self.last_publish = 0.0
         self.last_change = time.monotonic()
         self.last_stats: dict = {}
+        self.stalled_at = 0.0
         self.memcached = args.memcached or f"{self.addr[0]}:{self.addr[1]}"
 
     def command(self) -> list[str]:
@@ -290,9 +293,20 @@ class HelperAgent(Agent):
         if st.get("uptime_ms") != self.last_stats.get("uptime_ms"):
             self.last_change = now
             self.last_stats = st
-        elif now - self.last_change > self.args.stale:
-            return f"its stats file {self.stats_path} has not changed for {now - self.last_change:.1f} s"
-        if now - self.last_publish >= self.args.period:
+            if self.server is None:   # it stalled and was withdrawn: it lives again
+                log.warning("helper %s: its stats advance again after %.1f s: announcing it again",
+                            self.args.name, now - self.stalled_at)
+                try:
+                    self.announce()
+                except VfabError as exc:   # etcd away: the file's next advance tries again
+                    log.warning("helper %s: not announced again yet: %s", self.args.name, exc)
+                return None
+        elif now - self.last_change > self.args.stale and self.server is not None:
+            self.stalled_at = self.last_change
+            self.withdraw(f"its stats file {self.stats_path} has not changed for {now - self.last_change:.1f} s; "
+                          "announced again once it does")
+            return None
+        if self.server is not None and now - self.last_publish >= self.args.period:
             try:
                 self.publish(self.last_stats)
             except RegistryError as exc:
@@ -346,8 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--stats-file", default=None, help="mc-helper's stats file (default under /run)")
     h.add_argument("--stats-ms", type=int, default=100, help="stats file period in ms (default 100)")
     h.add_argument("--period", type=float, default=1.0, help="s between status records in etcd (default 1)")
-    h.add_argument("--stale", type=float, default=3.0,
-                   help="withdraw when the stats file has not changed for this many s (default 3)")
+    h.add_argument("--stale", type=float, default=1.0,
+                   help="withdraw the helper while its stats file has not changed for this many s (default 1: "
+                        "10 stats periods); it is announced again once the file advances")
     h.add_argument("--file-prefix", default=None, help="DPDK --file-prefix (default vfmh-NAME-PID)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

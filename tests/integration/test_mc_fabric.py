@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import time
 
@@ -443,4 +444,50 @@ def test_helper_host_lost_lease_expires(testbed, mc):
     for r in res:
         assert r["wrong"] == 0 and r["framing"] == 0, r
         assert min(r["last_answer"]) > t_gone, "a client was left on the dead helper after its lease expired"
+    mc.helpers_off()
+
+
+def test_helper_stopped_under_load_is_withdrawn_and_comes_back(testbed, mc):
+    """SIGSTOP of a helper's mc-helper under load (it lives, so nothing exits and its lease stays): its agent
+    sees the stats file stop advancing (--stale, 1 s) and withdraws it; its clients move to the other helper
+    without reconnecting, none is left on the stopped one, nothing wrong is answered.  SIGCONT: the agent
+    announces it again by itself and it carries gets again."""
+    if "h1" not in mc.helpers:
+        mc.start_helper("h1", HELPERS["h1"], extra=HELPER_OPTS)
+    mc.helpers_on()
+    procs = loads(mc, 9.0, 1000, timeline=0.05)
+    time.sleep(2.0)
+    run = mc.helpers["h2"]
+    t_stop = time.time()
+    os.kill(run.pid, signal.SIGSTOP)
+    try:
+        t_gone = mc.endpoint_gone("h2", 10.0)
+        testbed.wait_revision(testbed.registry.state_revision())
+        time.sleep(1.0)
+    finally:
+        os.kill(run.pid, signal.SIGCONT)
+    t_cont = time.time()
+    deadline = time.monotonic() + 10
+    while control.live_helpers(testbed.registry, SVC) != ["h1", "h2"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t_back = time.time()
+    assert control.live_helpers(testbed.registry, SVC) == ["h1", "h2"], "h2 was not announced again after SIGCONT"
+    testbed.wait_revision(testbed.registry.state_revision())
+    back = mc.stats("h2")
+    res = [topo.finish(p, 90) for p in procs]
+    end = mc.stats("h2")
+    assert run.agent.alive(), "the agent must stay and announce its helper again"
+    agent_log = open(run.agent.logpath).read()
+    assert "has not changed for" in agent_log and "announcing it again" in agent_log, agent_log[-2000:]
+    recovery = max((length for r in res for _, start, length in r["gaps"]
+                    if start <= t_stop + 0.05 and start + length >= t_stop), default=0.0)
+    print(f"\nSIGSTOP of h2's mc-helper: withdrawn after {t_gone - t_stop:.2f} s; longest client pause "
+          f"{recovery:.2f} s; SIGCONT: announced again after {t_back - t_cont:.2f} s; lost "
+          f"{sum(r['lost'] for r in res)} of {sum(r['sent'] for r in res)}")
+    assert t_gone - t_stop < 1.0 + 1.5, "the stalled helper must be withdrawn about --stale s after it stopped"
+    assert recovery < (t_gone - t_stop) + RECOVERY_BOUND_S
+    for r in res:
+        assert r["wrong"] == 0 and r["framing"] == 0 and r["sources"] == [mc.addr], r
+        assert min(r["last_answer"]) > t_gone, "a client was left on the stopped helper after it was withdrawn"
+    assert delta(end, back, "rx_get") > 100, f"h2 carried no gets after it came back: {end}"
     mc.helpers_off()
