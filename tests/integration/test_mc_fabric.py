@@ -491,3 +491,32 @@ def test_helper_stopped_under_load_is_withdrawn_and_comes_back(testbed, mc):
         assert min(r["last_answer"]) > t_gone, "a client was left on the stopped helper after it was withdrawn"
     assert delta(end, back, "rx_get") > 100, f"h2 carried no gets after it came back: {end}"
     mc.helpers_off()
+
+
+def test_memcached_agent_stopped_past_its_lease_comes_back(testbed, mc):
+    """SIGSTOP of memcached's agent for longer than its 2 s lease (memcached itself runs on): the endpoint
+    expires and the switches stop delivering (the range has no live owner).  SIGCONT: the agent finds its
+    lease gone and announces again by itself, and clients are answered again within a second."""
+    run = mc.memcached
+    t_stop = time.time()
+    os.kill(run.agent.pid, signal.SIGSTOP)
+    try:
+        t_gone = mc.endpoint_gone(run.name, 10.0)
+    finally:
+        os.kill(run.agent.pid, signal.SIGCONT)
+    t_cont = time.time()
+    deadline = time.monotonic() + 10
+    while run.name not in {e.name for e in testbed.registry.endpoints(SVC)} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t_back = time.time()
+    assert run.name in {e.name for e in testbed.registry.endpoints(SVC)}, \
+        f"{run.name} did not announce itself again after SIGCONT:\n{run.agent.tail(20)}"
+    testbed.wait_revision(testbed.registry.state_revision())
+    print(f"\nmemcached's agent stopped: endpoint gone {t_gone - t_stop:.2f} s later; announced again "
+          f"{t_back - t_cont:.2f} s after SIGCONT")
+    assert t_back - t_cont < 1.5
+    res = [topo.finish(p, 60) for p in loads(mc, 1.0, 300, clients=4)]
+    for r in res:
+        assert r["answered"] == r["sent"] > 0 and r["wrong"] == 0 and r["sources"] == [mc.addr], r
+    log_text = open(run.agent.logpath).read()
+    assert log_text.count("keepalive failed") <= 3, "the dead lease's keepalive must stop, not log forever"

@@ -266,6 +266,19 @@ def test_revoke_removes_the_endpoint_at_once(registry):
     assert registry.endpoints("echo") == []
 
 
+def test_keepalive_of_a_lease_etcd_lost_stops_and_says_so(registry, caplog):
+    """A lease that expired (its owner was stopped past the TTL) is gone for good: its keepalive thread stops
+    with one line instead of logging a failure every ttl/3 s forever; keepalive_once tells its owner (0)."""
+    lease = registry.lease(1)
+    registry.keepalive(lease, 1)
+    name = f"lease-{lease:x}"
+    assert any(t.name == name for t in threading.enumerate())
+    registry.revoke(lease)
+    assert wait_for(lambda: not any(t.name == name for t in threading.enumerate()), timeout=3)
+    assert "gone from etcd (expired); no longer kept alive" in caplog.text
+    assert registry.keepalive_once(lease) == 0
+
+
 def test_announce_for_unknown_service(registry):
     ep = schema.Endpoint(service="ghost", name="e1", mac="02:00:00:00:00:01")
     with pytest.raises(NotFound, match="service 'ghost' does not exist"):

@@ -182,7 +182,8 @@ class Registry:
         return int(out["ID"])
 
     def keepalive_once(self, lease_id: int) -> int:
-        """Refresh a lease once; its remaining TTL in s, 0 when etcd no longer has it (expired)."""
+        """Refresh a lease once; its remaining TTL in s, 0 when etcd no longer has it (expired: the gateway
+        answers with no TTL)."""
         try:
             out = self._post("/lease/keepalive", {"ID": str(lease_id)})
         except RegistryError as exc:
@@ -192,15 +193,21 @@ class Registry:
         return int((out.get("result") or {}).get("TTL", 0) or 0)
 
     def keepalive(self, lease_id: int, ttl: int) -> threading.Event:
-        """Refresh a lease every ttl/3 s in a thread until the returned event is set."""
+        """Refresh a lease every ttl/3 s in a thread until the returned event is set, or etcd says the lease
+        is gone (it expired: nothing is left to keep alive; its owner must announce again, see
+        :meth:`keepalive_once`)."""
         stop = threading.Event()
 
         def loop() -> None:
             while not stop.wait(max(ttl / 3.0, 0.2)):
                 try:
-                    self._post("/lease/keepalive", {"ID": str(lease_id)})
+                    left = self.keepalive_once(lease_id)
                 except RegistryError as exc:
                     log.warning("lease %x: keepalive failed: %s", lease_id, exc)
+                    continue
+                if left <= 0:   # etcd answers a lease it no longer has with no TTL (or "lease not found")
+                    log.warning("lease %x: gone from etcd (expired); no longer kept alive", lease_id)
+                    return
 
         threading.Thread(target=loop, name=f"lease-{lease_id:x}", daemon=True).start()
         self._keepalives.append(stop)
