@@ -26,13 +26,14 @@ from __future__ import annotations
 import collections
 import logging
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 
 from vfab.vid import codec
 from vfab.vid.registry import schema
 from vfab.vid.codec import Layout
-from vfab.vid.errors import RegistryError, TransportError
+from vfab.vid.errors import NotFound, RegistryError, TransportError
 from vfab.vid.frame import Frame, FrameType
 from vfab.vid.ranges import Range, to_masks
 from vfab.vid.registry import Registry
@@ -107,7 +108,8 @@ class Request(_FrameView):
 class Server:
     """An announced endpoint of a service; obtain one with :func:`announce`."""
 
-    def __init__(self, registry: Registry, svc: schema.Service, name: str, port: RawPort, lease: int):
+    def __init__(self, registry: Registry, svc: schema.Service, name: str, port: RawPort, lease: int,
+                 endpoint: schema.Endpoint | None = None, ttl: int = 3):
         self.registry = registry
         self.service = svc
         self.layout = Layout.parse(svc.layout)
@@ -116,6 +118,30 @@ class Server:
         self.lease = lease
         self.ranges: list[Range] = []
         self.counters: dict[str, int] = {"requests": 0, "not_requests": 0}
+        self.closed = False
+        self._endpoint, self._ttl = endpoint, ttl
+        self._lock = threading.Lock()   # a new lease (the keepalive thread) vs close()
+
+    def _lease_lost(self) -> None:
+        """(the lease's keepalive thread) etcd lost our lease: we were stopped or starved past the TTL, and
+        the switches no longer deliver to us.  Announce again under a new lease (retried while etcd is away),
+        unless we were closed meanwhile (close() revokes the lease on purpose)."""
+        while True:
+            with self._lock:
+                if self.closed or self._endpoint is None:
+                    return
+                try:
+                    self.lease = self.registry.announce(self._endpoint, self._ttl, on_lost=self._lease_lost)
+                    log.warning("server %s/%s: its lease had expired (stopped or starved past its %d s TTL): "
+                                "announced again (lease %x)", self.service.name, self.name, self._ttl, self.lease)
+                    return
+                except NotFound as exc:
+                    log.error("server %s/%s: not announced again: %s", self.service.name, self.name, exc)
+                    return
+                except RegistryError as exc:
+                    log.warning("server %s/%s: lease expired, announcing again failed: %s; retrying",
+                                self.service.name, self.name, exc)
+            time.sleep(max(self._ttl / 3.0, 0.2))
 
     @property
     def mac(self) -> bytes:
@@ -171,6 +197,8 @@ class Server:
 
     def close(self) -> None:
         """Withdraw the endpoint (revoke its lease) and close the port. Ranges stay assigned."""
+        with self._lock:
+            self.closed = True
         try:
             self.registry.revoke(self.lease)
         except RegistryError as exc:
@@ -192,14 +220,16 @@ def announce(registry: Registry, service: str, name: str, iface: str, rx: str = 
     ``netns``: open the data port in that network namespace (e.g. a testbed host's
     /proc/PID/ns/net) while etcd is reached from the process's own namespace.
     ``ctl``: the endpoint's ZeroMQ control address, for stateful services (state manager).
+    Should etcd lose the lease (the process stopped or starved past ``ttl``), the endpoint is announced again
+    under a new one as soon as the process runs again (``Server.lease`` then names it).
     """
     svc = registry.service(service)
     port = RawPort(iface, rx, netns=netns)
     try:
         ep = schema.Endpoint(service=service, name=name, mac=port.mac_str, rx=rx, host=socket.gethostname(),
                               ctl=ctl)
-        lease = registry.announce(ep, ttl)
-        server = Server(registry, svc, name, port, lease)
+        server = Server(registry, svc, name, port, 0, endpoint=ep, ttl=ttl)
+        server.lease = registry.announce(ep, ttl, on_lost=server._lease_lost)
         server.refresh()
     except BaseException:
         port.close()

@@ -114,7 +114,6 @@ class Agent:
         self.stop = threading.Event()
         self.exit_code = 0
         self.logfile = None
-        self.lease_checked = 0.0
 
     # -- what differs per role -------------------------------------------------------------------------------
     def command(self) -> list[str]:
@@ -159,24 +158,6 @@ class Agent:
                                    ttl=self.args.ttl, netns=self.args.netns)
         self.announced()
 
-    def check_lease(self) -> None:
-        """Every ttl/3 s: if etcd no longer has our lease (the agent was stopped or starved past its TTL, etcd
-        lost it), announce again, so the switches deliver to us again; etcd unreachable: try later."""
-        now = time.monotonic()
-        if self.server is None or now - self.lease_checked < max(self.args.ttl / 3.0, 0.2):
-            return
-        self.lease_checked = now
-        try:
-            if self.reg.keepalive_once(self.server.lease) > 0:
-                return
-            log.warning("%s %s: lease %x expired (stopped or starved past its %d s TTL): announcing again",
-                        self.role, self.args.name, self.server.lease, self.args.ttl)
-            self.server.port.close()
-            self.server = None
-            self.announce()
-        except VfabError as exc:
-            log.warning("%s %s: lease not checked or not renewed: %s; retrying", self.role, self.args.name, exc)
-
     def withdraw(self, why: str) -> None:
         """Revoke the lease now: endpoint (and status) leave etcd, the switches drop the route to us."""
         if self.server is None:
@@ -205,7 +186,6 @@ class Agent:
                     self.withdraw(f"{self.role} pid {self.child.pid} exited with {rc}")
                     self.exit_code = 1
                     break
-                self.check_lease()
                 why = self.tick()
                 if why:
                     self.withdraw(why)
@@ -329,7 +309,7 @@ class HelperAgent(Agent):
         if self.server is not None and now - self.last_publish >= self.args.period:
             try:
                 self.publish(self.last_stats)
-            except RegistryError as exc:   # a lease gone is announced again by check_lease
+            except RegistryError as exc:   # a lease gone is announced again by the Server (vfab.vid.api)
                 if "lease not found" not in str(exc):
                     log.warning("helper %s: status not written: %s", self.args.name, exc)
         return None

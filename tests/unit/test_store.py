@@ -279,6 +279,24 @@ def test_keepalive_of_a_lease_etcd_lost_stops_and_says_so(registry, caplog):
     assert registry.keepalive_once(lease) == 0
 
 
+def test_a_server_whose_lease_expired_announces_again_and_a_closed_one_does_not(registry, ns, caplog):
+    """An echo server or an agent stopped past its TTL lost its lease for good: the switches never delivered
+    to it again.  vid-lib's Server announces again under a new lease; after close() it stays gone."""
+    from vfab.vid import api
+
+    registry.create_service("again")
+    server = api.announce(registry, "again", "e1", ns.a, rx="bpf", ttl=1, netns=f"/var/run/netns/{ns.name}")
+    first = server.lease
+    registry.revoke(first)                 # what etcd does when the process was stopped past its TTL
+    assert wait_for(lambda: server.lease != first and [e.name for e in registry.endpoints("again")] == ["e1"],
+                    timeout=5)
+    assert "announced again" in caplog.text
+    server.close()
+    assert registry.endpoints("again") == []
+    time.sleep(1.5)                        # its keepalive thread sees the lease gone: closed, it stays gone
+    assert registry.endpoints("again") == []
+
+
 def test_announce_for_unknown_service(registry):
     ep = schema.Endpoint(service="ghost", name="e1", mac="02:00:00:00:00:01")
     with pytest.raises(NotFound, match="service 'ghost' does not exist"):
