@@ -113,6 +113,31 @@ def test_controller_death_and_reconcile(testbed, echo):
     testbed.wait_revision(testbed.registry.assign("echo", R3, "s3"))
 
 
+def test_controller_stopped_while_a_range_moves_catches_up(testbed, echo):
+    """SIGSTOP of the controller for 8 s (past OVS's inactivity probe: the switches drop the connection and
+    forward on their own) while a range changes owner in etcd; SIGCONT: it reconnects, applies the change
+    by itself, and every request goes to the new owner."""
+    import signal
+
+    pid = testbed.controller.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        results = run_client(testbed, "vfh6", "c-stopped", count=200, timeout=1.0)
+        assert all(r["reply_from"] is not None for r in results), "the switches must forward on their own"
+        rev = testbed.registry.assign("echo", R3, "s1")
+        time.sleep(8.0)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    t0 = time.monotonic()
+    testbed.wait_revision(rev, timeout=30)
+    took = time.monotonic() - t0
+    ranges = owner_map(testbed)
+    results = run_client(testbed, "vfh6", "c-resumed", count=300, timeout=1.0)
+    assert all(r["reply_from"] == owner_of(ranges, r["key"]) for r in results)
+    print(f"\ncontroller SIGSTOPped 8 s: the change applied {took:.2f} s after SIGCONT")
+    testbed.wait_revision(testbed.registry.assign("echo", R3, "s3"))
+
+
 def _deny_packets(tb, switch: str, port: int) -> int:
     total = 0
     for f in tb.dump_flows(switch):
