@@ -218,6 +218,22 @@ def test_the_lease_is_registered_again_after_it_expired(endpoint, registry):
     assert [f.payload for f in got] == [b"ok:back"]
 
 
+def test_a_lease_revoked_at_close_is_not_registered_again(registry):
+    """SIGTERM: close() revokes the lease while the lease thread's keepalive is on its way; that keepalive
+    finds the lease gone and registered the endpoint again under a fresh lease, which outlived the process
+    by its TTL: a server started next on the same port was refused ("already carries endpoint", six
+    fault tests failed in a fresh-clone run)."""
+    from vfab.vid.state.lease import EndpointLease
+
+    lease = EndpointLease(registry.endpoint, 3, name="closing")
+    renewed = []
+    lease.on_renewed.append(renewed.append)
+    first = lease.grant()
+    lease.revoke()                        # close() ...
+    lease.tick()                          # ... while the keepalive sent just before it comes back
+    assert lease.id == first and renewed == [], "a closed endpoint registered itself again"
+
+
 def test_a_renewed_lease_serves_again_although_its_map_read_came_in_older_than_a_commit(endpoint, registry,
                                                                                      monkeypatch):
     """The map read after the lease was granted anew can reach the loop after the loop's own newer write (a

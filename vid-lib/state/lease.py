@@ -76,12 +76,15 @@ class EndpointLease:
         self._wake.set()
 
     def revoke(self) -> None:
+        """The end: no keepalive or new grant after this (one under way finishes first, then goes too)."""
         self.stop()
-        if self.id:
-            try:
-                self.reg.revoke(self.id)
-            except RegistryError as exc:
-                log.warning("%s: could not revoke lease %x (%s); it expires by itself", self.name, self.id, exc)
+        with self._lock:   # a grant under way (tick) ends before, and its lease is the one revoked
+            if self.id:
+                try:
+                    self.reg.revoke(self.id)
+                except RegistryError as exc:
+                    log.warning("%s: could not revoke lease %x (%s); it expires by itself", self.name, self.id,
+                                exc)
         self.reg.close()
 
     def _run(self) -> None:
@@ -105,11 +108,15 @@ class EndpointLease:
         if ttl > 0:
             self.valid_until = max(self.valid_until, t + min(ttl, self.ttl) - self.margin)
             return
+        if self._stop.is_set():
+            return   # closing: the lease is gone because revoke() revoked it (a SIGTERM during this keepalive)
         log.warning("%s: lease %x expired (the process was stopped or cut off for more than %d s): "
                     "registering again", self.name, self.id, self.ttl)
         self.valid_until = 0.0
         try:
             with self._lock:
+                if self._stop.is_set():   # revoke() ran meanwhile: registering again would outlive us
+                    return
                 self.grant()
                 self.valid_until = 0.0  # not before every record is back and the view re-read
                 for cb in list(self.on_renewed):
