@@ -111,7 +111,8 @@ class Housekeeper:
                     last_load = now
                     self._report_load(reg)
             except VfabError as exc:
-                log.warning("%s: housekeeping: %s", self.loop.name, exc)
+                if not self._stop.is_set():   # closing: the lease was just revoked under this step's feet
+                    log.warning("%s: housekeeping: %s", self.loop.name, exc)
         reg.close()
 
     def _takeover(self, reg: Registry) -> None:
