@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
+import time
 
 import pytest
 
@@ -66,3 +68,38 @@ def run_client(tb: Testbed, host: str, name: str, wait: float = 120, **opts) -> 
     tb.sup.stop(proc)
     with open(out) as fh:
         return json.load(fh)
+
+
+def guard_drops(tb: Testbed, service_id: int) -> int:
+    """Packets the switches dropped as a service's answers from a port without a server (controller counters)."""
+    from vfab.cli.cmd_ranges import fabric_counters
+    return fabric_counters(tb.registry).get(f"guard/{service_id}", [0, 0])[0]
+
+
+def frames_seen(tb: Testbed, sender: str, frames: list[bytes], watcher: str, listen: float = 1.5) -> int:
+    """Send raw ``frames`` from host ``sender``'s port; how many frames with their Ethernet sources host
+    ``watcher``'s port receives within ``listen`` s."""
+    from vfab.vid.netns import netns
+
+    sources = {f[6:12] for f in frames}
+    with netns(tb.netns(watcher)):
+        cap = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0800))
+    with netns(tb.netns(sender)):
+        s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+    try:
+        cap.bind((tb.hosts[watcher]["iface"], 0))
+        cap.settimeout(0.2)
+        s.bind((tb.hosts[sender]["iface"], 0))
+        for f in frames:
+            s.send(f)
+        got, t_end = 0, time.monotonic() + listen
+        while time.monotonic() < t_end:
+            try:
+                f = cap.recv(4096)
+            except socket.timeout:
+                continue
+            got += f[6:12] in sources
+        return got
+    finally:
+        s.close()
+        cap.close()

@@ -22,6 +22,7 @@ from click.testing import CliRunner
 from vfab.cli.main import cli
 from vfab.services.memcached_helper import control, topo
 from vfab.services.memcached_helper.onfabric import McFabric
+from vfab.testbed.procs import wait_for
 from vfab.vid.registry import schema
 from tests.unit.test_mch_adapt import helper_binary
 
@@ -206,13 +207,11 @@ def test_forged_memcached_replies_reach_no_client(testbed, mc):
     guessed 16-bit request id, to another client's address): before the guard they reached that client
     through the plain-Ethernet flows, and a memcached UDP client takes the first datagram with its request
     id.  The switches drop them at the tenant's port and count them; the real replies still arrive."""
-    import socket
     from ipaddress import IPv4Address
 
-    from tests.integration.test_sdhcp import guard_drops
+    from tests.integration.conftest import frames_seen, guard_drops
     from vfab.services.sdhcp import ipudp
     from vfab.vid import codec
-    from vfab.vid.netns import netns
 
     rogue_host, victim_host = "vfh3", "vfh4"
     rogue = codec.mac_to_int(testbed.hosts[rogue_host]["mac"]).to_bytes(6, "big")
@@ -223,33 +222,10 @@ def test_forged_memcached_replies_reach_no_client(testbed, mc):
     body = b"\x00\x00\x00\x01\x00\x00VALUE k1 0 6\r\nforged\r\nEND\r\n"   # memcached's UDP header after the id
     forged = [ipudp.Datagram(victim_mac, rogue, IPv4Address(mc.ip), IPv4Address(victim_ip), 11211, 40000 + i,
                              i.to_bytes(2, "big") + body).serialize() for i in range(60)]
-    with netns(testbed.netns(victim_host)):
-        cap = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0800))
-    with netns(testbed.netns(rogue_host)):
-        s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
-    try:
-        cap.bind((testbed.hosts[victim_host]["iface"], 0))
-        cap.settimeout(0.2)
-        s.bind((testbed.hosts[rogue_host]["iface"], 0))
-        for f in forged:
-            s.send(f)
-        got, t_end = 0, time.monotonic() + 1.5
-        while time.monotonic() < t_end:
-            try:
-                f = cap.recv(4096)
-            except socket.timeout:
-                continue
-            if f[6:12] == rogue:
-                got += 1
-    finally:
-        s.close()
-        cap.close()
+    got = frames_seen(testbed, rogue_host, forged, victim_host)
     assert got == 0, f"{got} of {len(forged)} forged replies reached {victim_host}"
-    deadline = time.monotonic() + 20
-    while guard_drops(testbed, sid) < before + len(forged) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert guard_drops(testbed, sid) >= before + len(forged), \
-        f"guard/{sid} counted {guard_drops(testbed, sid) - before}"
+    wait_for(lambda: guard_drops(testbed, sid) >= before + len(forged), 20,
+             f"the switches to count the {len(forged)} forged replies (guard/{sid})")
     # the real replies (memcached's, directly) still reach the clients
     res = [topo.finish(p, 60) for p in loads(mc, 1.0, 300, clients=4)]
     for r in res:
@@ -418,12 +394,17 @@ def test_helper_killed_under_load(testbed, mc):
     assert os.path.exists(mc.memcached.agent.logpath)
 
 
-def test_helper_host_lost_lease_expires(testbed, mc):
-    """A helper host lost whole (kill -9 of agent and mc-helper together: nobody revokes the lease): its bucket
-    leaves the group when the lease expires (TTL 2 s), and its clients move to the other helper then."""
+def both_helpers_on(mc) -> None:
+    """h1 and h2 live (an earlier test may have killed h1) and switched in."""
     if "h1" not in mc.helpers:
         mc.start_helper("h1", HELPERS["h1"], extra=HELPER_OPTS)
     mc.helpers_on()
+
+
+def test_helper_host_lost_lease_expires(testbed, mc):
+    """A helper host lost whole (kill -9 of agent and mc-helper together: nobody revokes the lease): its bucket
+    leaves the group when the lease expires (TTL 2 s), and its clients move to the other helper then."""
+    both_helpers_on(mc)
     procs = loads(mc, 6.0, 1000, timeline=0.05)
     time.sleep(2.0)
     run = mc.helpers["h1"]
@@ -452,9 +433,7 @@ def test_helper_stopped_under_load_is_withdrawn_and_comes_back(testbed, mc):
     sees the stats file stop advancing (--stale, 1 s) and withdraws it; its clients move to the other helper
     without reconnecting, none is left on the stopped one, nothing wrong is answered.  SIGCONT: the agent
     announces it again by itself and it carries gets again."""
-    if "h1" not in mc.helpers:
-        mc.start_helper("h1", HELPERS["h1"], extra=HELPER_OPTS)
-    mc.helpers_on()
+    both_helpers_on(mc)
     procs = loads(mc, 9.0, 1000, timeline=0.05)
     time.sleep(2.0)
     run = mc.helpers["h2"]
@@ -467,11 +446,9 @@ def test_helper_stopped_under_load_is_withdrawn_and_comes_back(testbed, mc):
     finally:
         os.kill(run.pid, signal.SIGCONT)
     t_cont = time.time()
-    deadline = time.monotonic() + 10
-    while control.live_helpers(testbed.registry, SVC) != ["h1", "h2"] and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: control.live_helpers(testbed.registry, SVC) == ["h1", "h2"], 10,
+             "h2 to be announced again after SIGCONT")
     t_back = time.time()
-    assert control.live_helpers(testbed.registry, SVC) == ["h1", "h2"], "h2 was not announced again after SIGCONT"
     testbed.wait_revision(testbed.registry.state_revision())
     back = mc.stats("h2")
     res = [topo.finish(p, 90) for p in procs]
@@ -505,12 +482,9 @@ def test_memcached_agent_stopped_past_its_lease_comes_back(testbed, mc):
     finally:
         os.kill(run.agent.pid, signal.SIGCONT)
     t_cont = time.time()
-    deadline = time.monotonic() + 10
-    while run.name not in {e.name for e in testbed.registry.endpoints(SVC)} and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: run.name in {e.name for e in testbed.registry.endpoints(SVC)}, 10,
+             f"{run.name} to announce itself again after SIGCONT")
     t_back = time.time()
-    assert run.name in {e.name for e in testbed.registry.endpoints(SVC)}, \
-        f"{run.name} did not announce itself again after SIGCONT:\n{run.agent.tail(20)}"
     testbed.wait_revision(testbed.registry.state_revision())
     print(f"\nmemcached's agent stopped: endpoint gone {t_gone - t_stop:.2f} s later; announced again "
           f"{t_back - t_cont:.2f} s after SIGCONT")

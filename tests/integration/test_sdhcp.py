@@ -29,7 +29,7 @@ from ipaddress import IPv4Address
 import pytest
 
 from tests.unit.test_dhcp_clients import DHCPCD_CONF, HOOK, children, stop
-from vfab.cli.cmd_ranges import fabric_counters
+from tests.integration.conftest import frames_seen, guard_drops
 from vfab.services.sdhcp import ipudp
 from vfab.services.sdhcp.wire import Message, MessageType, Opt
 from vfab.testbed.procs import wait_for
@@ -336,11 +336,6 @@ def test_bad_input_is_dropped_and_counted_and_service_goes_on(testbed, dh):
     print(res.output)
 
 
-def guard_drops(tb, service_id: int) -> int:
-    """Packets the switches dropped as a service's answers from a port without a server (controller counters)."""
-    return fabric_counters(tb.registry).get(f"guard/{service_id}", [0, 0])[0]
-
-
 def test_a_rogue_dhcp_server_reaches_no_client(testbed, dh):
     """A tenant on a client host answers DHCP itself (OFFERs and ACKs, 67 -> 68, broadcast and unicast to
     another client's MAC): before the guard they reached every client through the switches' plain-Ethernet
@@ -358,27 +353,7 @@ def test_a_rogue_dhcp_server_reaches_no_client(testbed, dh):
                                Opt.LEASE_TIME: (3600).to_bytes(4, "big")})
         answers.append(ipudp.Datagram(dst, rogue, IPv4Address("192.168.77.66"), IPv4Address("255.255.255.255"),
                                       67, 68, msg.serialize()).serialize())
-    with netns(testbed.netns(victim_host)):
-        cap = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0800))
-    with netns(testbed.netns(host)):
-        s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
-    try:
-        cap.bind((testbed.hosts[victim_host]["iface"], 0))
-        cap.settimeout(0.2)
-        s.bind((testbed.hosts[host]["iface"], 0))
-        for f in answers:
-            s.send(f)
-        got, t_end = 0, time.monotonic() + 1.5
-        while time.monotonic() < t_end:
-            try:
-                f = cap.recv(4096)
-            except socket.timeout:
-                continue
-            if f[6:12] == rogue:
-                got += 1
-    finally:
-        s.close()
-        cap.close()
+    got = frames_seen(testbed, host, answers, victim_host)
     assert got == 0, f"{got} of the rogue server's {len(answers)} answers reached the dhclient host"
     wait_for(lambda: guard_drops(testbed, sid) >= before + len(answers), WAIT,
              f"the switches to count the {len(answers)} rogue answers (guard/{sid})")
