@@ -211,6 +211,7 @@ def _compile(st: FabricState, hops: dict[tuple[int, int], int] | None, problems:
                     dst_matches = [match(eth_dst=b) for b in blocks]
                 for m in dst_matches:
                     cfg.add(FlowSpec(TABLE_ROUTE, PRIO_VID, m, acts, cookie))
+        unserved = sorted({(dpid, port) for dpid, port, _ in host_ports} - serving)   # where answers are guarded
         for door in frontdoor.service_doors(svc, problems):
             clash = next((c for c in claimed if frontdoor.overlap(c, door)), None)
             if clash is not None:
@@ -221,7 +222,6 @@ def _compile(st: FabricState, hops: dict[tuple[int, int], int] | None, problems:
             claimed.append(door)
             for dpid, flow in frontdoor.door_flows(door, svc.id, layout, host_ports, PRIO_FRONTDOOR):
                 out[dpid].add(flow)
-            unserved = sorted({(dpid, port) for dpid, port, _ in host_ports} - serving)
             for dpid, flow in frontdoor.guard_flows(door, svc.id, unserved, PRIO_GUARD):
                 out[dpid].add(flow)
     return out

@@ -26,17 +26,17 @@ from __future__ import annotations
 import collections
 import logging
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
 
 from vfab.vid import codec
 from vfab.vid.registry import schema
 from vfab.vid.codec import Layout
-from vfab.vid.errors import NotFound, RegistryError, TransportError
+from vfab.vid.errors import TransportError
 from vfab.vid.frame import Frame, FrameType
 from vfab.vid.ranges import Range, to_masks
 from vfab.vid.registry import Registry
+from vfab.vid.state.lease import EndpointLease
 from vfab.vid.transport import RawPort
 
 log = logging.getLogger("vfab.api")
@@ -108,40 +108,21 @@ class Request(_FrameView):
 class Server:
     """An announced endpoint of a service; obtain one with :func:`announce`."""
 
-    def __init__(self, registry: Registry, svc: schema.Service, name: str, port: RawPort, lease: int,
-                 endpoint: schema.Endpoint | None = None, ttl: int = 3):
+    def __init__(self, registry: Registry, svc: schema.Service, name: str, port: RawPort,
+                 lease: EndpointLease):
         self.registry = registry
         self.service = svc
         self.layout = Layout.parse(svc.layout)
         self.name = name
         self.port = port
-        self.lease = lease
+        self._lease = lease
         self.ranges: list[Range] = []
         self.counters: dict[str, int] = {"requests": 0, "not_requests": 0}
-        self.closed = False
-        self._endpoint, self._ttl = endpoint, ttl
-        self._lock = threading.Lock()   # a new lease (the keepalive thread) vs close()
 
-    def _lease_lost(self) -> None:
-        """(the lease's keepalive thread) etcd lost our lease: we were stopped or starved past the TTL, and
-        the switches no longer deliver to us.  Announce again under a new lease (retried while etcd is away),
-        unless we were closed meanwhile (close() revokes the lease on purpose)."""
-        while True:
-            with self._lock:
-                if self.closed or self._endpoint is None:
-                    return
-                try:
-                    self.lease = self.registry.announce(self._endpoint, self._ttl, on_lost=self._lease_lost)
-                    log.warning("server %s/%s: its lease had expired (stopped or starved past its %d s TTL): "
-                                "announced again (lease %x)", self.service.name, self.name, self._ttl, self.lease)
-                    return
-                except NotFound as exc:
-                    log.error("server %s/%s: not announced again: %s", self.service.name, self.name, exc)
-                    return
-                except RegistryError as exc:
-                    log.warning("server %s/%s: lease expired, announcing again failed: %s; retrying",
-                                self.service.name, self.name, exc)
-            time.sleep(max(self._ttl / 3.0, 0.2))
+    @property
+    def lease(self) -> int:
+        """The endpoint's etcd lease now (a new one after etcd lost the old: see :func:`announce`)."""
+        return self._lease.id
 
     @property
     def mac(self) -> bytes:
@@ -197,13 +178,7 @@ class Server:
 
     def close(self) -> None:
         """Withdraw the endpoint (revoke its lease) and close the port. Ranges stay assigned."""
-        with self._lock:
-            self.closed = True
-        try:
-            self.registry.revoke(self.lease)
-        except RegistryError as exc:
-            log.warning("server %s: could not revoke lease %x (%s); it expires by itself", self.name,
-                        self.lease, exc)
+        self._lease.revoke()
         self.port.close()
 
     def __enter__(self) -> "Server":
@@ -225,13 +200,22 @@ def announce(registry: Registry, service: str, name: str, iface: str, rx: str = 
     """
     svc = registry.service(service)
     port = RawPort(iface, rx, netns=netns)
+    lease = EndpointLease(registry.endpoint, ttl, name=f"{service}/{name}")
     try:
         ep = schema.Endpoint(service=service, name=name, mac=port.mac_str, rx=rx, host=socket.gethostname(),
                               ctl=ctl)
-        server = Server(registry, svc, name, port, 0, endpoint=ep, ttl=ttl)
-        server.lease = registry.announce(ep, ttl, on_lost=server._lease_lost)
+        registry.announce(ep, ttl, lease=lease.grant())
+
+        def again(lease_id: int) -> None:   # the lease was granted anew: the record goes back under it
+            registry.announce(ep, ttl, allow_shared=True, lease=lease_id)
+            log.warning("server %s/%s: announced again (lease %x)", service, name, lease_id)
+
+        lease.on_renewed.append(again)
+        lease.start()
+        server = Server(registry, svc, name, port, lease)
         server.refresh()
     except BaseException:
+        lease.revoke()
         port.close()
         raise
     return server

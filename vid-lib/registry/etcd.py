@@ -192,10 +192,10 @@ class Registry:
             raise
         return int((out.get("result") or {}).get("TTL", 0) or 0)
 
-    def keepalive(self, lease_id: int, ttl: int, on_lost: Callable[[], None] | None = None) -> threading.Event:
+    def keepalive(self, lease_id: int, ttl: int) -> threading.Event:
         """Refresh a lease every ttl/3 s in a thread until the returned event is set, or etcd says the lease
-        is gone (it expired: its owner was stopped or starved past the TTL); then ``on_lost()`` runs in that
-        thread (e.g. announce again, :func:`vfab.vid.api.announce` does) and the thread ends."""
+        is gone (it expired: its owner was stopped or starved past the TTL; to be registered again, an owner
+        keeps its lease with ``vfab.vid.state.lease.EndpointLease``, as ``vfab.vid.api.announce`` does)."""
         stop = threading.Event()
 
         def loop() -> None:
@@ -207,8 +207,6 @@ class Registry:
                     continue
                 if left <= 0:   # etcd answers a lease it no longer has with no TTL (or "lease not found")
                     log.warning("lease %x: gone from etcd (expired); no longer kept alive", lease_id)
-                    if on_lost is not None and not stop.is_set():
-                        on_lost()
                     return
 
         threading.Thread(target=loop, name=f"lease-{lease_id:x}", daemon=True).start()
@@ -277,8 +275,7 @@ class Registry:
         self.delete(schema.service_key(name))
 
     # -- endpoints --------------------------------------------------------
-    def announce(self, ep: schema.Endpoint, ttl: int = 3, allow_shared: bool = False, lease: int | None = None,
-                 on_lost: Callable[[], None] | None = None) -> int:
+    def announce(self, ep: schema.Endpoint, ttl: int = 3, allow_shared: bool = False, lease: int | None = None) -> int:
         """Register a live endpoint under a lease kept alive by a thread; returns the lease id.
 
         An ``rx=ovs`` endpoint receives every frame the switch rewrites to its
@@ -286,7 +283,7 @@ class Registry:
         one may carry no other endpoint (Conflict).  ``bpf``/``promisc``
         endpoints filter on the VID and can share an interface.  ``allow_shared``
         skips the check, for a process that itself answers for all the endpoints
-        on its port (the benchmarks' raw echo threads).  ``on_lost``: see :meth:`keepalive`.
+        on its port (the benchmarks' raw echo threads).
         """
         self.service(ep.service)
         _, items = self.get_prefix(schema.folder("endpoints")) if not allow_shared else (0, {})
@@ -300,7 +297,7 @@ class Registry:
                     "the interface MAC; use rx=bpf for both, or another interface")
         if lease is None:  # else the caller keeps its own lease alive
             lease = self.lease(ttl)
-            self.keepalive(lease, ttl, on_lost)
+            self.keepalive(lease, ttl)
         self.put(schema.endpoint_key(ep.service, ep.name), ep.to_json(), lease=lease)
         log.info("endpoint %s/%s: announced at %s (rx=%s, lease %x)", ep.service, ep.name, ep.mac, ep.rx, lease)
         return lease
