@@ -19,6 +19,10 @@ through the same ports, in the same namespaces:
   one relay for all, every frame would enter at one shard and be forwarded).
   sdhcp serves them as trusted relays (``--opt relays=...``).  Runs at each
   total rate of ``--rates`` (1,000, 2,000 and 4,000/s), fresh chaddrs per rate.
+* **A flood on a full pool**: then as many new perfdhcp clients as the pool
+  has addresses left plus 1,000 (``FLOOD_BEYOND``), at 2,000/s, the same 4
+  relays: every server fills its pool and then answers nothing; what it costs
+  is the CPU per flood client (``--no-flood`` skips it).
 
 Each server runs 3 times from scratch (no leases), and the medians are printed
 last; every run's numbers are in the results file.
@@ -61,6 +65,7 @@ and 2 shards, Kea, dnsmasq, one run each, ~35 s).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import random
 import shutil
@@ -91,6 +96,9 @@ SHARDS = {1: [("a", "vfh1", (0, 0xFFFFFF))],
               ("d", "vfh6", (3 * Q, 0xFFFFFF))]}
 PEER_HOST, UDHCPC_HOST, RELAY_HOST = "vfh1", "vfh3", "vfh2"
 NOT_PHASES = ("shards", "idle_cpu_per_s")   # per-run entries that are not a phase's numbers
+POOL_SIZE = int(ipaddress.IPv4Address(LAST)) - int(ipaddress.IPv4Address(FIRST)) + 1
+FLOOD_RATE = 2000      # new clients per second in the flood phase
+FLOOD_BEYOND = 1000    # flood clients beyond what is left of the pool
 
 
 DURABILITY = {
@@ -117,12 +125,13 @@ def cpu_seconds(pids: list[int]) -> tuple[float, float]:
     return total / tick, system / tick
 
 
-def cpu_used(pids: list[int], since: tuple[float, float], leased: int) -> dict:
-    """CPU used since ``since`` (a cpu_seconds reading): total, system, and per leased client."""
+def cpu_used(pids: list[int], since: tuple[float, float], leased: int, clients: int | None = None) -> dict:
+    """CPU used since ``since`` (a cpu_seconds reading): total, system, per leased client and per client."""
     now = cpu_seconds(pids)
     total, system = now[0] - since[0], now[1] - since[1]
     return {"server_cpu_s": round(total, 3), "server_cpu_sys_s": round(system, 3),
-            "cpu_ms_per_lease": round(1000 * total / leased, 3) if leased else None}
+            "cpu_ms_per_lease": round(1000 * total / leased, 3) if leased else None,
+            "cpu_ms_per_client": round(1000 * total / clients, 3) if clients else None}
 
 
 def idle_cpu(pids: list[int], seconds: float = 2.0) -> float:
@@ -226,7 +235,7 @@ def perf_phase(tb: Testbed, relays: dc.ClientFarm, cap: dc.Capture, n: int, rate
     drops = {k: int(sum(r.get(k, {}).get("drops", 0) for r in reps)) for k in ("DISCOVER-OFFER", "REQUEST-ACK")}
     mean = {k: round(sum(r.get(k, {}).get("avg delay", 0) for r in reps) / 4, 3)
             for k in ("DISCOVER-OFFER", "REQUEST-ACK")}
-    res.update(clients=n, offered_rate=rate, dora=summary(lat), **cpu_used(pids, cpu0, res["leased"]),
+    res.update(clients=n, offered_rate=rate, dora=summary(lat), **cpu_used(pids, cpu0, res["leased"], n),
                perfdhcp_drops=drops, perfdhcp_mean_delay_ms=mean,
                perfdhcp_acks=int(sum(r.get("REQUEST-ACK", {}).get("received packets", 0) for r in reps)))
     return res
@@ -242,8 +251,9 @@ def line(name: str, what: str, r: dict) -> str:
 
 
 def run_server(tb: Testbed, server: str, farm: dc.ClientFarm, relays: dc.ClientFarm, cap_u: dc.Capture,
-               cap_p: dc.Capture, n_p: int, rates: list[int], profile: str | None) -> dict:
-    """One fresh server (no leases): the udhcpc clients, then perfdhcp at each rate."""
+               cap_p: dc.Capture, n_p: int, rates: list[int], n_flood: int, profile: str | None) -> dict:
+    """One fresh server (no leases): the udhcpc clients, perfdhcp at each rate, then the flood that fills
+    the pool (``n_flood`` new clients, 0: none)."""
     res: dict = {}
     if server.startswith("sdhcp"):
         svc, procs = start_sdhcp(tb, int(server[5:]), profile)
@@ -259,6 +269,11 @@ def run_server(tb: Testbed, server: str, farm: dc.ClientFarm, relays: dc.ClientF
             r = perf_phase(tb, relays, cap_p, n_p, rate, run, pids)
             res[f"perfdhcp_{rate}"] = r
             print(line(server, f"{n_p} perfdhcp@{rate}/s", r), flush=True)
+        if n_flood:
+            r = perf_phase(tb, relays, cap_p, n_flood, FLOOD_RATE, len(rates), pids)
+            res["flood"] = r
+            print(line(server, f"{n_flood} flood@{FLOOD_RATE}/s", r) + f", {r['cpu_ms_per_client']} CPU-ms per client",
+                  flush=True)
     finally:
         if server.startswith("sdhcp"):
             res["shards"] = stop_sdhcp(tb, svc, procs)
@@ -297,6 +312,7 @@ def medians(runs: list[dict]) -> dict:
                       "server_cpu_s": statistics.median(r["server_cpu_s"] for r in rs),
                       "server_cpu_sys_s": statistics.median(r["server_cpu_sys_s"] for r in rs),
                       "cpu_ms_per_lease": statistics.median(r["cpu_ms_per_lease"] or 0 for r in rs),
+                      "cpu_ms_per_client": statistics.median(r.get("cpu_ms_per_client") or 0 for r in rs),
                       "times_s": [r["time_s"] for r in rs]}
     return out
 
@@ -315,12 +331,16 @@ def main() -> int:
     ap.add_argument("--profile", default=None, metavar="DIR", help="run each sdhcp shard under cProfile, "
                                                                   "its profile written to DIR")
     ap.add_argument("--repeat", type=int, default=None, help="fresh runs per server (default 3, smoke 1)")
+    ap.add_argument("--no-flood", action="store_true", help="skip the flood phase (new clients until the pool "
+                                                              "is full, then 1,000 more)")
     ap.add_argument("--servers", default=None, help="comma-separated subset of sdhcp1,sdhcp2,sdhcp4,kea,dnsmasq")
     args = ap.parse_args()
     n_u = args.udhcpc or (20 if args.smoke else 245)
     n_p = (args.perf or (100 if args.smoke else 1000)) // 4 * 4
     rates = [int(x) for x in (args.rates or ("1000" if args.smoke else "1000,2000,4000")).split(",")]
     repeat = args.repeat or (1 if args.smoke else 3)
+    left = POOL_SIZE - n_u - n_p * len(rates)
+    n_flood = 0 if args.no_flood or left < 0 else (left + FLOOD_BEYOND) // 4 * 4
     servers = (args.servers or ("sdhcp1,sdhcp2,kea,dnsmasq" if args.smoke else
                                 "sdhcp1,sdhcp2,sdhcp4,kea,dnsmasq")).split(",")
     rnd = random.Random(9)
@@ -345,7 +365,7 @@ def main() -> int:
             for server in servers:
                 runs = []
                 for rep in range(repeat):
-                    res = run_server(tb, server, farm, relays, cap_u, cap_p, n_p, rates, args.profile)
+                    res = run_server(tb, server, farm, relays, cap_u, cap_p, n_p, rates, n_flood, args.profile)
                     runs.append(res)
                     bad += check(f"{server}#{rep + 1}", res)
                 results[server] = {"runs": runs, "median": medians(runs)}
@@ -354,26 +374,29 @@ def main() -> int:
                 c.stop()
             farm.remove()
             relays.remove()
-    phases = ["udhcpc"] + [f"perfdhcp_{r}" for r in rates]
-    heads = [f"{n_u} udhcpc"] + [f"{n_p} perfdhcp@{r}/s" for r in rates]
+    phases = ["udhcpc"] + [f"perfdhcp_{r}" for r in rates] + (["flood"] if n_flood else [])
+    heads = [f"{n_u} udhcpc"] + [f"{n_p} perfdhcp@{r}/s" for r in rates] + \
+        ([f"{n_flood} flood@{FLOOD_RATE}/s"] if n_flood else [])
+    per = {k: "cpu_ms_per_client" if k == "flood" else "cpu_ms_per_lease" for k in phases}
     print(f"\nmedians of {repeat} run(s): time from the first DISCOVER to the last ACK s "
-          "(leased, perfdhcp drops, server CPU ms per lease)")
+          "(leased, perfdhcp drops, server CPU ms per lease; flood: per client, the pool "
+          f"having {max(left, 0)} addresses left for {n_flood} new clients)")
     print(f"{'server':<9}" + "".join(f"{h:>28}" for h in heads) + f"{'idle CPU/s':>12}")
     for server, res in results.items():
         m = res["median"]
-        cells = [f"{m[k]['time_s']} s ({m[k]['leased']:.0f}, {m[k]['drops']:.0f}, {m[k]['cpu_ms_per_lease']})"
-                 for k in phases]
+        cells = [f"{m[k]['time_s']} s ({m[k]['leased']:.0f}, {m[k]['drops']:.0f}, {m[k][per[k]]})" for k in phases]
         print(f"{server:<9}" + "".join(f"{c:>28}" for c in cells) + f"{m['idle_cpu_per_s']:>12}")
     if "kea" in results:
         kea = results["kea"]["median"]
-        print("ratio to Kea (time; leased; CPU per lease)")
+        print("ratio to Kea (time; leased; CPU per lease, flood: per client)")
         for server, res in results.items():
             m = res["median"]
             cells = [f"{_ratio(m[k]['time_s'], kea[k]['time_s'])}; {_ratio(m[k]['leased'], kea[k]['leased'])}; "
-                     f"{_ratio(m[k]['cpu_ms_per_lease'], kea[k]['cpu_ms_per_lease'])}" for k in phases]
+                     f"{_ratio(m[k][per[k]], kea[k][per[k]])}" for k in phases]
             print(f"{server:<9}" + "".join(f"{c:>28}" for c in cells))
     print("durability: " + "; ".join(f"{k}: {v}" for k, v in DURABILITY.items()))
     write("sdhcp_lease", {"udhcpc_clients": n_u, "perfdhcp_clients": n_p, "rates": rates, "repeat": repeat,
+                          "flood_clients": n_flood, "flood_rate": FLOOD_RATE, "pool_left_for_flood": max(left, 0),
                           "smoke": args.smoke,
                           "pool": OPTS["pool"], "servers": servers, "durability": DURABILITY,
                           "clients": "busybox udhcpc, one process and namespace each (macvlan behind vfh3); "

@@ -66,6 +66,7 @@ log = logging.getLogger("vfab.sdhcp.backend")
 
 OFFER_HOLD = 60_000       # ms an offered address stays reserved for the client
 DECLINE_HOLD = 600_000    # ms a declined address is not handed out
+FULL_MS = 1000            # ms a slice found full is trusted to stay full without a write that frees (_allocate)
 PARSED_MAX = 1024         # parsed requests kept between key_of and handle_batch
 SERVED = {MessageType.DISCOVER, MessageType.REQUEST, MessageType.DECLINE, MessageType.RELEASE,
           MessageType.INFORM}
@@ -111,6 +112,7 @@ class SdhcpBackend:
         self._options = self._make_options()
         self._network = self.config.network       # a property that builds an IPv4Network per call
         self._parsed: dict[bytes, tuple[bytes, bool, Message]] = {}   # key_of's parse, for handle_batch
+        self._full: tuple[tuple, int, int] | None = None   # (slots, store.freed, ms): found full then (_allocate)
 
     def _make_options(self) -> dict:
         c = self.config
@@ -249,22 +251,26 @@ class SdhcpBackend:
     def _allocate(self, c: int, key: int, ctx: _Batch) -> tuple[int | None, Addr | None, Lease | None]:
         """The first candidate of ``pool.probe`` that is free; failing that, the first whose lease ended.
 
-        The store finds the first free address of each segment by itself (``Store.first_free``); the rows
-        of taken addresses are read only when nothing is free."""
+        The store finds the first free address of each segment by itself (``Store.first_free``), and the
+        reclaimable ones with one query each (``Store.reclaimable``).  A search that found nothing marks this
+        shard's slice **full** (``_full``): further DISCOVERs get silence at once, without searching, until an
+        address may have been freed (``Store.freed`` moved: a release, a decline, a lease ended, records
+        applied or dropped, a batch rolled back), the shard's ranges change, or ``FULL_MS`` passed (a lease
+        that merely expired meanwhile is found then).  Without it, each DISCOVER of a flood on a full pool of
+        4,000 addresses walked the whole slice: ~20 ms each, every renewal queued behind them."""
+        slots = tuple(self.pool.slots(ctx.ranges))
+        full = self._full
+        if full is not None and full[0] == slots and full[1] == self.store.freed and 0 <= ctx.now - full[2] < FULL_MS:
+            return None, None, None
         for a, b in self.pool.segments(key, ctx.ranges):
             ip = self.store.first_free(self.pool.first + a, self.pool.first + b, c, ctx.now)
             if ip is not None:
                 return ip, self.store.addr(ip), None
         for a, b in self.pool.segments(key, ctx.ranges):
-            lo, hi = self.pool.first + a, self.pool.first + b
-            rows = self.store.addrs_between(lo, hi)
-            for ip in range(lo, hi + 1):
-                row = rows.get(ip)
-                if row is None or row.state != HELD or not ctx.owns(row.holder & KEY_MAX):
-                    continue
-                other = self.store.lease(row.holder)
-                if other is None or other.ip != row.ip or not other.active(ctx.now):
-                    return row.ip, row, (other if other is not None and other.ip == row.ip else None)
+            for row, other in self.store.reclaimable(self.pool.first + a, self.pool.first + b, ctx.now):
+                if ctx.owns(row.holder & KEY_MAX):
+                    return row.ip, row, other
+        self._full = (slots, self.store.freed, ctx.now)
         return None, None, None
 
     def _grant(self, c: int, key: int, lease: Lease | None, ip: int, state: int, expires: int, msg: Message,
@@ -426,4 +432,4 @@ class SdhcpBackend:
         return self.store.keep_only(ranges)
 
 
-__all__ = ["SdhcpBackend", "open_backend", "OFFER_HOLD", "DECLINE_HOLD"]
+__all__ = ["SdhcpBackend", "open_backend", "OFFER_HOLD", "DECLINE_HOLD", "FULL_MS"]

@@ -178,10 +178,18 @@ class Store(SqliteStore):
         self.fp = self.config.fingerprint
         # (lo, hi) of a first_free search -> (ip, ms): at ms every address in [lo, ip) was taken
         self._hints: dict[tuple[int, int], tuple[int, int]] = {}
+        # Counts the writes after which an address may have become free (or reclaimable): whatever a caller
+        # concluded from "everything is taken" holds only while this has not moved (the backend's full-pool mark).
+        self.freed = 0
+
+    def _may_free(self) -> None:
+        """An address may have become free: forget the search hints, move ``freed``."""
+        self._hints.clear()
+        self.freed += 1
 
     # -- the data path: one transaction per batch (SqliteStore.begin/commit) -------------------
     def rollback(self) -> None:
-        self._hints.clear()  # the batch's grants are undone: addresses below a hint may be free again
+        self._may_free()  # the batch's grants are undone: addresses below a hint may be free again
         super().rollback()
 
     def lease(self, chaddr: int) -> Lease | None:
@@ -193,9 +201,20 @@ class Store(SqliteStore):
         row = self._exec("SELECT holder, state, until, version FROM addr WHERE ip=?", (ip,)).fetchone()
         return Addr(ip, *row) if row else None
 
-    def addrs_between(self, lo: int, hi: int) -> dict[int, Addr]:
-        return {r[0]: Addr(*r) for r in self._exec(
-            "SELECT ip, holder, state, until, version FROM addr WHERE ip BETWEEN ? AND ?", (lo, hi))}
+    def reclaimable(self, lo: int, hi: int, now: int) -> Iterator[tuple[Addr, Lease | None]]:
+        """Held addresses in [lo, hi] whose holder's lease no longer holds them (no lease, another address,
+        ended or expired at ``now``), lowest first, each with that lease when it still names the address.
+
+        One query, the lease found by its key: reading every row of the segment into Python to test it cost
+        ~20 ms per DISCOVER on a full pool of 4,000 addresses."""
+        rows = self._exec(
+            "SELECT a.ip, a.holder, a.state, a.until, a.version, l.chaddr, l.ip, l.state, l.expires, l.client_id, "
+            "l.version FROM addr a LEFT JOIN lease l ON l.chaddr = a.holder WHERE a.ip BETWEEN ? AND ? AND a.state = ? "
+            "AND (l.chaddr IS NULL OR l.ip != a.ip OR l.state NOT IN (?, ?) OR l.expires <= ?) ORDER BY a.ip",
+            (lo, hi, HELD, OFFERED, BOUND, now))
+        for r in rows:
+            lease = Lease(r[5], r[6], r[7], r[8], bytes(r[9]), r[10]) if r[5] is not None and r[6] == r[0] else None
+            yield Addr(*r[:5]), lease
 
     def first_free(self, lo: int, hi: int, chaddr: int, now: int) -> int | None:
         """The lowest address in [lo, hi] that ``chaddr`` may take as free (no row, free, declined long
@@ -241,6 +260,8 @@ class Store(SqliteStore):
     def put_lease(self, row: Lease) -> tuple[Lease, bytes]:
         """Write ``row`` (inside the open transaction) as the next version of its client's lease."""
         new = Lease(row.chaddr, row.ip, row.state, row.expires, row.client_id[:MAX_CLIENT_ID], row.version + 1)
+        if new.state not in (OFFERED, BOUND):
+            self._may_free()  # a lease ended: its address may be reclaimed
         self._exec("INSERT INTO lease (chaddr, vkey, ip, state, expires, client_id, version) VALUES (?,?,?,?,?,?,?) "
                    "ON CONFLICT(chaddr) DO UPDATE SET ip=excluded.ip, state=excluded.state, "
                    "expires=excluded.expires, client_id=excluded.client_id, version=excluded.version",
@@ -251,7 +272,7 @@ class Store(SqliteStore):
         """Write ``row`` (inside the open transaction) as the next version of its address."""
         new = Addr(row.ip, row.holder, row.state, row.until, row.version + 1)
         if new.state != HELD:
-            self._hints.clear()  # an address may have become free below a hint
+            self._may_free()  # an address may have become free below a hint
         self._exec("INSERT INTO addr (ip, vkey, holder, state, until, version) VALUES (?,?,?,?,?,?) "
                    "ON CONFLICT(ip) DO UPDATE SET holder=excluded.holder, state=excluded.state, "
                    "until=excluded.until, version=excluded.version",
@@ -337,7 +358,7 @@ class Store(SqliteStore):
                                          f"{self.config.describe()}")
                     addrs.append(row)
         g = gen or 0
-        self._hints.clear()  # rows arrive from another shard: any address may have changed
+        self._may_free()  # rows arrive from another shard: any address may have changed
         newer = "excluded.version > {t}.version" + (" OR {t}.gen < excluded.gen" if gen else "")
 
         def run(db: sqlite3.Connection) -> int:
@@ -361,7 +382,7 @@ class Store(SqliteStore):
         """Forget the rows of ``rng`` (about ``limit`` of them: fewer means none are left); with ``below_gen``
         only rows of earlier copy generations.  Unsynced: a drop lost to a crash is redone by ``keep_only``."""
         extra, args = ("", ()) if below_gen is None else (" AND gen < ?", (below_gen,))
-        self._hints.clear()  # dropped rows free their addresses
+        self._may_free()  # dropped rows free their addresses
         total = 0
         for table, key in (("lease", "chaddr"), ("addr", "ip")):
             while limit is None or total < limit:
