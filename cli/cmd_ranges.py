@@ -37,17 +37,20 @@ def services(c) -> None:
 
     "answers dropped": frames that looked like the service's server answers (a front door's protocol: DHCP
     67 -> 68, UDP from the service's address and port) sent from a host port with no endpoint of the
-    service (a rogue server, a forged reply), dropped by the switches since they started."""
+    service (a rogue server, a forged reply), dropped by the switches since they started.  "spoofed
+    dropped": requests to a udp front door from a source address the sending host is not registered with
+    (reflection: the replies would go to that address), dropped likewise."""
     reg = c.registry
     counters = fabric_counters(reg)
     rows = []
     for s in reg.services():
         doors = ", ".join(str(d.get("kind")) for d in s.frontdoors) or "-"
         dropped = counters.get(f"guard/{s.id}", [0, 0])[0] if s.frontdoors else "-"
-        rows.append([s.name, s.kind or "-", s.id, s.layout, len(reg.ranges(s.name)), doors, dropped,
+        spoofed = counters.get(f"spoofed/{s.id}", [0, 0])[0] if s.frontdoors else "-"
+        rows.append([s.name, s.kind or "-", s.id, s.layout, len(reg.ranges(s.name)), doors, dropped, spoofed,
                      ", ".join(e.name for e in reg.endpoints(s.name)) or "-"])
     c.console.print(table("services", ["name", "kind", "id", "layout", "ranges", "front doors", "answers dropped",
-                                       "endpoints"], rows))
+                                       "spoofed dropped", "endpoints"], rows))
 
 
 @click.group("service")

@@ -18,7 +18,7 @@ from vfab.vid.registry import schema
 log = logging.getLogger("vfab.controller")
 
 # Flows whose counters are published: (cookie kind, table).
-COUNTED = ((Kind.VID_ROUTE, 1), (Kind.VID_MISS, 1), (Kind.DENY, 0), (Kind.GUARD, 0))
+COUNTED = ((Kind.VID_ROUTE, 1), (Kind.VID_MISS, 1), (Kind.DENY, 0), (Kind.GUARD, 0), (Kind.SPOOF, 0))
 
 
 def counters_from_stats(stats: Iterable[tuple[int, int, int, int]]) -> dict[str, list[int]]:
@@ -26,7 +26,8 @@ def counters_from_stats(stats: Iterable[tuple[int, int, int, int]]) -> dict[str,
 
     Names: ``<service id>/<range lo as 6 hex digits>`` for a range's route blocks
     (summed), ``deny/<port>`` and ``vid_miss/0`` for the drop flows, ``guard/<service id>`` for a service's
-    answers dropped on ports with no server of it (summed).
+    answers dropped on ports with no server of it (summed), ``spoofed/<service id>`` for its front-door requests
+    dropped for a source address their host is not registered with (summed).
     """
     per: dict[str, list[int]] = {}
     for table, cookie, packets, nbytes in stats:
@@ -37,6 +38,8 @@ def counters_from_stats(stats: Iterable[tuple[int, int, int, int]]) -> dict[str,
             name = f"{Kind(kind).name.lower()}/{lo}"
         elif kind == Kind.GUARD:
             name = f"guard/{service}"
+        elif kind == Kind.SPOOF:
+            name = f"spoofed/{service}"
         else:
             continue
         acc = per.setdefault(name, [0, 0])

@@ -27,13 +27,16 @@ VIDs of no live range (10) → the miss policy.  Everything else (0) → NORMAL.
 Front doors (``fabric/frontdoor.py``): per service, per registered host (its
 port and MAC; never a trunk), a 400 flow that rewrites a real protocol's frames to the service's VIDs and goes on to
 table 1; per registered host port without a live endpoint of the service, a 450 flow that drops (and counts)
-the protocol's server answers (a rogue DHCP server, a forged memcached reply).  A bad or clashing front door is a line in ``problems`` (by default
+the protocol's server answers (a rogue DHCP server, a forged memcached reply); for a host registered with its
+IPv4 addresses, a udp door's 400 flows match each of them and a 399 flow drops (and counts) its requests from
+any other address (the source guard).  A bad or clashing front door is a line in ``problems`` (by default
 the state's own ``FabricState.problems``) and is skipped.
 """
 
 from __future__ import annotations
 
 import functools
+import ipaddress
 
 from vfab.fabric import frontdoor
 from vfab.fabric.flows import (TABLE_ADMIT, TABLE_ROUTE, Bucket, FlowSpec, GroupSpec, Kind,
@@ -44,7 +47,7 @@ from vfab.fabric.topology import next_hops
 from vfab.vid import codec
 from vfab.vid.ranges import Range, to_masks
 
-PRIO_FRONTDOOR = 400
+PRIO_FRONTDOOR = 400   # and 399: a source-guarded door's drop of requests from unregistered addresses
 PRIO_GUARD = 450
 PRIO_ADMIT = 300
 # A server answers from the VID of the key it was asked (its reply's source).  Above the own-MAC admit flows,
@@ -141,10 +144,13 @@ def _compile(st: FabricState, hops: dict[tuple[int, int], int] | None, problems:
 
     # Host ports: own MAC in, everything else not owned dropped; host MAC routes everywhere.
     host_ports = []  # (dpid, port, mac) of every registered host port (front doors sit on these)
+    sources: dict[int, list[int]] = {}   # host MAC -> the IPv4 addresses it may send requests from
     for mac, host in st.hosts.items():
         mac_i = codec.mac_to_int(mac)
         if host.dpid in out and (host.dpid, host.port) not in trunks:
             host_ports.append((host.dpid, host.port, mac_i))
+            if host.ips:
+                sources[mac_i] = [int(ipaddress.IPv4Address(ip)) for ip in host.ips]
         if host.dpid in out:
             cfg = out[host.dpid]
             cfg.add(FlowSpec(TABLE_ADMIT, PRIO_ADMIT, match(in_port=host.port, eth_src=mac_i),
@@ -220,7 +226,7 @@ def _compile(st: FabricState, hops: dict[tuple[int, int], int] | None, problems:
                     "give one of them another port or address")))
                 continue
             claimed.append(door)
-            for dpid, flow in frontdoor.door_flows(door, svc.id, layout, host_ports, PRIO_FRONTDOOR):
+            for dpid, flow in frontdoor.door_flows(door, svc.id, layout, host_ports, PRIO_FRONTDOOR, sources):
                 out[dpid].add(flow)
             for dpid, flow in frontdoor.guard_flows(door, svc.id, unserved, PRIO_GUARD):
                 out[dpid].add(flow)

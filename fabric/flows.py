@@ -44,6 +44,7 @@ class Kind(enum.IntEnum):
     HOST_ROUTE = 6  # plain MAC → host
     VID_MISS = 7    # VID of no live range
     GUARD = 8       # a front door's server answers from a port with no server of it: drop (counted)
+    SPOOF = 9       # a front door's request from an IPv4 source its host is not registered with: drop (counted)
 
 
 @contextlib.contextmanager

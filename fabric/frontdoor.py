@@ -35,7 +35,13 @@ dropped and counted, in table 0 above the doors (450), cookie kind GUARD::
 
 Without it a tenant's rogue DHCP server, or a host forging memcached's
 address and port, reached the clients through the plain-Ethernet flows
-(NORMAL): the clients cannot tell.  (A DHCP server's answer to a relay,
+(NORMAL): the clients cannot tell.  A ``udp`` door also guards the request's
+**source address**: a host registered with its IPv4 addresses (``Host.ips``)
+reaches the door only from them; its requests from any other address are
+dropped at its port (just below the door, 399, cookie kind SPOOF, counted),
+else the service's replies (memcached's, a helper's) would go to whoever owns
+that address: UDP reflection, memcached's multi-gets an amplifier.  A host
+registered without addresses (DHCP clients) is not source-guarded.  (A DHCP server's answer to a relay,
 67 → 67, looks like a relay's request and is not guarded: relays are
 trusted by configuration.)  Where the key sits in
 the MAC comes from the codec: the prefix layout's key is the MAC's low 24 bits,
@@ -91,6 +97,7 @@ class Door:
     key_field: str             # where the 24-bit key comes from (bits 0..23)
     params: dict = field(default_factory=dict, compare=False)
     answers: tuple = ()        # match fields of the servers' answers (guarded), as (name, value) pairs
+    source_guard: bool = False  # requests only from the sending host's registered IPv4 addresses (if any)
 
     @property
     def label(self) -> str:
@@ -180,9 +187,9 @@ register(DoorKind(
      "key": Param(_one_of(*KEY_FIELDS), required=False, default="ip_src",
                   help="client field whose low 24 bits are the key")},
     lambda svc, i, p: Door(svc, i, "udp", _udp_protocol(p["port"], p["ip"]), KEY_FIELDS[p["key"]], p,
-                           _udp_answers(p["port"], p["ip"])),
+                           _udp_answers(p["port"], p["ip"]), source_guard=True),
     help="UDP to ip:port from host ports; key = low 24 bits of the client's IPv4 source (or MAC); UDP from "
-         "ip:port only from the service's hosts",
+         "ip:port only from the service's hosts; requests only from a host's registered addresses",
 ))
 
 
@@ -247,13 +254,30 @@ def key_rewrite(service_id: int, layout: codec.Layout | str, key_field: str) -> 
 
 
 def door_flows(door: Door, service_id: int, layout: codec.Layout | str,
-               host_ports: list[tuple[int, int, int]], priority: int) -> list[tuple[int, FlowSpec]]:
-    """(dpid, flow) for every host port ``(dpid, port, host MAC as int)``."""
+               host_ports: list[tuple[int, int, int]], priority: int,
+               sources: dict[int, list[int]] | None = None) -> list[tuple[int, FlowSpec]]:
+    """(dpid, flow) for every host port ``(dpid, port, host MAC as int)``.
+
+    ``sources``: host MAC → the IPv4 addresses (ints) it may send from.  A source-guarded door (the udp kind)
+    takes such a host's requests only from those addresses, one flow each; below them (``priority - 1``) one
+    flow drops and counts (cookie kind SPOOF) the door's requests from any other source address of that MAC.
+    Without it, a tenant sending a request from another host's address had the service's replies (memcached's
+    multi-get answers: an amplifier) sent to that host."""
     actions = (*key_rewrite(service_id, layout, door.key_field), ("goto", TABLE_ROUTE))
     cookie = make_cookie(Kind.FRONTDOOR, service_id, lo=door.index)
     proto = dict(door.protocol)
-    return [(dpid, FlowSpec(TABLE_ADMIT, priority, match(in_port=port, eth_src=mac, **proto), actions, cookie))
-            for dpid, port, mac in host_ports]
+    out = []
+    for dpid, port, mac in host_ports:
+        ips = (sources or {}).get(mac) if door.source_guard else None
+        if not ips:
+            out.append((dpid, FlowSpec(TABLE_ADMIT, priority, match(in_port=port, eth_src=mac, **proto), actions,
+                                       cookie)))
+            continue
+        out += [(dpid, FlowSpec(TABLE_ADMIT, priority, match(in_port=port, eth_src=mac, ipv4_src=ip, **proto),
+                                actions, cookie)) for ip in ips]
+        out.append((dpid, FlowSpec(TABLE_ADMIT, priority - 1, match(in_port=port, eth_src=mac, **proto), (),
+                                   make_cookie(Kind.SPOOF, service_id, lo=port))))
+    return out
 
 
 def guard_flows(door: Door, service_id: int, ports: list[tuple[int, int]], priority: int) -> list[tuple[int, FlowSpec]]:

@@ -187,9 +187,23 @@ class Testbed:
             self.switches[name] = dpid
         for a, pa, b, pb in links:
             self.registry.put_link(schema.Link(dpid=a, port=pa, peer_dpid=b, peer_port=pb))
-        for mac, dpid, port, name, iface in hosts:
-            self.registry.put_host(schema.Host(mac=mac, dpid=dpid, port=port, name=name))
-            self.hosts[name] = {"mac": mac, "dpid": dpid, "port": port, "iface": iface}
+        for mac, dpid, port, name, iface, ip in hosts:
+            ips = [ip] if ip else []   # the source guard: front-door requests only from the host's own address
+            self.registry.put_host(schema.Host(mac=mac, dpid=dpid, port=port, name=name, ips=ips))
+            self.hosts[name] = {"mac": mac, "dpid": dpid, "port": port, "iface": iface, "ips": ips}
+
+    def add_address(self, host: str, ip: str, prefix: int = 8) -> int:
+        """Give Mininet host ``host`` one more IPv4 address and register it (the source guard lets its
+        front-door requests come from it); the registry revision of the host record."""
+        res = subprocess.run(["nsenter", f"--net={self.netns(host)}", "--", "ip", "addr", "replace", f"{ip}/{prefix}",
+                              "dev", self.hosts[host]["iface"]], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise TopoError(f"cannot add {ip} to {host}: {res.stderr.strip()}")
+        h = self.hosts[host]
+        if ip not in h["ips"]:
+            h["ips"] = h["ips"] + [ip]
+        return self.registry.put_host(schema.Host(mac=h["mac"], dpid=h["dpid"], port=h["port"], name=host,
+                                                  ips=h["ips"]))
 
     def wait_synced(self, timeout: float = 30.0) -> None:
         self.registry.wait_applied(self.registry.state_revision(), timeout=timeout)

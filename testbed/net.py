@@ -145,14 +145,15 @@ def build(spec: TopoSpec, controller_port: int, on_node=None):
 
 
 def describe(net) -> tuple[list, list, list]:
-    """(switches [(dpid, name)], hosts [(mac, dpid, port, name, iface)], links [(dpid, port, peer_dpid, peer_port)])."""
+    """(switches [(dpid, name)], hosts [(mac, dpid, port, name, iface, IPv4 address or "")],
+    links [(dpid, port, peer_dpid, peer_port)])."""
     switches = [(int(s.dpid, 16), s.name) for s in net.switches]
     hosts, links = [], []
     for h in net.hosts:
         intf = h.defaultIntf()
         peer = intf.link.intf2 if intf.link.intf1 is intf else intf.link.intf1
         sw = peer.node
-        hosts.append((intf.MAC(), int(sw.dpid, 16), sw.ports[peer], h.name, intf.name))
+        hosts.append((intf.MAC(), int(sw.dpid, 16), sw.ports[peer], h.name, intf.name, intf.IP() or ""))
     for link in net.links:
         a, b = link.intf1, link.intf2
         if a.node in net.switches and b.node in net.switches:

@@ -70,18 +70,23 @@ def run_client(tb: Testbed, host: str, name: str, wait: float = 120, **opts) -> 
         return json.load(fh)
 
 
-def guard_drops(tb: Testbed, service_id: int) -> int:
-    """Packets the switches dropped as a service's answers from a port without a server (controller counters)."""
+def guard_drops(tb: Testbed, service_id: int, what: str = "guard") -> int:
+    """Packets the switches dropped as a service's answers from a port without a server (``what`` "guard"),
+    or as its front-door requests from an address the host is not registered with ("spoofed")."""
     from vfab.cli.cmd_ranges import fabric_counters
-    return fabric_counters(tb.registry).get(f"guard/{service_id}", [0, 0])[0]
+    return fabric_counters(tb.registry).get(f"{what}/{service_id}", [0, 0])[0]
 
 
-def frames_seen(tb: Testbed, sender: str, frames: list[bytes], watcher: str, listen: float = 1.5) -> int:
-    """Send raw ``frames`` from host ``sender``'s port; how many frames with their Ethernet sources host
-    ``watcher``'s port receives within ``listen`` s."""
+def frames_seen(tb: Testbed, sender: str, frames: list[bytes], watcher: str, listen: float = 1.5,
+                seen=None) -> int:
+    """Send raw ``frames`` from host ``sender``'s port; how many frames host ``watcher``'s port receives
+    within ``listen`` s that ``seen(frame)`` accepts (default: those with the sent frames' Ethernet sources)."""
     from vfab.vid.netns import netns
 
     sources = {f[6:12] for f in frames}
+    if seen is None:
+        def seen(f: bytes) -> bool:
+            return f[6:12] in sources
     with netns(tb.netns(watcher)):
         cap = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0800))
     with netns(tb.netns(sender)):
@@ -98,7 +103,7 @@ def frames_seen(tb: Testbed, sender: str, frames: list[bytes], watcher: str, lis
                 f = cap.recv(4096)
             except socket.timeout:
                 continue
-            got += f[6:12] in sources
+            got += bool(seen(f))
         return got
     finally:
         s.close()

@@ -232,6 +232,50 @@ def test_forged_memcached_replies_reach_no_client(testbed, mc):
         assert r["answered"] == r["sent"] > 0 and r["wrong"] == 0 and r["sources"] == [mc.addr], r
 
 
+def test_requests_from_another_hosts_address_reflect_to_no_one(testbed, mc):
+    """A tenant on a client host sends memcached gets from another client's address (its own MAC, so port
+    security lets them pass): memcached (or a helper) answered that client, a reflection that memcached's
+    multi-gets amplify.  The hosts are registered with their addresses (the testbed, ``client_addresses``),
+    so the switches drop such requests at the tenant's port and count them; its own addresses still work."""
+    from ipaddress import IPv4Address
+
+    from tests.integration.conftest import frames_seen, guard_drops
+    from vfab.services.sdhcp import ipudp
+    from vfab.vid import codec
+
+    rogue_host, victim_host = "vfh3", "vfh4"
+    rogue = codec.mac_to_int(testbed.hosts[rogue_host]["mac"]).to_bytes(6, "big")
+    mc_mac = bytes.fromhex(testbed.hosts[mc.host]["mac"].replace(":", ""))
+    victim_ip = mc.bind[victim_host].split(",")[0]
+    sid = testbed.registry.service(SVC).id
+    before = guard_drops(testbed, sid, "spoofed")
+    server = IPv4Address(mc.ip)
+    spoofed = [ipudp.Datagram(mc_mac, rogue, IPv4Address(victim_ip), server, 45000 + i, 11211,
+                              i.to_bytes(2, "big") + b"\x00\x00\x00\x01\x00\x00get k1 k2 k3 k4\r\n").serialize()
+               for i in range(60)]
+
+    def reply(f: bytes) -> bool:   # memcached's (or a helper's) answer to one of them
+        try:
+            dg = ipudp.parse(f, verify=False)
+        except Exception:  # noqa: BLE001 - anything else on the victim's port is not an answer
+            return False
+        return dg.src_ip == server and dg.src_port == 11211 and 45000 <= dg.dst_port < 45060
+
+    got = frames_seen(testbed, rogue_host, spoofed, victim_host, seen=reply)
+    assert got == 0, f"{got} answers to {len(spoofed)} requests sent from {victim_ip} by {rogue_host} reached {victim_host}"
+    wait_for(lambda: guard_drops(testbed, sid, "spoofed") >= before + len(spoofed), 20,
+             f"the switches to count the {len(spoofed)} spoofed requests (spoofed/{sid})")
+    assert "spoofed" in cli_ok(testbed, "services")   # the column 'vfab services' shows the count in
+    # the same requests from the rogue host's own registered address are answered
+    own_ip = mc.bind[rogue_host].split(",")[0]
+    own = [ipudp.Datagram(mc_mac, rogue, IPv4Address(own_ip), server, 45000 + i, 11211,
+                          i.to_bytes(2, "big") + b"\x00\x00\x00\x01\x00\x00get k1\r\n").serialize() for i in range(20)]
+    assert frames_seen(testbed, rogue_host, own, rogue_host, seen=reply) > 0
+    res = [topo.finish(p, 60) for p in loads(mc, 1.0, 300, clients=4)]
+    for r in res:
+        assert r["answered"] == r["sent"] > 0 and r["wrong"] == 0, r
+
+
 def group_weights(bridge: str) -> list[dict[str, int]]:
     """Per select group on ``bridge`` (ovs-ofctl dump-groups): bucket eth_dst MAC -> weight."""
     out = subprocess.run(["ovs-ofctl", "-O", "OpenFlow14", "dump-groups", bridge], capture_output=True, text=True,

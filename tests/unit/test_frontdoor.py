@@ -7,7 +7,10 @@
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import random
+import re
 
 import pytest
 
@@ -18,6 +21,7 @@ from vfab.fabric.frontdoor import FrontDoorError
 from vfab.fabric.state import FabricState
 from vfab.testbed.fakeoftable import FakeFabric
 from vfab.vid import codec
+from vfab.vid.errors import RegistryError
 from vfab.vid.registry import schema
 
 SID = 21
@@ -213,6 +217,69 @@ def test_guard_drops_are_published_per_service():
     rows = [(0, make_cookie(Kind.GUARD, SID, lo=30), 3, 900), (0, make_cookie(Kind.GUARD, SID, lo=31), 2, 600),
             (0, make_cookie(Kind.DENY, lo=30), 1, 60)]
     assert counters_from_stats(rows) == {f"guard/{SID}": [5, 1500], "deny/30": [1, 60]}
+
+
+# -- requests: a guarded host only from its own addresses ----------------------------------------------
+def guarded_build(doors, ips):
+    """build() with the hosts named in ``ips`` registered with those IPv4 addresses."""
+    items = make_items(doors=doors)
+    for name, addrs in ips.items():
+        mac, dpid, port = CLIENTS[name]
+        items[schema.host_key(codec.int_to_mac(mac))] = schema.Host(
+            mac=codec.int_to_mac(mac), dpid=dpid, port=port, name=name, ips=addrs).to_json().encode()
+    st = FabricState.from_items(items)
+    cfg = compile_fabric(st)
+    return cfg, FakeFabric(cfg, TRUNK)
+
+
+def test_a_guarded_host_reaches_a_udp_door_only_from_its_own_addresses():
+    """A tenant sends memcached requests from another host's address: the replies (memcached's, or a helper's
+    multi-get answers) went to that host (UDP reflection; memcached is the classic amplifier).  A host
+    registered with its addresses reaches the door only from them; anything else is dropped at its port and
+    counted; a host registered without addresses is not guarded; DHCP (the clients have no address yet) is
+    not."""
+    door = {"kind": "udp", "ip": "10.0.0.100", "port": 11211}
+    ips = {"c4": ["10.1.0.5", "10.1.0.4"], "c20": ["10.2.0.20"]}
+    cfg, fab = guarded_build([door], ips)
+    req = dict(udp_dst=11211, ipv4_dst=SVC_IP)
+    for name, addrs in ips.items():
+        for a in addrs:
+            ip = int(ipaddress.IPv4Address(a))
+            assert dhcp_from(fab, name, ipv4_src=ip, **req) == [owner_delivery(ip & 0xFFFFFF)]
+    assert dhcp_from(fab, "c4", ipv4_src=int(ipaddress.IPv4Address("10.2.0.20")), **req) == []   # c20's address
+    assert dhcp_from(fab, "c20", ipv4_src=0x0A0A0A0A, **req) == []
+    assert fab.drop_count(Kind.SPOOF) == 2 and fab.drop_count() == 2
+    assert dhcp_from(fab, "c7", ipv4_src=0x0A0A0A0A, **req) == [owner_delivery(0x0A0A0A)]         # not guarded
+    assert dhcp_from(fab, "c4", udp_dst=11212, ipv4_src=5, ipv4_dst=SVC_IP) == [(S1, "NORMAL", BCAST)]  # not the door
+    c4_port = CLIENTS["c4"][2]
+    flows = [f for f in cfg[S1].flows.values() if dict((n, v) for n, v, _ in f.match).get("in_port") == c4_port
+             and split_cookie(f.cookie)[0] in (Kind.FRONTDOOR, Kind.SPOOF)]
+    assert sorted((f.priority, split_cookie(f.cookie)[0]) for f in flows) == \
+        [(PRIO_FRONTDOOR - 1, Kind.SPOOF), (PRIO_FRONTDOOR, Kind.FRONTDOOR), (PRIO_FRONTDOOR, Kind.FRONTDOOR)]
+    # the dhcp4 door is not source-guarded
+    _, fab = guarded_build([{"kind": "dhcp4"}], ips)
+    assert dhcp_from(fab, "c4") == [owner_delivery(CLIENTS["c4"][0] & 0xFFFFFF)]
+
+
+def test_spoofed_drops_are_published_per_service():
+    from vfab.controller.report import counters_from_stats
+    from vfab.fabric.flows import make_cookie
+
+    rows = [(0, make_cookie(Kind.SPOOF, SID, lo=30), 4, 400), (0, make_cookie(Kind.SPOOF, SID, lo=31), 1, 100)]
+    assert counters_from_stats(rows) == {f"spoofed/{SID}": [5, 500]}
+
+
+@pytest.mark.parametrize("ips, says", [(["10.0.0.300"], "'10.0.0.300' in 'ips' is not an IPv4 address"),
+                                       ([167772161], "167772161 in 'ips' is not an IPv4 address"),
+                                       ("10.0.0.1", "field 'ips' has the wrong type")])
+def test_host_addresses_are_checked(ips, says):
+    raw = schema.Host(mac="02:00:00:00:00:01", dpid=1, port=2).to_json().replace('"ips":[]', f'"ips":{json.dumps(ips)}')
+    with pytest.raises(RegistryError, match=re.escape(says)):
+        schema.Host.from_json(raw, "hosts/x")
+    old = '{"mac":"02:00:00:00:00:01","dpid":1,"port":2,"name":"h"}'   # a record from before: not guarded
+    assert schema.Host.from_json(old).ips == []
+    assert schema.Host(mac="02:00:00:00:00:01", dpid=1, port=2, ips=["10.0.0.9", "10.0.0.10", "10.0.0.9"]).ips == \
+        ["10.0.0.9", "10.0.0.10"]
 
 
 # -- validation -------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 from dataclasses import asdict, dataclass, field, fields
@@ -273,17 +274,32 @@ class RangeRec(Record):
 
 @dataclass
 class Host(Record):
+    """A host port's MAC.  ``ips``: the IPv4 addresses that MAC may send from; when given, front-door requests
+    (the ``udp`` kind's) from any other source address are dropped at the port (the source guard: no reflection
+    of a service's replies to someone else's address).  Empty: not guarded (e.g. DHCP clients)."""
     KIND: ClassVar[str] = "host"
     mac: str
     dpid: int
     port: int
     name: str = ""
+    ips: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.mac = int_to_mac(mac_to_int(self.mac))
         _need("host", "dpid", self.dpid, int)
         _need("host", "port", self.port, int)
         _need("host", "name", self.name, str)
+        _need("host", "ips", self.ips, list)
+        norm = set()
+        for ip in self.ips:
+            try:
+                if not isinstance(ip, str):
+                    raise TypeError(ip)
+                norm.add(str(ipaddress.IPv4Address(ip)))
+            except (ValueError, TypeError):
+                raise VidError(f"host {self.mac}: {ip!r} in 'ips' is not an IPv4 address (dotted quad, e.g. "
+                               "10.0.0.1)") from None
+        self.ips = sorted(norm, key=lambda a: ipaddress.IPv4Address(a))
 
 
 @dataclass
