@@ -67,6 +67,7 @@ log = logging.getLogger("vfab.sdhcp.backend")
 OFFER_HOLD = 60_000       # ms an offered address stays reserved for the client
 DECLINE_HOLD = 600_000    # ms a declined address is not handed out
 FULL_MS = 1000            # ms a slice found full is trusted to stay full without a write that frees (_allocate)
+FULL_LOG_MS = 10_000      # ms between two "slice full" warnings while it stays full
 PARSED_MAX = 1024         # parsed requests kept between key_of and handle_batch
 SERVED = {MessageType.DISCOVER, MessageType.REQUEST, MessageType.DECLINE, MessageType.RELEASE,
           MessageType.INFORM}
@@ -113,6 +114,7 @@ class SdhcpBackend:
         self._network = self.config.network       # a property that builds an IPv4Network per call
         self._parsed: dict[bytes, tuple[bytes, bool, Message]] = {}   # key_of's parse, for handle_batch
         self._full: tuple[tuple, int, int] | None = None   # (slots, store.freed, ms): found full then (_allocate)
+        self._last_full_log = 0
 
     def _make_options(self) -> dict:
         c = self.config
@@ -270,6 +272,11 @@ class SdhcpBackend:
             for row, other in self.store.reclaimable(self.pool.first + a, self.pool.first + b, ctx.now):
                 if ctx.owns(row.holder & KEY_MAX):
                     return row.ip, row, other
+        if self._full is None or self._full[0] != slots or ctx.now - self._last_full_log >= FULL_LOG_MS:
+            self._last_full_log = ctx.now
+            log.warning("slice full: every one of the %d addresses this shard may hand out is taken; new clients get "
+                        "no OFFER (counter pool_exhausted, %d so far) until a lease ends or is released, or the pool "
+                        "grows", sum(b - a + 1 for a, b in slots), self.counters["pool_exhausted"] + 1)
         self._full = (slots, self.store.freed, ctx.now)
         return None, None, None
 

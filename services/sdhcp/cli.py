@@ -100,7 +100,8 @@ def status(c, service: str, interval: float, as_json: bool) -> None:
     """Per shard of SERVICE: owned (or mirrored) ranges; its slice of the pool (the addresses it may hand
     out) and pool use (addresses held in it); bound and offered leases; declined addresses; requests/s
     (its load report, what the balancer sees); offers, ACKs, NAKs and dropped input per second (over
-    --interval); totals since start.  A last row adds the shards up.
+    --interval); totals since start, "no address" being the DISCOVERs left unanswered because the shard's
+    slice was full (the shard's log says when it fills).  A last row adds the shards up.
 
     Example: vfab sdhcp status dhcp --interval 2
     """
@@ -130,7 +131,7 @@ def status(c, service: str, interval: float, as_json: bool) -> None:
                      s.get("bound", 0), s.get("offered", 0), s.get("declined", 0), _rate(s["req_s"]),
                      "/".join(_rate(r[n]) for n in RATED) if r else "-", _rate(r["dropped"]) if r else "-",
                      f"{k.get('offers', 0)}/{k.get('acks', 0)}/{k.get('naks', 0)}/{k.get('releases', 0)}/"
-                     f"{dropped(k)}"])
+                     f"{dropped(k)}/{k.get('pool_exhausted', 0)}"])
     if len(rows) > 1:
         use = round(100.0 * tot["held"] / tot["slice"], 1) if tot["slice"] else 0.0
         rows.append(["all", "", tot["slice"], f"{tot['held']} ({use:g}%)", tot["bound"], tot["offered"],
@@ -140,4 +141,5 @@ def status(c, service: str, interval: float, as_json: bool) -> None:
     pool = next((s["pool"] for s in shards if "pool" in s), "")
     c.console.print(table(f"sdhcp {service}" + (f": {pool}" if pool else ""),
                           ["shard", "owns", "slice", "in use", "bound", "offered", "declined", "req/s",
-                           "offers/acks/naks per s", "dropped/s", "offers/acks/naks/releases/dropped"], rows))
+                           "offers/acks/naks per s", "dropped/s",
+                           "offers/acks/naks/releases/dropped/no address"], rows))

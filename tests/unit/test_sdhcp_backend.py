@@ -144,7 +144,7 @@ def test_exhaustion_is_silence_and_counted(tmp_path):
     b.store.close()
 
 
-def test_a_discover_flood_on_a_full_pool_does_not_walk_the_store_until_an_address_may_be_free(tmp_path):
+def test_a_discover_flood_on_a_full_pool_does_not_walk_the_store_until_an_address_may_be_free(tmp_path, caplog):
     """Each DISCOVER of a flood on a full pool searched the whole slice (~20 ms at 4,000 addresses, in Python):
     a few dozen a second took a shard's whole CPU and every renewal waited behind them.  Once a search finds
     nothing, the next DISCOVERs read no address row until a write may have freed one or FULL_MS passed."""
@@ -161,6 +161,8 @@ def test_a_discover_flood_on_a_full_pool_does_not_walk_the_store_until_an_addres
     assert send(b, dhcp(MessageType.DISCOVER, new[1]), new[1])[0] is None
     assert b.counters["pool_exhausted"] == 2
     assert not [q for q in reads if "FROM addr" in q], reads                    # no address row read
+    full = [r.getMessage() for r in caplog.records if "slice full" in r.getMessage()]
+    assert len(full) == 1 and "the 6 addresses" in full[0], full                # said once, for the operator
     reads.clear()
     _, ack, _ = send(b, dhcp(MessageType.REQUEST, macs[0], ciaddr=got[macs[0]]), macs[0], broadcast=False)
     assert ack.msg_type is MessageType.ACK                                      # renewals are served as before
