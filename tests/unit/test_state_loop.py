@@ -273,6 +273,25 @@ def test_an_old_copy_is_dropped_in_steps_between_batches_unless_it_is_ours_again
     assert backend.data == {0x000005: b"mine"} and loop.call(lambda: loop.pending_drops) == []
 
 
+def test_an_old_copy_is_kept_drop_delay_after_the_move(endpoint, monkeypatch):
+    """Dropped at once, an old copy's first steps met the new owner's first commits on the disk right after
+    the flip (both loops stalled together); its drop now waits DROP_DELAY."""
+    from vfab.vid.state import peer
+
+    monkeypatch.setattr(peer, "DROP_DELAY", 1.0)
+    loop, backend, client, svc = endpoint
+    backend.data.update({0x800000 + i: b"old" for i in range(300)})
+    t0 = time.monotonic()
+    loop.call(lambda: loop.forget(Range(0x800000, 0xFFFFFF)))
+    time.sleep(0.3)
+    if time.monotonic() - t0 < 0.9:          # (a stalled test thread proves nothing)
+        assert len(backend.data) == 300 and loop.call(lambda: loop.counters["dropped"]) == 0
+    deadline = time.monotonic() + 5
+    while backend.data and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not backend.data and time.monotonic() - t0 >= 1.0
+
+
 def test_replicated_writes_overtake_queued_copy_chunks(endpoint):
     """A client waits on each replicated write; a copy's chunks (tens of ms each on a busy disk) must not
     queue in front of it.  Sent CHUNK x5 then REPL in one burst, the REPL is answered after at most the one

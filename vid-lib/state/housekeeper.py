@@ -6,8 +6,9 @@
   and this endpoint is the range's first live mirror, it takes the range over
   in one epoch-checked transaction (the old owner stopped serving before its
   lease could expire: see :mod:`.lease`);
-* old copies of ranges that moved away, and rows an incoming copy did not overwrite, are dropped a
-  step at a time (each step on the loop's thread, between batches), paced by a thread of their own
+* old copies of ranges that moved away (from ``DROP_DELAY`` s after the move on), and rows an incoming copy
+  did not overwrite, are dropped a step at a time (each step on the loop's thread, between batches), paced
+  by a thread of their own
   that never talks to etcd (an etcd that hangs must not hold up a copy's SYNC); a step that fails
   (disk full, I/O error) is retried every ``DROP_RETRY`` s;
 * when the source of a copy to this endpoint falls silent, etcd is asked how its operation ended
@@ -173,7 +174,7 @@ class Housekeeper:
             got = self.loop.call(self.loop.drop_step)
             if not isinstance(got, tuple):
                 return False  # the loop is shutting down
-            left, error = got
+            left, error, wait = got
             if error:
                 if error != self._last_error:
                     log.warning("%s: old copy not dropped yet: %s; retried every %.0f s", self.loop.name, error,
@@ -183,4 +184,6 @@ class Housekeeper:
             self._last_error = ""
             if not left:
                 return True
+            if wait > 0:
+                self._stop.wait(wait)   # an old copy not due yet (peer.DROP_DELAY)
         return True

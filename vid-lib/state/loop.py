@@ -118,6 +118,7 @@ class EndpointLoop(PeerSide, Replication):
         self.calls: collections.deque = collections.deque()
         self.chunks: collections.deque = collections.deque()    # (ident, CHUNK envelope) not yet applied
         self.pending_drops: list[Range] = []
+        self.drops_due = 0.0   # monotonic time before which no old copy is dropped (peer.forget)
         self.rates: dict[int, int] = {}
         self.counters: collections.Counter = collections.Counter()
         self.batch_failures = FailureLog(log, "a batch")

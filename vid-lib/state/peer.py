@@ -28,6 +28,10 @@ log = logging.getLogger("vfab.state.loop")
 
 INCOMING_IDLE = 6.0      # s a peer waits on a silent source before asking etcd how it ended
 DROP_STEP = 200          # records an old copy loses per step between batches (~10 ms on the loop's thread)
+# s an old copy is kept after the operation that moved its range away.  Dropped at once, its first steps (and
+# the SQLite checkpoint they trigger, fsyncs included) met the new owner's first commits on the same disk: both
+# loops stalled together for 20-50 ms right after the flip (the loops' stall log, bench/kvs_ops.py).
+DROP_DELAY = 0.25
 
 
 @dataclass
@@ -194,16 +198,19 @@ class PeerSide:
             f"etcd names {owner} the owner"))
 
     def forget(self, rng: Range) -> None:
-        """(loop thread) Drop our old copy of ``rng`` in the background, a step at a time."""
+        """(loop thread) Drop our old copy of ``rng`` in the background, a step at a time, from ``DROP_DELAY``
+        s on."""
         self.pending_drops.append(rng)
+        self.drops_due = time.monotonic() + DROP_DELAY
         self.housekeeper.wake()
 
     def drops_pending(self) -> bool:
         return bool(self.pending_drops) or any(i.clearing and i.sync_waiters for i in self.incoming.values())
 
-    def drop_step(self) -> tuple[bool, str]:
+    def drop_step(self) -> tuple[bool, str, float]:
         """(loop thread) One step of dropping: rows of earlier generations under an incoming copy first,
-        then old copies of ranges that moved away.  Returns (anything left, error or "").
+        then old copies of ranges that moved away.  Returns (anything left, error or "", seconds to wait
+        before the next step: an old copy's drop is not due yet).
 
         Run between batches, so no copy of an overlapping range can begin halfway through a step.
         """
@@ -215,15 +222,18 @@ class PeerSide:
                 n = self.backend.drop(inc.range, DROP_STEP, below_gen=inc.gen)
                 self.counters["dropped"] += n
                 if n >= DROP_STEP:
-                    return True, ""
+                    return True, "", 0.0
                 inc.clearing = False
                 self.backend.sync()
             except BackendError as exc:
-                return True, str(exc)
+                return True, str(exc), 0.0
             for ident, env in inc.sync_waiters:
                 self.router.send_multipart([ident, *env.reply("OK", self.name).frames()])
             inc.sync_waiters.clear()
-            return self.drops_pending(), ""
+            return self.drops_pending(), "", 0.0
+        wait = self.drops_due - time.monotonic()
+        if self.pending_drops and wait > 0:
+            return True, "", wait
         held = [r.range for r in self.view.held_by(self.name)] + [i.range for i in self.incoming.values()]
         while self.pending_drops:
             rng = self.pending_drops[0]
@@ -233,10 +243,10 @@ class PeerSide:
             try:
                 n = self.backend.drop(rng, DROP_STEP)
             except BackendError as exc:
-                return True, str(exc)
+                return True, str(exc), 0.0
             self.counters["dropped"] += n
             if n < DROP_STEP:
                 self.pending_drops.pop(0)
                 log.info("%s: old copy of %s dropped", self.name, rng)
-            return self.drops_pending(), ""
-        return False, ""
+            return self.drops_pending(), "", 0.0
+        return False, "", 0.0
