@@ -130,9 +130,8 @@ def door_phase(tb: Testbed, seconds: float, idle: int, sources: int, rate: float
     for name, host in (("a", "vfh1"), ("b", "vfh4")):
         ep = schema.Endpoint(service=svc, name=name, mac=tb.hosts[host]["mac"], rx="ovs", host=host)
         reg.put(schema.endpoint_key(svc, name), ep.to_json())
-    guarded = {h: tb.hosts[h] for h in DOOR_HOSTS}
-    for h, info in guarded.items():   # many clients behind each sender: not source-guarded (module docstring)
-        reg.put_host(schema.Host(mac=info["mac"], dpid=info["dpid"], port=info["port"], name=h))
+    for h in DOOR_HOSTS:   # many clients behind each sender: not source-guarded (module docstring)
+        reg.put_host(tb.host_record(h, ips=[]))
     reg.assign(svc, Range(0, HALF), "a")
     rev = reg.assign(svc, Range(HALF + 1, codec.KEY_MAX), "b")
     tb.wait_revision(rev)
@@ -173,8 +172,8 @@ def door_phase(tb: Testbed, seconds: float, idle: int, sources: int, rate: float
     try:
         row = phase("frontdoor", seconds, idle, run)
     finally:
-        for h, info in guarded.items():
-            reg.put_host(schema.Host(mac=info["mac"], dpid=info["dpid"], port=info["port"], name=h, ips=info["ips"]))
+        for h in DOOR_HOSTS:
+            reg.put_host(tb.host_record(h))
     row.update(sources=sources, rate_per_host=rate, sent=dict(sent))
     return row
 

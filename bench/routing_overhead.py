@@ -218,8 +218,7 @@ def main() -> int:
         # The NORMAL pair: no host records, so no host routes and no port security for them.
         for name in (N_CLIENT, N_SERVER):
             info = h[name]
-            removed.append(schema.Host(mac=info["mac"], dpid=info["dpid"], port=info["port"], name=name,
-                                       ips=info["ips"]))
+            removed.append(tb.host_record(name))
             reg.delete(schema.host_key(info["mac"]))
 
         def port(host: str) -> RawPort:

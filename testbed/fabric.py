@@ -188,9 +188,16 @@ class Testbed:
         for a, pa, b, pb in links:
             self.registry.put_link(schema.Link(dpid=a, port=pa, peer_dpid=b, peer_port=pb))
         for mac, dpid, port, name, iface, ip in hosts:
-            ips = [ip] if ip else []   # the source guard: front-door requests only from the host's own address
-            self.registry.put_host(schema.Host(mac=mac, dpid=dpid, port=port, name=name, ips=ips))
-            self.hosts[name] = {"mac": mac, "dpid": dpid, "port": port, "iface": iface, "ips": ips}
+            # the source guard: front-door requests only from the host's own address
+            self.hosts[name] = {"mac": mac, "dpid": dpid, "port": port, "iface": iface, "ips": [ip] if ip else []}
+            self.registry.put_host(self.host_record(name))
+
+    def host_record(self, host: str, ips: list[str] | None = None) -> schema.Host:
+        """The registry record of Mininet host ``host``: its MAC and port, and ``ips`` (None: the addresses it
+        was given, see :meth:`add_address`; [] registers it unguarded)."""
+        h = self.hosts[host]
+        return schema.Host(mac=h["mac"], dpid=h["dpid"], port=h["port"], name=host,
+                           ips=h["ips"] if ips is None else ips)
 
     def add_address(self, host: str, ip: str, prefix: int = 8) -> int:
         """Give Mininet host ``host`` one more IPv4 address and register it (the source guard lets its
@@ -202,8 +209,7 @@ class Testbed:
         h = self.hosts[host]
         if ip not in h["ips"]:
             h["ips"] = h["ips"] + [ip]
-        return self.registry.put_host(schema.Host(mac=h["mac"], dpid=h["dpid"], port=h["port"], name=host,
-                                                  ips=h["ips"]))
+        return self.registry.put_host(self.host_record(host))
 
     def wait_synced(self, timeout: float = 30.0) -> None:
         self.registry.wait_applied(self.registry.state_revision(), timeout=timeout)

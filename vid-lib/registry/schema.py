@@ -400,7 +400,7 @@ class Load(Record):
 @dataclass
 class Counters(Record):
     """Per-switch flow counters the controller publishes: {"<service id>/<lo:06x>" | "deny/<port>" |
-    "vid_miss/<n>" | "guard/<service id>": [packets, bytes]}."""
+    "vid_miss/<n>" | "guard/<service id>" | "spoofed/<service id>": [packets, bytes]}."""
 
     KIND: ClassVar[str] = "counters"
     at: float
