@@ -292,6 +292,22 @@ def test_an_old_copy_is_kept_drop_delay_after_the_move(endpoint, monkeypatch):
     assert not backend.data and time.monotonic() - t0 >= 1.0
 
 
+def test_an_old_copy_not_due_yet_does_not_hold_back_new_drop_work():
+    """While an old copy waits for its DROP_DELAY, new work (a copy's clearing, which a SYNC waits for) wakes
+    the dropping thread at once."""
+    from types import SimpleNamespace
+
+    from vfab.vid.state.housekeeper import Housekeeper
+
+    steps = iter([(True, "", 30.0), (False, "", 0.0)])   # first: an old copy due in 30 s; then the new work
+    loop = SimpleNamespace(name="x", call=lambda fn: fn(), drop_step=lambda: next(steps))
+    hk = Housekeeper(loop)
+    threading.Timer(0.1, hk.wake).start()
+    t0 = time.monotonic()
+    assert hk._drain_drops() is True
+    assert time.monotonic() - t0 < 10
+
+
 def test_replicated_writes_overtake_queued_copy_chunks(endpoint):
     """A client waits on each replicated write; a copy's chunks (tens of ms each on a busy disk) must not
     queue in front of it.  Sent CHUNK x5 then REPL in one burst, the REPL is answered after at most the one

@@ -184,6 +184,7 @@ class Housekeeper:
             self._last_error = ""
             if not left:
                 return True
-            if wait > 0:
-                self._stop.wait(wait)   # an old copy not due yet (peer.DROP_DELAY)
+            if wait > 0:   # an old copy not due yet (peer.DROP_DELAY); woken early by new work (a copy's
+                self._drop_wake.wait(wait)   # clearing, which a SYNC waits for) or by stop()
+                self._drop_wake.clear()
         return True
