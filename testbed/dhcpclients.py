@@ -56,17 +56,18 @@ SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
 PACKET_OUTGOING = 4
 
 # One line per event: "<event> <ip> <unix time>"; udhcpc passes the event as $1 and the rest in the environment.
-UDHCPC_HOOK = """#!/bin/sh
-# vfab client farm: record each event; configure the address when asked to (ADDR=1)
+UDHCPC_HOOK = """#!/bin/busybox sh
+# vfab client farm: record each event; configure the address when asked to (ADDR=1). busybox's shell and its
+# $EPOCHREALTIME, not a 'date' process per event (0.4 of the 2.5 CPU-s a burst of 245 clients used here).
 f="{dir}/$interface"
 case "$1" in
   bound|renew)
     [ "{addr}" = 1 ] && ip addr replace "$ip/$subnet" dev "$interface"
-    echo "$1 $ip $(date +%s.%N)" >> "$f" ;;
+    echo "$1 $ip $EPOCHREALTIME" >> "$f" ;;
   deconfig)
     [ "{addr}" = 1 ] && ip -4 addr flush dev "$interface"
-    echo "$1 - $(date +%s.%N)" >> "$f" ;;
-  *) echo "$1 - $(date +%s.%N)" >> "$f" ;;
+    echo "$1 - $EPOCHREALTIME" >> "$f" ;;
+  *) echo "$1 - $EPOCHREALTIME" >> "$f" ;;
 esac
 exit 0
 """
