@@ -67,6 +67,7 @@ class VfabController(app_manager.OSKenApp):
         self.generation: dict[int, int] = {}  # per switch, bumped whenever ``installed`` changes
         self.datapath = Datapath(self.config.ovs_rundir) if self.config.datapath_wait else None
         self.datapath_problem = ""          # logged once per distinct reason
+        self.next_change: float | None = None   # when the next binding in force ends (unix s)
         self.to_report: list = []           # (Report, committed at), published by _report_loop
         self.hold: dict[int, set[int]] = {}  # groups kept until the datapath followed the round that unused them
         self.hold_lock = threading.Lock()
@@ -112,7 +113,9 @@ class VfabController(app_manager.OSKenApp):
     # -- reconcile --------------------------------------------------------
     def _reconcile_loop(self) -> None:
         while True:
-            self.dirty.wait()
+            # A binding (a DHCP host's leased address) guards until it ends: a round then takes its flows away.
+            wait = None if self.next_change is None else max(0.0, self.next_change - time.time()) + 0.01
+            self.dirty.wait(wait)
             self.dirty.clear()
             try:
                 self._reconcile()
@@ -128,7 +131,8 @@ class VfabController(app_manager.OSKenApp):
         with self.hold_lock:
             hold = {d: set(g) for d, g in self.hold.items() if g}
         rnd = engine.plan_round(items, revision, snapshot, settle=self.config.settle,
-                                reported=dict(self.reporter.reported), cache=self.parsed, hold=hold)
+                                reported=dict(self.reporter.reported), cache=self.parsed, hold=hold, now=time.time())
+        self.next_change = rnd.next_change
         if rnd.error:
             log.error("compile failed at revision %d (%s); keeping the switches as they are",
                       rnd.revision, rnd.error)

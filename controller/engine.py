@@ -47,7 +47,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from vfab.controller.reconcile import Plan, diff, update_order
-from vfab.fabric.compiler import GROUP_BASE, compile_fabric, route_destinations
+from vfab.fabric.compiler import GROUP_BASE, compile_fabric, live_bindings, route_destinations
 from vfab.fabric.flows import Kind, SwitchConfig, gc_paused, split_cookie
 from vfab.fabric.state import FabricState
 from vfab.fabric.topology import distances, next_hops
@@ -86,6 +86,7 @@ class Round:
     problems: list[str] = field(default_factory=list)
     error: str | None = None
     held: dict[int, tuple[int, ...]] = field(default_factory=dict)   # dpid -> groups kept one round longer
+    next_change: float | None = None   # unix s when a binding in force ends (the caller plans a round then)
 
     @property
     def commits(self) -> list[Commit]:
@@ -94,24 +95,27 @@ class Round:
 
 def plan_round(items: dict[str, bytes], revision: int, installed: dict[int, Installed], *,
                settle: float = 0.005, reported: dict[int, int] | None = None, cache: dict | None = None,
-               hold: dict[int, set[int]] | None = None) -> Round:
+               hold: dict[int, set[int]] | None = None, now: float | None = None) -> Round:
     """One reconcile round.  ``reported``: dpid → revision already published (no report again);
     ``cache``: records parsed in earlier rounds (``FabricState.from_items``), kept by the caller;
     ``hold``: dpid → group ids to keep although no flow uses them (the datapath may still send frames
-    into them: the app holds a round's ``held`` groups until a revalidation pass has followed it)."""
+    into them: the app holds a round's ``held`` groups until a revalidation pass has followed it);
+    ``now``: unix s, for the bindings' ends (``Round.next_change`` says when the next one ends)."""
     with gc_paused():  # the heap holds every installed flow: full collections mid-round cost more than the round
-        return _plan_round(items, revision, installed, settle, reported or {}, cache, hold or {})
+        return _plan_round(items, revision, installed, settle, reported or {}, cache, hold or {}, now)
 
 
 def _plan_round(items: dict[str, bytes], revision: int, installed: dict[int, Installed], settle: float,
-                reported: dict[int, int], cache: dict | None, hold: dict[int, set[int]]) -> Round:
+                reported: dict[int, int], cache: dict | None, hold: dict[int, set[int]], now: float | None) -> Round:
     out = Round(revision)
     try:
         st = FabricState.from_items(items, cache)
         dpids = sorted(st.switches)
         links = [(lk.dpid, lk.port, lk.peer_dpid, lk.peer_port) for lk in st.links]
         hops = next_hops(dpids, links)
-        out.configs = compile_fabric(st, hops=hops)
+        out.configs = compile_fabric(st, hops=hops, now=now)
+        ends = [st.bindings[mac].until for mac in live_bindings(st, now)]
+        out.next_change = min(ends) if ends else None
         out.problems = list(st.problems)
         dests = route_destinations(st)
         dist = distances(dpids, hops, links)

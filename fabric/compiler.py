@@ -29,7 +29,9 @@ port and MAC; never a trunk), a 400 flow that rewrites a real protocol's frames 
 table 1; per registered host port without a live endpoint of the service, a 450 flow that drops (and counts)
 the protocol's server answers (a rogue DHCP server, a forged memcached reply); for a host registered with its
 IPv4 addresses, a udp door's 400 flows match each of them and a 399 flow drops (and counts) its requests from
-any other address (the source guard).  A bad or clashing front door is a line in ``problems`` (by default
+any other address (the source guard); a ``dhcp`` host's addresses are its registered ones plus the one its
+``Binding`` (an sdhcp lease) gives until ``until``: the caller passes ``now`` (no binding with one yet: only
+the 399 flow).  A bad or clashing front door is a line in ``problems`` (by default
 the state's own ``FabricState.problems``) and is skipped.
 """
 
@@ -113,13 +115,21 @@ def block_matcher(service: int, layout: codec.Layout | str):
 
 
 def compile_fabric(st: FabricState, hops: dict[tuple[int, int], int] | None = None,
-                   problems: list[str] | None = None) -> dict[int, SwitchConfig]:
-    """Every switch's flows and groups.  ``hops``: ``topology.next_hops`` of ``st`` if the caller has it."""
+                   problems: list[str] | None = None, now: float | None = None) -> dict[int, SwitchConfig]:
+    """Every switch's flows and groups.  ``hops``: ``topology.next_hops`` of ``st`` if the caller has it.
+    ``now`` (unix s): bindings that ended by then guard nothing (None: every binding counts)."""
     with gc_paused():
-        return _compile(st, hops, st.problems if problems is None else problems)
+        return _compile(st, hops, st.problems if problems is None else problems, now)
 
 
-def _compile(st: FabricState, hops: dict[tuple[int, int], int] | None, problems: list[str]) -> dict[int, SwitchConfig]:
+def live_bindings(st: FabricState, now: float | None) -> dict[str, str]:
+    """host MAC → the address its binding gives, for the ``dhcp`` hosts whose binding has not ended."""
+    return {mac: b.ip for mac, b in st.bindings.items()
+            if (now is None or b.until > now) and getattr(st.hosts.get(mac), "dhcp", False)}
+
+
+def _compile(st: FabricState, hops: dict[tuple[int, int], int] | None, problems: list[str],
+             now: float | None) -> dict[int, SwitchConfig]:
     dpids = sorted(st.switches)
     if hops is None:
         hops = next_hops(dpids, [(lk.dpid, lk.port, lk.peer_dpid, lk.peer_port) for lk in st.links])
@@ -144,13 +154,17 @@ def _compile(st: FabricState, hops: dict[tuple[int, int], int] | None, problems:
 
     # Host ports: own MAC in, everything else not owned dropped; host MAC routes everywhere.
     host_ports = []  # (dpid, port, mac) of every registered host port (front doors sit on these)
-    sources: dict[int, list[int]] = {}   # host MAC -> the IPv4 addresses it may send requests from
+    sources: dict[int, list[int]] = {}   # guarded host MAC -> the IPv4 addresses it may send requests from
+    bound = live_bindings(st, now)
     for mac, host in st.hosts.items():
         mac_i = codec.mac_to_int(mac)
         if host.dpid in out and (host.dpid, host.port) not in trunks:
             host_ports.append((host.dpid, host.port, mac_i))
-            if host.ips:
-                sources[mac_i] = [int(ipaddress.IPv4Address(ip)) for ip in host.ips]
+            if host.ips or host.dhcp:
+                ips = {int(ipaddress.IPv4Address(ip)) for ip in host.ips}
+                if mac in bound:
+                    ips.add(int(ipaddress.IPv4Address(bound[mac])))
+                sources[mac_i] = sorted(ips)
         if host.dpid in out:
             cfg = out[host.dpid]
             cfg.add(FlowSpec(TABLE_ADMIT, PRIO_ADMIT, match(in_port=host.port, eth_src=mac_i),

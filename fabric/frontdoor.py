@@ -258,9 +258,10 @@ def door_flows(door: Door, service_id: int, layout: codec.Layout | str,
                sources: dict[int, list[int]] | None = None) -> list[tuple[int, FlowSpec]]:
     """(dpid, flow) for every host port ``(dpid, port, host MAC as int)``.
 
-    ``sources``: host MAC → the IPv4 addresses (ints) it may send from.  A source-guarded door (the udp kind)
-    takes such a host's requests only from those addresses, one flow each; below them (``priority - 1``) one
-    flow drops and counts (cookie kind SPOOF) the door's requests from any other source address of that MAC.
+    ``sources``: guarded host MAC → the IPv4 addresses (ints) it may send from (maybe none yet: a DHCP host
+    before its first lease).  A source-guarded door (the udp kind) takes such a host's requests only from those
+    addresses, one flow each; below them (``priority - 1``) one flow drops and counts (cookie kind SPOOF) the
+    door's requests from any other source address of that MAC.
     Without it, a tenant sending a request from another host's address had the service's replies (memcached's
     multi-get answers: an amplifier) sent to that host."""
     actions = (*key_rewrite(service_id, layout, door.key_field), ("goto", TABLE_ROUTE))
@@ -269,7 +270,7 @@ def door_flows(door: Door, service_id: int, layout: codec.Layout | str,
     out = []
     for dpid, port, mac in host_ports:
         ips = (sources or {}).get(mac) if door.source_guard else None
-        if not ips:
+        if ips is None:
             out.append((dpid, FlowSpec(TABLE_ADMIT, priority, match(in_port=port, eth_src=mac, **proto), actions,
                                        cookie)))
             continue

@@ -21,6 +21,7 @@ class FabricState:
     endpoints: dict = field(default_factory=dict)   # (service, name) -> Endpoint
     ranges: dict = field(default_factory=dict)      # service -> [RangeRec] sorted by lo
     hosts: dict = field(default_factory=dict)       # mac -> Host
+    bindings: dict = field(default_factory=dict)    # mac -> Binding (an sdhcp lease of a dhcp host)
     switches: dict = field(default_factory=dict)    # dpid -> Switch
     links: list = field(default_factory=list)       # [Link]
     miss: str = "drop"
@@ -63,6 +64,8 @@ class FabricState:
                     st.ranges.setdefault(rest[0], []).append(rec)
                 elif top == "hosts":
                     st.hosts[rec.mac] = rec
+                elif top == "bindings":
+                    st.bindings[rec.mac] = rec
                 elif top == "switches":
                     st.switches[rec.dpid] = rec
                 elif top == "links":

@@ -47,7 +47,7 @@ import collections
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from ipaddress import IPv4Address
 from typing import Callable
 
@@ -83,6 +83,7 @@ def open_backend(datadir: str, name: str, config: Config | None = None) -> "Sdhc
 class _Batch:
     ranges: list          # where this shard may hand out addresses now (owned, not pausing)
     now: int              # ms since the epoch
+    bindings: list = field(default_factory=list)   # (chaddr, address or None: ended, until ms), in order
 
     def owns(self, key: int) -> bool:
         return any(key in r for r in self.ranges)
@@ -110,6 +111,9 @@ class SdhcpBackend:
         self.allocatable: Callable[[], list[Range]] = lambda: [FULL]
         self.vid_mac: Callable[[int], bytes] = lambda key: bytes([0x0E]) + key.to_bytes(5, "big")
         self.clock: Callable[[], float] = time.time
+        # Set by the server to its Binder's ``offer``: after each committed batch, the leases it acknowledged to
+        # clients on the fabric's ports (not relayed) and the ones they released or declined.
+        self.on_bindings: Callable[[list], None] = lambda events: None
         self._options = self._make_options()
         self._network = self.config.network       # a property that builds an IPv4Network per call
         self._parsed: dict[bytes, tuple[bytes, bool, Message]] = {}   # key_of's parse, for handle_batch
@@ -196,6 +200,8 @@ class SdhcpBackend:
         except BaseException:
             self.store.rollback()
             raise
+        if ctx.bindings:
+            self.on_bindings(ctx.bindings)
         self.counters["batches_synced" if durable else "batches_unsynced"] += 1
         self.batch_unsynced = durable and self.defer_sync
         return replies, records
@@ -365,8 +371,10 @@ class SdhcpBackend:
         ok, a, stale = self._available(c, lease, int(target), ctx)
         if not ok:
             return self._nak(msg, f"{target} is not available")
-        self._grant(c, key, lease, int(target), BOUND, ctx.now + self.config.lease * 1000, msg, ctx, records, a,
-                    stale)
+        expires = ctx.now + self.config.lease * 1000
+        self._grant(c, key, lease, int(target), BOUND, expires, msg, ctx, records, a, stale)
+        if msg.giaddr == ZERO:
+            ctx.bindings.append((c, int(target), expires))
         self.counters[kind] += 1
         self.counters["acks"] += 1
         return reply(msg, MessageType.ACK, self.server, target, options=self._options)
@@ -377,6 +385,7 @@ class SdhcpBackend:
         elif lease is not None and lease.ip and lease.ip == int(msg.ciaddr) and lease.state != RELEASED:
             _, rec = self.store.put_lease(replace(lease, state=RELEASED, expires=ctx.now))
             records.append((lease.vkey, rec))
+            ctx.bindings.append((lease.chaddr, None, ctx.now))
             self.counters["releases"] += 1
         else:
             self.counters["release_unknown"] += 1
@@ -391,6 +400,7 @@ class SdhcpBackend:
         if lease is not None and lease.ip == ip:
             _, rec = self.store.put_lease(replace(lease, ip=0, state=NONE, expires=ctx.now))
             records.append((lease.vkey, rec))
+            ctx.bindings.append((c, None, ctx.now))
         home = self.pool.home_of(ip)
         a = self.store.addr(ip) if ctx.owns(home) else None
         if a is not None and a.holder == c:  # only the holder can say its address is taken

@@ -15,7 +15,9 @@ without changing it:
   owner source it; a unicast renewal to it meets the front door anyway);
 * the backend hands out addresses only in ranges the shard owns and is not
   pausing for an operation (``allocatable``);
-* ``STATS`` also carries the backend's counters and pool use (``vfab sdhcp status``).
+* ``STATS`` also carries the backend's counters and pool use (``vfab sdhcp status``);
+* the leases of hosts registered as DHCP hosts are published as bindings for the
+  source guard (``bindings.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import threading
 
 from vfab.services.sdhcp import frames
 from vfab.services.sdhcp.backend import SdhcpBackend, open_backend
+from vfab.services.sdhcp.bindings import Binder
 from vfab.services.sdhcp.config import OPTIONS, Config, parse_opts
 from vfab.services.sdhcp.errors import DhcpError
 from vfab.services.sdhcp.pool import subtract
@@ -49,6 +52,7 @@ ARP = frames.ETH_P_ARP.to_bytes(2, "big")
 
 class SdhcpLoop(EndpointLoop):
     backend: SdhcpBackend
+    binder: Binder | None = None   # publishes the DHCP hosts' leases (set by ``run``)
 
     def __init__(self, registry: Registry, service: str, name: str, iface: str, backend: SdhcpBackend,
                  netns: str | None = None, ttl: int = 3):
@@ -115,6 +119,8 @@ class SdhcpLoop(EndpointLoop):
             stats = self.backend.stats([r.range for r in self.view.owned_by(self.name)])
             mirrored = [r.range for r in self.view.ranges if self.name in r.mirrors]
             stats["mirrored"] = self.backend.store.usage(mirrored, int(self.backend.clock() * 1000))
+            if self.binder is not None:
+                stats["bindings"] = dict(self.binder.counters)
             return env.reply("OK", self.name, counters=dict(self.counters), port=dict(self.port.counters),
                              sdhcp=stats)
         return super()._control(env, ident)
@@ -192,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         loop = open_server(registry, args.service, args.name, args.iface, args.data, config, netns=args.netns,
                            ttl=args.ttl)
+        loop.binder = Binder(args.etcd, args.service, args.name).start()
+        loop.backend.on_bindings = loop.binder.offer
         for text in args.listen:
             registry.assign(args.service, Range.parse(text), args.name)
         if args.listen:
@@ -202,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
         loop.serve(stop)
     finally:
         if loop is not None:
+            if loop.binder is not None:
+                loop.binder.stop()
             loop.close()
             loop.backend.store.close()
         registry.close()

@@ -369,3 +369,72 @@ def test_a_rogue_dhcp_server_reaches_no_client(testbed, dh):
     cl["udhcpc"].signal(signal.SIGUSR1)
     cl["udhcpc"].wait_event(("renew", "RENEW"), mark)
     assert cl["udhcpc"].addrs() == [addrs["udhcpc"]]
+
+
+def test_a_dhcp_hosts_leased_address_is_its_only_way_through_a_source_guarded_door(testbed, dh):
+    """A host whose address comes from DHCP cannot be registered with it, so a tenant there could send
+    requests to a udp door (memcached's) from another client's address and have the answers reflected to
+    it.  Registered with ``dhcp``, the host reaches such a door only from the address its lease binds: the
+    shard that ACKs publishes the binding, the switches take it from that address (nothing before the
+    binding, nothing from any other address, nothing after its RELEASE) and count the rest as spoofed."""
+    reg = testbed.registry
+    host, mac_s = CLIENTS["udhcpc"]
+    sink_host, sink_mac = CLIENTS["dhclient"]       # a port standing for the door's server (rx=ovs)
+    door_ip = IPv4Address("192.168.77.200")
+    reg.create_service("gd", frontdoors=[{"kind": "udp", "ip": str(door_ip), "port": 9999}])
+    sid = reg.service("gd").id
+    lease = reg.lease(60)   # revoked at the end (no keepalive: the test is shorter)
+    reg.announce(schema.Endpoint(service="gd", name="sink", mac=sink_mac, rx="ovs", host=sink_host), lease=lease)
+    reg.assign("gd", Range(0, codec.KEY_MAX), "sink")
+    info = testbed.hosts[host]
+    reg.put_host(schema.Host(mac=mac_s, dpid=info["dpid"], port=info["port"], name=host, dhcp=True))
+    testbed.wait_revision(reg.state_revision())
+    cl = dh["clients"]["udhcpc"]
+    leased = cl.address()
+    src = codec.mac_to_int(mac_s).to_bytes(6, "big")
+    dst = codec.mac_to_int(testbed.hosts[sink_host]["mac"]).to_bytes(6, "big")
+
+    def through(ip: IPv4Address, n: int = 10) -> int:
+        """How many of ``n`` datagrams from ``ip`` on the udhcpc host reach the door's server."""
+        frames = [ipudp.Datagram(dst, src, ip, door_ip, 41000 + i, 9999, b"ping %d" % i).serialize()
+                  for i in range(n)]
+
+        def ours(f: bytes) -> bool:
+            try:
+                dg = ipudp.parse(f, verify=False)
+            except Exception:  # noqa: BLE001 - anything else on the sink's port is not ours
+                return False
+            return dg.dst_ip == door_ip and dg.dst_port == 9999 and 41000 <= dg.src_port < 41000 + n
+        return frames_seen(testbed, host, frames, sink_host, seen=ours)
+
+    def binding():
+        got = reg.get(schema.binding_key(mac_s))
+        return schema.Binding.from_json(got[0]) if got else None
+
+    try:
+        spoofed0 = guard_drops(testbed, sid, "spoofed")
+        assert binding() is None and through(leased) == 0       # leased before it was a dhcp host: no binding
+        mark = len(cl.events())
+        cl.signal(signal.SIGUSR1)                                # renew: the ACK binds
+        cl.wait_event(("renew", "RENEW"), mark)
+        b = wait_for(binding, WAIT, "the shard to publish the udhcpc host's binding")
+        assert (b.ip, b.service, b.shard) == (str(leased), SVC, "s1") and b.until > time.time() + 30, b
+        testbed.wait_revision(reg.state_revision())
+        assert through(leased) == 10
+        assert through(IPv4Address("192.168.77.222")) == 0       # another address: spoofed
+        assert stats(testbed, "s1")["bindings"]["published"] >= 1
+        cl.signal(signal.SIGUSR2)                                # RELEASE: the binding goes
+        wait_for(lambda: binding() is None, WAIT, "the shard to delete the released binding")
+        testbed.wait_revision(reg.state_revision())
+        assert through(leased) == 0
+        wait_for(lambda: guard_drops(testbed, sid, "spoofed") >= spoofed0 + 30, WAIT,
+                 "the switches to count the 30 requests from addresses not bound (spoofed/<gd>)")
+    finally:
+        reg.put_host(schema.Host(mac=mac_s, dpid=info["dpid"], port=info["port"], name=host))
+        reg.revoke(lease)
+        reg.delete_service("gd")
+        testbed.wait_revision(reg.state_revision())
+    mark = len(cl.events())
+    cl.signal(signal.SIGUSR1)                                    # it leases again, unguarded as before
+    cl.wait_event(("bound", "BOUND"), mark)
+    assert cl.address() == leased

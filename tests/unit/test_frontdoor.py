@@ -261,6 +261,60 @@ def test_a_guarded_host_reaches_a_udp_door_only_from_its_own_addresses():
     assert dhcp_from(fab, "c4") == [owner_delivery(CLIENTS["c4"][0] & 0xFFFFFF)]
 
 
+def test_a_dhcp_host_reaches_a_udp_door_from_the_address_its_lease_binds_until_the_lease_ends():
+    """A host whose address comes from DHCP (``dhcp``) cannot be registered with it: without a lease it
+    reaches the door from no address; with a binding (an sdhcp shard's lease of it) from that address and its
+    registered ones, until the lease ends (``now``).  A binding of a host not marked ``dhcp`` guards nothing,
+    and the engine asks for a round when the next binding ends."""
+    from vfab.controller import engine
+
+    door = {"kind": "udp", "ip": "10.0.0.100", "port": 11211}
+    items = make_items(doors=[door])
+    for name, ips in (("c4", []), ("c20", ["10.2.0.9"])):
+        mac, dpid, port = CLIENTS[name]
+        items[schema.host_key(codec.int_to_mac(mac))] = schema.Host(
+            mac=codec.int_to_mac(mac), dpid=dpid, port=port, name=name, ips=ips, dhcp=True).to_json().encode()
+    req = dict(udp_dst=11211, ipv4_dst=SVC_IP)
+    leased = {"c4": 0x0A010005, "c20": 0x0A020014, "c7": 0x0A010007}
+
+    def fabric(now, bindings):
+        its = dict(items)
+        for name, until in bindings.items():
+            mac = codec.int_to_mac(CLIENTS[name][0])
+            its[schema.binding_key(mac)] = schema.Binding(
+                mac=mac, ip=str(ipaddress.IPv4Address(leased[name])), until=until, service="dhcp",
+                shard="e1").to_json().encode()
+        return FakeFabric(compile_fabric(FabricState.from_items(its), now=now), TRUNK), its
+
+    def reaches(fab, name, ip):
+        return dhcp_from(fab, name, ipv4_src=ip, **req) == [owner_delivery(ip & 0xFFFFFF)]
+
+    fab, _ = fabric(1000.0, {})
+    assert not reaches(fab, "c4", leased["c4"]) and not reaches(fab, "c20", leased["c20"])
+    assert reaches(fab, "c20", 0x0A020009)                               # its registered address
+    assert fab.drop_count(Kind.SPOOF) == 2
+    fab, its = fabric(1000.0, {"c4": 1600.0, "c20": 1300.5, "c7": 1200.0})
+    assert reaches(fab, "c4", leased["c4"]) and reaches(fab, "c20", leased["c20"])
+    assert reaches(fab, "c20", 0x0A020009)
+    assert not reaches(fab, "c4", leased["c20"])                          # another client's lease
+    assert reaches(fab, "c7", 0x0A0A0A0A)                                 # not a dhcp host: not guarded
+    rnd = engine.plan_round(its, 1, {}, now=1000.0)
+    assert rnd.error is None and rnd.next_change == 1300.5                # c7's binding does not count
+    fab, _ = fabric(1400.0, {"c4": 1600.0, "c20": 1300.5})                # c20's lease ended
+    assert reaches(fab, "c4", leased["c4"]) and not reaches(fab, "c20", leased["c20"])
+    assert engine.plan_round(its, 1, {}, now=1700.0).next_change is None
+
+
+@pytest.mark.parametrize("field, value, says", [("ip", "10.0.0.256", "is not an IPv4 address"),
+                                                ("until", "soon", "field 'until' has the wrong type"),
+                                                ("service", "Bad Name", "service name 'Bad Name' is invalid")])
+def test_bindings_are_checked(field, value, says):
+    rec = json.loads(schema.Binding(mac="02:00:00:00:00:01", ip="10.0.0.1", until=5.0, service="dhcp").to_json())
+    rec[field] = value
+    with pytest.raises(RegistryError, match=re.escape(says)):
+        schema.Binding.from_json(json.dumps(rec), "bindings/x")
+
+
 def test_spoofed_drops_are_published_per_service():
     from vfab.controller.report import counters_from_stats
     from vfab.fabric.flows import make_cookie

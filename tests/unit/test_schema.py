@@ -19,7 +19,8 @@ GOOD = {
     schema.Endpoint: {"service": "echo", "name": "e1", "mac": MAC, "rx": "bpf", "host": "h1", "ctl": "tcp://127.0.0.1:5555"},
     schema.RangeRec: {"lo": 0, "hi": 99, "owner": "e1", "mirrors": ["e2"], "helpers": ["e3"],
                       "epoch": 4, "state": "moving"},
-    schema.Host: {"mac": MAC, "dpid": 1, "port": 3, "name": "h1", "ips": ["10.0.0.1", "10.0.0.7"]},
+    schema.Host: {"mac": MAC, "dpid": 1, "port": 3, "name": "h1", "ips": ["10.0.0.1", "10.0.0.7"], "dhcp": False},
+    schema.Binding: {"mac": MAC, "ip": "10.0.0.9", "until": 1795600000.5, "service": "dhcp", "shard": "s1"},
     schema.Switch: {"dpid": 1, "name": "s1"},
     schema.Link: {"dpid": 1, "port": 10, "peer_dpid": 2, "peer_port": 11},
     schema.Applied: {"dpid": 1, "revision": 42, "flows": 17, "groups": 2, "at": 1.5, "committed": 1.25, "datapath": True},
@@ -44,6 +45,7 @@ WRONG_TYPES = [
     (schema.RangeRec, "mirrors", [1]), (schema.RangeRec, "helpers", [None]),
     (schema.Host, "dpid", "1"), (schema.Host, "port", None), (schema.Host, "mac", 1.0),
     (schema.Host, "name", 3), (schema.Host, "ips", "10.0.0.1"), (schema.Host, "ips", ["10.0.0.256"]),
+    (schema.Host, "dhcp", 1), (schema.Binding, "until", "1"), (schema.Binding, "ip", 167772161),
     (schema.Switch, "dpid", "0x1"), (schema.Switch, "name", None),
     (schema.Link, "dpid", "1"), (schema.Link, "port", None), (schema.Link, "peer_dpid", 2.0),
     (schema.Link, "peer_port", True),
@@ -172,7 +174,7 @@ def test_parse_key():
     assert schema.parse_key("/vfab/v1/ranges/echo/000000") == ("ranges", ["echo", "000000"])
     assert schema.parse_key("/vfab/v1/config/miss") == ("config", ["miss"])
     assert schema.parse_key("/other/v1/ranges") is None
-    assert set(schema.RECORDS) == {"services", "endpoints", "ranges", "hosts", "switches", "links",
+    assert set(schema.RECORDS) == {"services", "endpoints", "ranges", "hosts", "bindings", "switches", "links",
                                    "applied"}
 
 

@@ -431,3 +431,95 @@ def test_the_free_address_search_resumes_where_it_ended_and_forgets_what_may_hav
     for ip in range(lo, hi + 1):                                # all taken: None, from a hint or not
         st.put_addr(Addr(ip, holder=0x100 + ip, state=HELD, version=9))
     assert st.first_free(lo, hi, 1, now) is None
+
+
+# ----------------------------------------------------------------------------- bindings (the source guard's leases)
+
+
+def test_acks_releases_and_declines_of_clients_on_the_fabric_are_offered_as_bindings_after_the_commit(backend):
+    events = []
+    backend.on_bindings = events.extend
+    ip = lease(backend)
+    c = int.from_bytes(MAC, "big")
+    assert events == [(c, int(ip), events[0][2])]
+    assert abs(events[0][2] / 1000 - (backend.clock() + 600)) < 5                   # until the lease ends
+    send(backend, dhcp(MessageType.RELEASE, ciaddr=ip, opts={Opt.SERVER_ID: SERVER.packed}))
+    assert events[-1][:2] == (c, None)
+    ip = lease(backend)
+    send(backend, dhcp(MessageType.DECLINE, opts={Opt.REQUESTED_IP: ip.packed, Opt.SERVER_ID: SERVER.packed}))
+    assert [e[:2] for e in events[2:]] == [(c, int(ip)), (c, None)]
+    events.clear()
+    send(backend, dhcp(MessageType.DISCOVER, mac=bytes.fromhex("025d00200002")), src=bytes.fromhex("025d00200002"))
+    assert events == []                                                               # an OFFER binds nothing
+
+
+def test_a_relayed_clients_lease_binds_nothing(tmp_path):
+    b = SdhcpBackend(Store(str(tmp_path / "r.sqlite"), parse_opts({**OPTS, "relays": "192.168.77.99"})))
+    events = []
+    b.on_bindings = events.extend
+    relay_mac, relay = bytes.fromhex("02aaaaaaaaaa"), IPv4Address("192.168.77.99")
+    _, offer, _ = send(b, dhcp(MessageType.DISCOVER, giaddr=relay, hops=1), src=relay_mac)
+    _, ack, _ = send(b, dhcp(MessageType.REQUEST, giaddr=relay, hops=1, opts={
+        Opt.SERVER_ID: SERVER.packed, Opt.REQUESTED_IP: offer.yiaddr.packed}), src=relay_mac)
+    assert ack.msg_type is MessageType.ACK and events == []   # the client is behind the relay, not on a port
+    b.store.close()
+
+
+def test_the_binder_publishes_dhcp_hosts_leases_deletes_its_own_and_collects_ended_ones(registry):
+    from vfab.services.sdhcp import bindings
+    from vfab.vid.registry import schema
+
+    guarded, plain, other = 0x025D00200001, 0x025D00200002, 0x025D00200003
+    for mac, dhcp_host in ((guarded, True), (plain, False), (other, True)):
+        registry.put_host(schema.Host(mac=codec_mac(mac), dpid=1, port=mac & 0xFF, dhcp=dhcp_host))
+    binder = bindings.Binder(registry.endpoint, "dhcp", "s1", clock=lambda: 10_000.0)
+    binder.offer([(guarded, 0xC0A84D0A, 9_000_000), (plain, 0xC0A84D0B, 9_000_000), (guarded, 0xC0A84D0C, 10_600_000)])
+    binder.write(registry)
+
+    def stored():
+        return {k.rsplit("/", 1)[1]: schema.Binding.from_json(v) for k, (v, _) in
+                registry.get_prefix(schema.folder("bindings"))[1].items()}
+    got = stored()
+    assert list(got) == [codec_mac(guarded)]                                  # only a dhcp host's; the newest event
+    assert (got[codec_mac(guarded)].ip, got[codec_mac(guarded)].until) == ("192.168.77.12", 10_600.0)
+    assert binder.counters["not_dhcp_hosts"] == 1
+    # another shard's binding of that MAC since then is not this shard's to delete
+    registry.put(schema.binding_key(codec_mac(guarded)), schema.Binding(
+        mac=codec_mac(guarded), ip="192.168.77.40", until=10_700.0, service="dhcp", shard="s2").to_json())
+    binder.offer([(guarded, None, 10_100_000)])
+    binder.write(registry)
+    assert stored()[codec_mac(guarded)].shard == "s2" and binder.counters["deleted_by_others"] == 1
+    binder.offer([(other, 0xC0A84D20, 10_500_000)])
+    binder.write(registry)
+    binder.offer([(other, None, 10_200_000)])
+    binder.write(registry)
+    assert list(stored()) == [codec_mac(guarded)] and binder.counters["deleted"] == 1
+    # ended over GC_S ago: collected (this service's only)
+    for mac, svc, until in ((other, "dhcp", 9_000.0), (plain, "other", 9_000.0)):
+        registry.put(schema.binding_key(codec_mac(mac)), schema.Binding(
+            mac=codec_mac(mac), ip="192.168.77.50", until=until, service=svc).to_json())
+    assert binder.collect(registry) == 1
+    assert sorted(stored()) == sorted([codec_mac(guarded), codec_mac(plain)])
+
+
+def test_the_binder_keeps_what_etcd_refused_and_writes_it_once_etcd_answers(registry):
+    from vfab.services.sdhcp import bindings
+    from vfab.vid.errors import RegistryError
+    from vfab.vid.registry import Registry, schema
+
+    mac = 0x025D00200001
+    registry.put_host(schema.Host(mac=codec_mac(mac), dpid=1, port=1, dhcp=True))
+    binder = bindings.Binder(registry.endpoint, "dhcp", "s1")
+    dead = Registry("127.0.0.1:9", timeout=0.5)
+    binder.offer([(mac, 0xC0A84D0A, 9_000_000)])
+    with pytest.raises(RegistryError):
+        binder.write(dead)
+    binder.offer([(0x025D00200009, 0xC0A84D0B, 9_000_000)])   # meanwhile: another client
+    binder.write(registry)
+    assert schema.Binding.from_json(registry.get(schema.binding_key(codec_mac(mac)))[0]).ip == "192.168.77.10"
+    dead.close()
+
+
+def codec_mac(value: int) -> str:
+    from vfab.vid.codec import int_to_mac
+    return int_to_mac(value)

@@ -6,7 +6,9 @@
     /vfab/v1/service-ids/<id>              <name>    (makes ids unique)
     /vfab/v1/endpoints/<service>/<name>    Endpoint  {mac, rx, host}   leased: lease = liveness
     /vfab/v1/ranges/<service>/<lo:06x>     RangeRec  {lo, hi, owner, mirrors, helpers, epoch, state[, weights]}
-    /vfab/v1/hosts/<mac>                   Host      {dpid, port, name}  where a MAC attaches
+    /vfab/v1/hosts/<mac>                   Host      {dpid, port, name, ips, dhcp}  where a MAC attaches
+    /vfab/v1/bindings/<mac>                Binding   {mac, ip, until, service, shard}  an address a DHCP service
+                                                     leased to a ``dhcp`` host, by the shard that acknowledged it
     /vfab/v1/switches/<dpid:016x>          Switch    {dpid, name}
     /vfab/v1/links/<dpid:016x>/<port>      Link      {dpid, port, peer_dpid, peer_port}
     /vfab/v1/config/miss                   "drop" | "controller" | "flood"
@@ -86,6 +88,10 @@ def host_key(mac: str) -> str:
     return f"{ROOT}hosts/{int_to_mac(mac_to_int(mac))}"
 
 
+def binding_key(mac: str) -> str:
+    return f"{ROOT}bindings/{int_to_mac(mac_to_int(mac))}"
+
+
 def switch_key(dpid: int) -> str:
     return f"{ROOT}switches/{dpid:016x}"
 
@@ -95,8 +101,8 @@ def link_key(dpid: int, port: int) -> str:
 
 
 MISS_KEY = f"{ROOT}config/miss"
-FOLDERS = ("services", "service-ids", "endpoints", "ranges", "hosts", "switches", "links", "config", "applied",
-           "counters", "ops", "load", "balancer", "helpers")
+FOLDERS = ("services", "service-ids", "endpoints", "ranges", "hosts", "bindings", "switches", "links", "config",
+           "applied", "counters", "ops", "load", "balancer", "helpers")
 
 
 def op_key(service: str, op_id: str) -> str:
@@ -276,13 +282,16 @@ class RangeRec(Record):
 class Host(Record):
     """A host port's MAC.  ``ips``: the IPv4 addresses that MAC may send from; when given, front-door requests
     (the ``udp`` kind's) from any other source address are dropped at the port (the source guard: no reflection
-    of a service's replies to someone else's address).  Empty: not guarded (e.g. DHCP clients)."""
+    of a service's replies to someone else's address).  ``dhcp``: its addresses come from DHCP: guarded by the
+    bindings an sdhcp service publishes for its leases (besides ``ips``), and with none yet every such request
+    of it is dropped.  Neither: not guarded."""
     KIND: ClassVar[str] = "host"
     mac: str
     dpid: int
     port: int
     name: str = ""
     ips: list = field(default_factory=list)
+    dhcp: bool = False
 
     def __post_init__(self) -> None:
         self.mac = int_to_mac(mac_to_int(self.mac))
@@ -290,6 +299,7 @@ class Host(Record):
         _need("host", "port", self.port, int)
         _need("host", "name", self.name, str)
         _need("host", "ips", self.ips, list)
+        _need("host", "dhcp", self.dhcp, bool)
         norm = set()
         for ip in self.ips:
             try:
@@ -300,6 +310,30 @@ class Host(Record):
                 raise VidError(f"host {self.mac}: {ip!r} in 'ips' is not an IPv4 address (dotted quad, e.g. "
                                "10.0.0.1)") from None
         self.ips = sorted(norm, key=lambda a: ipaddress.IPv4Address(a))
+
+
+@dataclass
+class Binding(Record):
+    """An address ``ip`` leased to the host ``mac`` until ``until`` (unix seconds) by shard ``shard`` of the
+    DHCP service ``service`` (the key: ``binding_key(mac)``, one per MAC).  Source-guarded doors take that
+    host's requests from ``ip`` while the lease lasts; an ended one is ignored."""
+    KIND: ClassVar[str] = "binding"
+    mac: str
+    ip: str
+    until: float
+    service: str
+    shard: str = ""
+
+    def __post_init__(self) -> None:
+        self.mac = int_to_mac(mac_to_int(self.mac))
+        _need("binding", "ip", self.ip, str)
+        try:
+            self.ip = str(ipaddress.IPv4Address(self.ip))
+        except ValueError:
+            raise VidError(f"binding {self.mac}: {self.ip!r} is not an IPv4 address") from None
+        _need("binding", "until", self.until, (int, float))
+        check_name("service", self.service)
+        _need("binding", "shard", self.shard, str)
 
 
 @dataclass
@@ -473,6 +507,7 @@ RECORDS: dict[str, type[Record]] = {
     "endpoints": Endpoint,
     "ranges": RangeRec,
     "hosts": Host,
+    "bindings": Binding,
     "switches": Switch,
     "links": Link,
     "applied": Applied,

@@ -1,0 +1,172 @@
+"""Bindings: the addresses a shard leased to DHCP hosts, published for the fabric's source guard.
+
+A host registered with ``dhcp: true`` gets its addresses from DHCP; a source-guarded front door (memcached's
+udp door) takes its requests only from the addresses its ``Binding`` records give, so a tenant cannot make a
+service answer to someone else's address.  The shard that acknowledges such a host's lease writes
+``/vfab/v1/bindings/<mac>`` (address, lease end, service, shard); the host's RELEASE or DECLINE deletes it (only
+the version this shard wrote); the controller ignores a binding once its lease ended and turns the others into
+flows.  Every shard of the service also clears its service's bindings that ended over ``GC_S`` ago.
+
+Off the loop's thread: the backend hands each committed batch's events to :meth:`Binder.offer`; a thread
+writes them at most every ``PASS_S`` in etcd transactions of up to ``BATCH`` puts, the newest event of a MAC
+winning.  A write that fails is retried every ``RETRY_S`` (said once in the log, and when it works again);
+the clients are served meanwhile (only their source guard lags).  Which MACs are DHCP hosts is read from the
+host records, at most once a second and only when an unknown MAC comes, and otherwise every ``HOSTS_S``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from ipaddress import IPv4Address
+
+from vfab.vid.codec import int_to_mac, mac_to_int
+from vfab.vid.errors import RegistryError
+from vfab.vid.registry import Registry, schema
+
+log = logging.getLogger("vfab.sdhcp.bindings")
+
+PASS_S = 0.05      # s between two writes (the events of that time go in one transaction)
+BATCH = 64         # puts per etcd transaction (etcd allows 128 operations)
+RETRY_S = 1.0      # s between tries while etcd fails
+HOSTS_S = 30.0     # s the set of DHCP hosts is trusted
+MISS_S = 1.0       # s between two reloads of it caused by a MAC it does not know
+GC_S = 60.0        # s after its end a binding of this service is deleted
+
+
+class Binder:
+    """Publishes one shard's bindings; ``offer`` from the loop's thread, the rest on its own thread."""
+
+    def __init__(self, etcd: str, service: str, shard: str, clock=time.time):
+        self.etcd, self.service, self.shard, self.clock = etcd, service, shard, clock
+        self.counters: collections.Counter = collections.Counter()
+        self._pending: dict[int, tuple[int | None, float]] = {}   # chaddr -> (address or None, until unix s)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._written: dict[int, int] = {}      # chaddr -> mod revision of the binding this shard wrote
+        self._dhcp: set[int] = set()            # MACs of hosts registered with dhcp: true
+        self._hosts_at = -1e9                   # monotonic time of the last load of them
+        self._gc_at = time.monotonic()
+        self._failing = ""
+        self._thread = threading.Thread(target=self._run, name="bindings", daemon=True)
+
+    # -- the loop's side -------------------------------------------------------------------------------
+    def offer(self, events: list[tuple[int, int | None, int]]) -> None:
+        """(chaddr, address or None, until ms) of a committed batch, in order."""
+        with self._lock:
+            for chaddr, ip, until_ms in events:
+                self._pending[chaddr] = (ip, until_ms / 1000)
+        self._wake.set()
+
+    def start(self) -> "Binder":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Write what is pending (for up to ``timeout`` s), then stop."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # -- the thread --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        reg = Registry(self.etcd)
+        try:
+            while True:
+                self._wake.wait(None if not self._stop.is_set() else 0)
+                if self._stop.is_set() and not self._pending:
+                    return
+                self._stop.wait(PASS_S)
+                self._wake.clear()
+                try:
+                    self.write(reg)
+                    if time.monotonic() - self._gc_at >= GC_S:
+                        self.collect(reg)
+                except Exception as exc:  # noqa: BLE001 - etcd away (RegistryError) or a bug: kept, retried, said
+                    self.counters["failed"] += 1
+                    if not self._failing:
+                        log.warning("%s: bindings not published (the source guard of the DHCP hosts leased "
+                                    "meanwhile lags): %s; retrying every %.0f s", self.shard, exc, RETRY_S,
+                                    exc_info=not isinstance(exc, RegistryError))
+                    self._failing = str(exc)
+                    if self._stop.wait(RETRY_S):
+                        return
+                    self._wake.set()
+                    continue
+                if self._failing:
+                    log.info("%s: bindings published again", self.shard)
+                    self._failing = ""
+        finally:
+            reg.close()
+
+    def _load_hosts(self, reg: Registry) -> None:
+        _, items = reg.get_prefix(schema.folder("hosts"))
+        dhcp = set()
+        for key, (raw, _) in items.items():
+            if b'"dhcp":true' not in raw:   # the records' own JSON (sorted keys, no spaces): skip the rest unparsed
+                continue
+            try:
+                host = schema.Host.from_json(raw, key)
+            except RegistryError:
+                continue
+            if host.dhcp:
+                dhcp.add(mac_to_int(host.mac))
+        self._dhcp = dhcp
+        self._hosts_at = time.monotonic()
+
+    def write(self, reg: Registry) -> None:
+        """One pass: every pending event of a DHCP host written (puts batched, each delete on its own)."""
+        with self._lock:
+            events, self._pending = self._pending, {}
+        try:
+            age = time.monotonic() - self._hosts_at
+            if age >= HOSTS_S or (age >= MISS_S and any(c not in self._dhcp for c in events)):
+                self._load_hosts(reg)
+            puts = {}
+            for chaddr, (ip, until) in events.items():
+                if chaddr not in self._dhcp:
+                    self.counters["not_dhcp_hosts"] += 1
+                elif ip is not None:
+                    mac = int_to_mac(chaddr)
+                    puts[chaddr] = (schema.binding_key(mac), schema.Binding(
+                        mac=mac, ip=str(IPv4Address(ip)), until=round(until, 3), service=self.service,
+                        shard=self.shard).to_json())
+            items = list(puts.items())
+            for i in range(0, len(items), BATCH):
+                part = items[i:i + BATCH]
+                _, rev = reg.txn([], dict(v for _, v in part))
+                for chaddr, _ in part:
+                    self._written[chaddr] = rev
+                    del events[chaddr]
+                self.counters["published"] += len(part)
+            for chaddr, (ip, _) in list(events.items()):
+                if ip is None and chaddr in self._written:
+                    key = schema.binding_key(int_to_mac(chaddr))
+                    ok, _ = reg.txn([reg.cmp_mod(key, self._written.pop(chaddr))], {}, [key])
+                    self.counters["deleted" if ok else "deleted_by_others"] += 1
+                del events[chaddr]
+        except BaseException:
+            with self._lock:   # what was not written goes back, unless a newer event came meanwhile
+                for chaddr, ev in events.items():
+                    self._pending.setdefault(chaddr, ev)
+            raise
+
+    def collect(self, reg: Registry, now: float | None = None) -> int:
+        """Delete this service's bindings that ended over ``GC_S`` ago (each only as read); how many."""
+        self._gc_at = time.monotonic()
+        now = self.clock() if now is None else now
+        _, items = reg.get_prefix(schema.folder("bindings"))
+        gone = 0
+        for key, (raw, rev) in items.items():
+            try:
+                b = schema.Binding.from_json(raw, key)
+            except RegistryError:
+                continue
+            if b.service == self.service and b.until < now - GC_S:
+                ok, _ = reg.txn([reg.cmp_mod(key, rev)], {}, [key])
+                gone += ok
+        self.counters["collected"] += gone
+        return gone
