@@ -5,7 +5,10 @@ udp door) takes its requests only from the addresses its ``Binding`` records giv
 service answer to someone else's address.  The shard that acknowledges such a host's lease writes
 ``/vfab/v1/bindings/<mac>`` (address, lease end, service, shard); the host's RELEASE or DECLINE deletes it (only
 the version this shard wrote); the controller ignores a binding once its lease ended and turns the others into
-flows.  Every shard of the service also clears its service's bindings that ended over ``GC_S`` ago.
+flows.  Every shard of the service also clears its service's bindings that ended over ``GC_S`` ago, and
+every ``RECONCILE_S`` (and at start) publishes again what its own leases say and etcd lacks: a binding lost
+with a shard killed before it wrote, or while etcd was away, comes back without waiting for the client's
+next renewal (a mirror taking a dead shard's range over does the same for that range).
 
 Off the loop's thread: the backend hands each committed batch's events to :meth:`Binder.offer`; a thread
 writes them at most every ``PASS_S`` in etcd transactions of up to ``BATCH`` puts, the newest event of a MAC
@@ -34,13 +37,16 @@ RETRY_S = 1.0      # s between tries while etcd fails
 HOSTS_S = 30.0     # s the set of DHCP hosts is trusted
 MISS_S = 1.0       # s between two reloads of it caused by a MAC it does not know
 GC_S = 60.0        # s after its end a binding of this service is deleted
+RECONCILE_S = 30.0  # s between two comparisons of this shard's bound leases with the published bindings
 
 
 class Binder:
     """Publishes one shard's bindings; ``offer`` from the loop's thread, the rest on its own thread."""
 
-    def __init__(self, etcd: str, service: str, shard: str, clock=time.time):
-        self.etcd, self.service, self.shard, self.clock = etcd, service, shard, clock
+    def __init__(self, etcd: str, service: str, shard: str, clock=time.time, leases=lambda: []):
+        """``leases()`` (called on this thread): (chaddr, address, lease end ms) of the shard's bound leases in
+        the ranges it owns now."""
+        self.etcd, self.service, self.shard, self.clock, self.leases = etcd, service, shard, clock, leases
         self.counters: collections.Counter = collections.Counter()
         self._pending: dict[int, tuple[int | None, float]] = {}   # chaddr -> (address or None, until unix s)
         self._lock = threading.Lock()
@@ -50,6 +56,7 @@ class Binder:
         self._dhcp: set[int] = set()            # MACs of hosts registered with dhcp: true
         self._hosts_at = -1e9                   # monotonic time of the last load of them
         self._gc_at = time.monotonic()
+        self._reconcile_at = -1e9
         self._failing = ""
         self._thread = threading.Thread(target=self._run, name="bindings", daemon=True)
 
@@ -76,12 +83,15 @@ class Binder:
         reg = Registry(self.etcd)
         try:
             while True:
-                self._wake.wait(None if not self._stop.is_set() else 0)
+                due = self._reconcile_at + RECONCILE_S - time.monotonic()
+                self._wake.wait(max(0.0, due) if not self._stop.is_set() else 0)
                 if self._stop.is_set() and not self._pending:
                     return
                 self._stop.wait(PASS_S)
                 self._wake.clear()
                 try:
+                    if time.monotonic() - self._reconcile_at >= RECONCILE_S and not self._stop.is_set():
+                        self.reconcile(reg)
                     self.write(reg)
                     if time.monotonic() - self._gc_at >= GC_S:
                         self.collect(reg)
@@ -121,6 +131,8 @@ class Binder:
         """One pass: every pending event of a DHCP host written (puts batched, each delete on its own)."""
         with self._lock:
             events, self._pending = self._pending, {}
+        if not events:
+            return
         try:
             age = time.monotonic() - self._hosts_at
             if age >= HOSTS_S or (age >= MISS_S and any(c not in self._dhcp for c in events)):
@@ -153,6 +165,36 @@ class Binder:
                 for chaddr, ev in events.items():
                     self._pending.setdefault(chaddr, ev)
             raise
+
+    def reconcile(self, reg: Registry) -> int:
+        """Queue every bound lease of a DHCP host whose binding etcd lacks or holds with another address or an
+        earlier end (a newer event of that MAC wins); how many."""
+        self._reconcile_at = time.monotonic()
+        leases = self.leases()
+        if not leases:
+            return 0
+        if time.monotonic() - self._hosts_at >= MISS_S:
+            self._load_hosts(reg)
+        _, items = reg.get_prefix(schema.folder("bindings"))
+        have = {}
+        for key, (raw, _) in items.items():
+            try:
+                b = schema.Binding.from_json(raw, key)
+            except RegistryError:
+                continue
+            have[mac_to_int(b.mac)] = b
+        missing = []
+        for chaddr, ip, until_ms in leases:
+            b = have.get(chaddr)
+            if chaddr in self._dhcp and (b is None or b.ip != str(IPv4Address(ip)) or b.until < until_ms / 1000 - 1):
+                missing.append((chaddr, ip, until_ms))
+        with self._lock:
+            for chaddr, ip, until_ms in missing:
+                self._pending.setdefault(chaddr, (ip, until_ms / 1000))
+        self.counters["reconciled"] += len(missing)
+        if missing:
+            log.info("%s: %d binding(s) missing or stale in etcd, published again", self.shard, len(missing))
+        return len(missing)
 
     def collect(self, reg: Registry, now: float | None = None) -> int:
         """Delete this service's bindings that ended over ``GC_S`` ago (each only as read); how many."""

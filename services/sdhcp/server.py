@@ -73,6 +73,11 @@ class SdhcpLoop(EndpointLoop):
     def vid_mac(self, key: int) -> bytes:
         return codec.encode(self.service.id, key, layout=self.layout).packed
 
+    def bound_leases(self) -> list[tuple[int, int, int]]:
+        """(any thread: its own connection) The bound leases in the ranges this shard owns now (the binder)."""
+        return self.backend.store.bound([r.range for r in self.view.owned_by(self.name)],
+                                        int(self.backend.clock() * 1000))
+
     def allocatable(self) -> list[Range]:
         """(loop thread) Ranges whose addresses this shard may hand out now: owned, not paused."""
         own = [r.range for r in self.view.owned_by(self.name)]
@@ -198,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         loop = open_server(registry, args.service, args.name, args.iface, args.data, config, netns=args.netns,
                            ttl=args.ttl)
-        loop.binder = Binder(args.etcd, args.service, args.name).start()
+        loop.binder = Binder(args.etcd, args.service, args.name, leases=loop.bound_leases).start()
         loop.backend.on_bindings = loop.binder.offer
         for text in args.listen:
             registry.assign(args.service, Range.parse(text), args.name)

@@ -299,6 +299,14 @@ class Store(SqliteStore):
                     out["declined"] += n
         return out
 
+    def bound(self, ranges: list[Range], now: int) -> list[tuple[int, int, int]]:
+        """(chaddr, address, lease end ms) of every bound lease in ``ranges`` that has not ended by ``now``."""
+        out = []
+        for r in ranges:
+            out += self._exec("SELECT chaddr, ip, expires FROM lease WHERE vkey BETWEEN ? AND ? AND state = ? "
+                              "AND ip != 0 AND expires > ?", (r.lo, r.hi, BOUND, now)).fetchall()
+        return out
+
     # -- state transfer ---------------------------------------------------------------------
     def count(self, rng: Range) -> int:
         """Clients known in ``rng`` (lease rows): the unit of progress and of load reports."""

@@ -26,7 +26,7 @@ from vfab.services.sdhcp.store import BOUND, DECLINED, FREE, HELD, HINT_MS, RELE
 from vfab.services.sdhcp.wire import Message, MessageType, Opt
 from vfab.vid import plugin
 from vfab.vid.codec import KEY_MAX
-from vfab.vid.ranges import Range
+from vfab.vid.ranges import FULL, Range
 from vfab.vid.state.backend import BadRequest, Request
 
 SERVER = IPv4Address("192.168.77.1")
@@ -523,3 +523,27 @@ def test_the_binder_keeps_what_etcd_refused_and_writes_it_once_etcd_answers(regi
 def codec_mac(value: int) -> str:
     from vfab.vid.codec import int_to_mac
     return int_to_mac(value)
+
+
+def test_the_binder_publishes_again_what_its_leases_hold_and_etcd_lacks(registry, tmp_path):
+    """A shard killed between its ACK and its write, or etcd away then: the binding is missing although the
+    lease is bound.  The binder's periodic comparison of the shard's bound leases with etcd puts it back."""
+    from vfab.services.sdhcp import bindings
+    from vfab.vid.registry import schema
+
+    b = SdhcpBackend(Store(str(tmp_path / "s.sqlite"), parse_opts(OPTS)))
+    macs = [bytes.fromhex(f"025d0020000{i}") for i in range(1, 4)]
+    addrs = [lease(b, m) for m in macs]
+    for i, m in enumerate(macs):
+        registry.put_host(schema.Host(mac=m.hex(":"), dpid=1, port=i + 1, dhcp=i < 2))   # the third: not marked
+    binder = bindings.Binder(registry.endpoint, "dhcp", "s1",
+                             leases=lambda: b.store.bound([FULL], int(b.clock() * 1000)))
+    registry.put(schema.binding_key(macs[1].hex(":")), schema.Binding(                 # stale: another address
+        mac=macs[1].hex(":"), ip="192.168.77.240", until=b.clock() + 600, service="dhcp").to_json())
+    assert binder.reconcile(registry) == 2
+    binder.write(registry)
+    got = {k.rsplit("/", 1)[1]: schema.Binding.from_json(v).ip
+           for k, (v, _) in registry.get_prefix(schema.folder("bindings"))[1].items()}
+    assert got == {macs[0].hex(":"): str(addrs[0]), macs[1].hex(":"): str(addrs[1])}
+    assert binder.reconcile(registry) == 0                                              # nothing missing now
+    b.store.close()
