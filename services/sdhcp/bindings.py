@@ -38,6 +38,7 @@ HOSTS_S = 30.0     # s the set of DHCP hosts is trusted
 MISS_S = 1.0       # s between two reloads of it caused by a MAC it does not know
 GC_S = 60.0        # s after its end a binding of this service is deleted
 RECONCILE_S = 30.0  # s between two comparisons of this shard's bound leases with the published bindings
+WRITTEN_MAX = 65536  # versions of its own bindings a shard remembers (forgotten: deleted by the lease's end only)
 
 
 class Binder:
@@ -150,6 +151,8 @@ class Binder:
             for i in range(0, len(items), BATCH):
                 part = items[i:i + BATCH]
                 _, rev = reg.txn([], dict(v for _, v in part))
+                if len(self._written) > WRITTEN_MAX:
+                    self._written.clear()
                 for chaddr, _ in part:
                     self._written[chaddr] = rev
                     del events[chaddr]

@@ -386,9 +386,16 @@ def test_a_dhcp_hosts_leased_address_is_its_only_way_through_a_source_guarded_do
     lease = reg.lease(60)   # revoked at the end (no keepalive: the test is shorter)
     reg.announce(schema.Endpoint(service="gd", name="sink", mac=sink_mac, rx="ovs", host=sink_host), lease=lease)
     reg.assign("gd", Range(0, codec.KEY_MAX), "sink")
-    info = testbed.hosts[host]
-    reg.put_host(schema.Host(mac=mac_s, dpid=info["dpid"], port=info["port"], name=host, dhcp=True))
-    testbed.wait_revision(reg.state_revision())
+    from click.testing import CliRunner
+
+    from vfab.cli.main import cli
+
+    def vfab(*args: str) -> str:
+        res = CliRunner().invoke(cli, ["--etcd", testbed.etcd_endpoint, *args])
+        assert res.exit_code == 0, res.output
+        return res.output
+
+    assert "applied on all switches" in vfab("host", "set", mac_s, "--dhcp")
     cl = dh["clients"]["udhcpc"]
     leased = cl.address()
     src = codec.mac_to_int(mac_s).to_bytes(6, "big")
@@ -423,6 +430,8 @@ def test_a_dhcp_hosts_leased_address_is_its_only_way_through_a_source_guarded_do
         assert through(leased) == 10
         assert through(IPv4Address("192.168.77.222")) == 0       # another address: spoofed
         assert stats(testbed, "s1")["bindings"]["published"] >= 1
+        row = next(ln for ln in vfab("hosts").splitlines() if mac_s in ln)
+        assert "dhcp" in row and f"{leased} (lease from {SVC}/s1" in row, row
         cl.signal(signal.SIGUSR2)                                # RELEASE: the binding goes
         wait_for(lambda: binding() is None, WAIT, "the shard to delete the released binding")
         testbed.wait_revision(reg.state_revision())
@@ -430,7 +439,7 @@ def test_a_dhcp_hosts_leased_address_is_its_only_way_through_a_source_guarded_do
         wait_for(lambda: guard_drops(testbed, sid, "spoofed") >= spoofed0 + 30, WAIT,
                  "the switches to count the 30 requests from addresses not bound (spoofed/<gd>)")
     finally:
-        reg.put_host(schema.Host(mac=mac_s, dpid=info["dpid"], port=info["port"], name=host))
+        vfab("host", "set", mac_s, "--no-dhcp")
         reg.revoke(lease)
         reg.delete_service("gd")
         testbed.wait_revision(reg.state_revision())

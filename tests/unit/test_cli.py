@@ -108,3 +108,37 @@ def test_forced_route_keeps_the_mirrors(run, stateful):
     assert "kept mirrors m" in res.output and "no state moved" in res.output
     recs = [(r.range, r.owner, r.mirrors) for r, _ in stateful.ranges("kv")]
     assert recs == [(Range(0, 0xFF), "b", ["m"]), (Range(0x100, 0xFFFFFF), "a", ["m"])]
+
+
+def test_hosts_lists_each_hosts_source_guard_and_host_set_changes_it(run, registry):
+    """'vfab hosts' shows where each MAC attaches and what it may send from (registered addresses, or a DHCP
+    host's live lease); 'vfab host set' changes it (checked, compare-and-swap) and says what it set."""
+    import json
+    import time
+
+    a, b = "02:5d:00:20:00:01", "02:5d:00:20:00:02"
+    registry.put_host(schema.Host(mac=a, dpid=1, port=3, name="vfh3", ips=["10.0.0.3"]))
+    registry.put_host(schema.Host(mac=b, dpid=2, port=4, name="vfh4", dhcp=True))
+    registry.put(schema.binding_key(b), schema.Binding(mac=b, ip="192.168.77.40", until=time.time() + 300,
+                                                       service="dh", shard="s1").to_json())
+    res = run("hosts")
+    assert res.exit_code == 0, res.output
+    row_a = next(ln for ln in res.output.splitlines() if a in ln)
+    row_b = next(ln for ln in res.output.splitlines() if b in ln)
+    assert "addresses" in row_a and "10.0.0.3" in row_a, res.output
+    assert "dhcp" in row_b and "192.168.77.40 (lease from dh/s1" in row_b, res.output
+    res = run("host", "set", a, "--ip", "10.0.0.7", "--ip", "10.0.0.8", "--no-wait")
+    assert res.exit_code == 0 and "source guard addresses; addresses 10.0.0.7, 10.0.0.8" in res.output, res.output
+    res = run("host", "set", a.upper(), "--dhcp", "--no-ips", "--no-wait")
+    assert res.exit_code == 0 and "source guard dhcp; addresses - + its DHCP lease" in res.output, res.output
+    got = {h["mac"]: h for h in json.loads(run("hosts", "--json").output)}
+    assert (got[a]["guard"], got[a]["ips"], got[a]["binding"]) == ("dhcp", [], None)
+    assert got[b]["binding"]["ip"] == "192.168.77.40"
+    for args, needle in ((("host", "set", a, "--ip", "10.0.0.300"), "'10.0.0.300' in 'ips' is not an IPv4"),
+                         (("host", "set", a), "nothing to change"),
+                         (("host", "set", a, "--ip", "10.0.0.1", "--no-ips"), "contradict"),
+                         (("host", "set", "02:5d:zz", "--dhcp"), "is not a MAC address")):
+        res = run(*args)
+        assert res.exit_code == 2 and needle in res.output, (args, res.output)
+    res = run("host", "set", "02:5d:00:99:99:99", "--dhcp")
+    assert res.exit_code == 1 and "is not a registered host" in res.output, res.output
