@@ -350,20 +350,33 @@ def test_replicated_writes_overtake_queued_copy_chunks(endpoint):
 
 
 def test_a_long_pass_of_the_loop_is_counted_by_what_took_it(endpoint):
-    """A batch that holds the loop past STALL shows in STATS as stall_batch with its length."""
+    """A batch that holds the loop past STALL shows in STATS as stall_batch with its length, and by where its
+    time went: blocked (here a sleep, as on a slow disk) or running (here a busy loop)."""
     loop, backend, client, svc = endpoint
-    before = loop.call(lambda: loop.counters["stall_batch"])
+    count = lambda name: loop.call(lambda: loop.counters[name])   # noqa: E731
+    before = {k: count(k) for k in ("stall_batch", "stall_blocked", "stall_on_cpu")}
     slow = backend.handle_batch
+    how = {"wait": lambda: time.sleep(0.05)}
 
     def handle_slowly(requests):
-        time.sleep(0.05)
+        how["wait"]()
         return slow(requests)
 
     backend.handle_batch = handle_slowly
     send(client, svc, 0x000011, b"000011:w:slow", 2)
     assert [f.payload for f in replies(client, 0.5)] == [b"ok:slow"]
-    assert loop.call(lambda: loop.counters["stall_batch"]) >= before + 1
-    assert loop.call(lambda: loop.counters["stall_max_ms"]) >= 50
+    assert count("stall_batch") >= before["stall_batch"] + 1
+    assert count("stall_max_ms") >= 50
+    assert count("stall_blocked") >= before["stall_blocked"] + 1
+
+    def spin():
+        t = time.thread_time()
+        while time.thread_time() - t < 0.06:
+            pass
+    how["wait"] = spin
+    send(client, svc, 0x000011, b"000011:w:spun", 3)
+    assert [f.payload for f in replies(client, 0.5)] == [b"ok:spun"]
+    assert count("stall_on_cpu") >= before["stall_on_cpu"] + 1
 
 
 def test_a_mirror_taking_a_range_over_serves_only_what_the_source_did_not(endpoint, registry):

@@ -67,6 +67,7 @@ IDLE_WAIT = 1.0          # s an idle loop with nothing timed sleeps (frames, con
 # handover wait up to 5 ms (several per batch).  The process serves requests: hand over sooner.
 SWITCH_INTERVAL = 0.0005
 STALL = 0.02             # s: a pass of the loop that ran longer held every request behind it that long
+SCHEDSTAT = "/proc/thread-self/schedstat"   # "<ns on a CPU> <ns waiting for one> <slices>" of the reading thread
 REPLAY_KEPT = 4096       # mirrored requests kept for a takeover replay (backends that ask for it)
 GROUP_HOLD = 0.002       # s: group commit fsyncs once the port is drained, or once a reply has waited this long
 class _Call:
@@ -146,6 +147,7 @@ class EndpointLoop(PeerSide, Replication):
         self._stopping = threading.Event()
         self._last_timers = 0.0
         self._last_stall_log = 0.0
+        self._schedstat: int | None = None   # the serving thread's /proc schedstat (serve opens it)
         self.watcher = ViewWatcher(self.etcd, service, self._on_view)
         self.housekeeper = Housekeeper(self)
         self.lease.on_renewed.append(self._renewed)
@@ -251,6 +253,10 @@ class EndpointLoop(PeerSide, Replication):
             p.register(self._wakefd, zmq.POLLIN)
         idle.register(self.port.fileno(), zmq.POLLIN)
         self._pollers = (idle, busy)
+        try:
+            self._schedstat = os.open(SCHEDSTAT, os.O_RDONLY)   # this thread's: where a long pass's time went
+        except OSError:
+            self._schedstat = None
         log.info("%s: serving %s on %s (ctl %s, lease %x)", self.name, self.service.name, self.port.iface, self.ctl,
                  self.lease.id)
         while not stop.is_set():
@@ -271,7 +277,7 @@ class EndpointLoop(PeerSide, Replication):
                     os.eventfd_read(self._wakefd)
                 except BlockingIOError:
                     pass
-            t0 = time.perf_counter()
+            t0, c0, q0 = time.perf_counter(), time.thread_time(), self._queued()
             if self.router in events:
                 self._serve_ctl()
             for sock in [s for s in self.dealers.values() if s in events]:
@@ -289,20 +295,36 @@ class EndpointLoop(PeerSide, Replication):
                 self._finish_inflight(timed_out=True)
             t4 = time.perf_counter()
             if t4 - t0 > STALL:
-                self._stalled(t4 - t0, {"control": t1 - t0, "chunk": t2 - t1, "calls": t3 - t2, "batch": t4 - t3})
+                self._stalled(t4 - t0, {"control": t1 - t0, "chunk": t2 - t1, "calls": t3 - t2, "batch": t4 - t3},
+                              time.thread_time() - c0, self._queued() - q0)
         if self.disk_wait:
             self._sync_now()   # stopping: what committed and waits for the disk is answered, not dropped
 
-    def _stalled(self, took: float, parts: dict[str, float]) -> None:
-        """Count a long pass by what took longest (``stall_<part>`` in STATS), logged at most once a second."""
+    def _queued(self) -> float:
+        """s this thread has waited for a CPU (runnable, not running) since it started; 0 if unknown."""
+        if self._schedstat is None:
+            return 0.0
+        try:
+            return int(os.pread(self._schedstat, 64, 0).split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            return 0.0
+
+    def _stalled(self, took: float, parts: dict[str, float], cpu: float = 0.0, queued: float = 0.0) -> None:
+        """Count a long pass by what took longest (``stall_<part>`` in STATS) and by where its time went
+        (``stall_on_cpu``: running; ``stall_no_cpu``: runnable, waiting for a CPU; ``stall_blocked``: the disk,
+        the GIL, a lock), logged at most once a second."""
         part = max(parts, key=parts.get)
         self.counters[f"stall_{part}"] += 1
         self.counters["stall_max_ms"] = max(self.counters["stall_max_ms"], round(took * 1e3))
+        where = {"on_cpu": cpu, "no_cpu": queued, "blocked": max(0.0, took - cpu - queued)}
+        self.counters[f"stall_{max(where, key=where.get)}"] += 1
         now = time.monotonic()
         if now - self._last_stall_log >= 1.0:
             self._last_stall_log = now
-            log.info("%s: one pass of the loop took %.0f ms (%s); requests behind it waited as long", self.name,
-                     took * 1e3, ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in parts.items() if v >= 0.001))
+            log.info("%s: one pass of the loop took %.0f ms (%s; running %.0f ms, waiting for a CPU %.0f ms, "
+                     "blocked %.0f ms on the disk, the GIL or a lock); requests behind it waited as long", self.name,
+                     took * 1e3, ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in parts.items() if v >= 0.001),
+                     cpu * 1e3, queued * 1e3, where["blocked"] * 1e3)
 
     def _run_calls(self) -> None:
         while self.calls and self.inflight is None:
@@ -607,4 +629,7 @@ class EndpointLoop(PeerSide, Replication):
         self.router.close(0)
         self.port.close()
         os.close(self._wakefd)
+        if self._schedstat is not None:
+            os.close(self._schedstat)
+            self._schedstat = None
         log.info("%s: closed; counters %s, port %s", self.name, dict(self.counters), self.port.counters)
