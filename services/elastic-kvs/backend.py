@@ -106,6 +106,9 @@ class KvsBackend:
     def sync(self) -> None:
         self.store.sync()
 
+    def disk_seconds(self) -> float:
+        return self.store.disk_seconds()
+
     def drop(self, rng: Range, limit: int | None = None, below_gen: int | None = None) -> int:
         return self.store.drop(rng, limit, below_gen)
 

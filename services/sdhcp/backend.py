@@ -442,6 +442,9 @@ class SdhcpBackend:
     def sync(self) -> None:
         self.store.sync()
 
+    def disk_seconds(self) -> float:
+        return self.store.disk_seconds()
+
     def drop(self, rng: Range, limit: int | None = None, below_gen: int | None = None) -> int:
         return self.store.drop(rng, limit, below_gen)
 

@@ -647,3 +647,17 @@ def test_sync_keeps_the_locks_so_another_process_never_deletes_the_live_wal(tmp_
     finally:
         again.close()
 
+
+
+def test_the_time_a_thread_spends_committing_is_counted_for_that_thread(st):
+    """disk_seconds: the loop's stall log tells a slow disk from other waits by it."""
+    before = st.disk_seconds()
+    st.begin()
+    st.write(b"k", b"v" * 1000, C1, 1)
+    st.commit()
+    assert st.disk_seconds() > before
+    other = []
+    t = threading.Thread(target=lambda: other.append(st.disk_seconds()))
+    t.start()
+    t.join()
+    assert other == [0.0]

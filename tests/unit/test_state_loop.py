@@ -351,7 +351,7 @@ def test_replicated_writes_overtake_queued_copy_chunks(endpoint):
 
 def test_a_long_pass_of_the_loop_is_counted_by_what_took_it(endpoint):
     """A batch that holds the loop past STALL shows in STATS as stall_batch with its length, and by where its
-    time went: blocked (here a sleep, as on a slow disk) or running (here a busy loop)."""
+    time went: blocked (here a sleep), running (a busy loop) or blocked in the store's commits (the disk)."""
     loop, backend, client, svc = endpoint
     count = lambda name: loop.call(lambda: loop.counters[name])   # noqa: E731
     before = {k: count(k) for k in ("stall_batch", "stall_blocked", "stall_on_cpu")}
@@ -377,6 +377,18 @@ def test_a_long_pass_of_the_loop_is_counted_by_what_took_it(endpoint):
     send(client, svc, 0x000011, b"000011:w:spun", 3)
     assert [f.payload for f in replies(client, 0.5)] == [b"ok:spun"]
     assert count("stall_on_cpu") >= before["stall_on_cpu"] + 1
+
+    disk = {"s": 0.0}                             # a commit that waits 50 ms for the disk
+    backend.disk_seconds = lambda: disk["s"]
+
+    def slow_disk():
+        time.sleep(0.05)
+        disk["s"] += 0.05
+    how["wait"] = slow_disk
+    on_disk = count("stall_disk")
+    send(client, svc, 0x000011, b"000011:w:disk", 4)
+    assert [f.payload for f in replies(client, 0.5)] == [b"ok:disk"]
+    assert count("stall_disk") == on_disk + 1
 
 
 def test_a_mirror_taking_a_range_over_serves_only_what_the_source_did_not(endpoint, registry):

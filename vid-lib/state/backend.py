@@ -32,6 +32,9 @@ Rules a backend keeps (the loop's safety rests on them):
   loop keeps those replies, reads and commits whatever else the port holds,
   and once the port is drained (or a reply has waited 2 ms) calls ``sync``
   once for all of them before they leave.
+* ``disk_seconds()`` (optional): wall seconds the calling thread has spent
+  committing and syncing; the loop's stall log says how much of a long pass
+  went to the disk.
 """
 
 from __future__ import annotations

@@ -277,7 +277,7 @@ class EndpointLoop(PeerSide, Replication):
                     os.eventfd_read(self._wakefd)
                 except BlockingIOError:
                     pass
-            t0, c0, q0 = time.perf_counter(), time.thread_time(), self._queued()
+            t0, c0, q0, d0 = time.perf_counter(), time.thread_time(), self._queued(), self._disk()
             if self.router in events:
                 self._serve_ctl()
             for sock in [s for s in self.dealers.values() if s in events]:
@@ -296,7 +296,7 @@ class EndpointLoop(PeerSide, Replication):
             t4 = time.perf_counter()
             if t4 - t0 > STALL:
                 self._stalled(t4 - t0, {"control": t1 - t0, "chunk": t2 - t1, "calls": t3 - t2, "batch": t4 - t3},
-                              time.thread_time() - c0, self._queued() - q0)
+                              time.thread_time() - c0, self._queued() - q0, self._disk() - d0)
         if self.disk_wait:
             self._sync_now()   # stopping: what committed and waits for the disk is answered, not dropped
 
@@ -309,22 +309,33 @@ class EndpointLoop(PeerSide, Replication):
         except (OSError, ValueError, IndexError):
             return 0.0
 
-    def _stalled(self, took: float, parts: dict[str, float], cpu: float = 0.0, queued: float = 0.0) -> None:
+    def _disk(self) -> float:
+        fn = getattr(self.backend, "disk_seconds", None)
+        return fn() if fn is not None else 0.0
+
+    def _stalled(self, took: float, parts: dict[str, float], cpu: float = 0.0, queued: float = 0.0,
+                 disk: float = 0.0) -> None:
         """Count a long pass by what took longest (``stall_<part>`` in STATS) and by where its time went
-        (``stall_on_cpu``: running; ``stall_no_cpu``: runnable, waiting for a CPU; ``stall_blocked``: the disk,
-        the GIL, a lock), logged at most once a second."""
+        (``stall_on_cpu``: running; ``stall_no_cpu``: runnable, waiting for a CPU; ``stall_disk``: blocked
+        while the store committed or synced; ``stall_blocked``: blocked otherwise, on the GIL or a lock),
+        logged at most once a second, and always when it is the longest yet."""
         part = max(parts, key=parts.get)
         self.counters[f"stall_{part}"] += 1
+        longest = round(took * 1e3) > self.counters["stall_max_ms"]
         self.counters["stall_max_ms"] = max(self.counters["stall_max_ms"], round(took * 1e3))
-        where = {"on_cpu": cpu, "no_cpu": queued, "blocked": max(0.0, took - cpu - queued)}
+        blocked = max(0.0, took - cpu - queued)
+        on_disk = min(blocked, disk)   # a commit's own running and waiting for a CPU are counted above
+        where = {"on_cpu": cpu, "no_cpu": queued, "disk": on_disk, "blocked": blocked - on_disk}
         self.counters[f"stall_{max(where, key=where.get)}"] += 1
         now = time.monotonic()
-        if now - self._last_stall_log >= 1.0:
+        if longest or now - self._last_stall_log >= 1.0:
             self._last_stall_log = now
             log.info("%s: one pass of the loop took %.0f ms (%s; running %.0f ms, waiting for a CPU %.0f ms, "
-                     "blocked %.0f ms on the disk, the GIL or a lock); requests behind it waited as long", self.name,
-                     took * 1e3, ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in parts.items() if v >= 0.001),
-                     cpu * 1e3, queued * 1e3, where["blocked"] * 1e3)
+                     "blocked %.0f ms in commits and syncs (the disk) and %.0f ms otherwise (the GIL, a lock))%s; "
+                     "requests behind it waited as long", self.name, took * 1e3,
+                     ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in parts.items() if v >= 0.001),
+                     cpu * 1e3, queued * 1e3, on_disk * 1e3, where["blocked"] * 1e3,
+                     ", the longest yet" if longest else "")
 
     def _run_calls(self) -> None:
         while self.calls and self.inflight is None:

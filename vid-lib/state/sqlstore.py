@@ -16,6 +16,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 
 from vfab.vid.codec import KEY_MAX
 from vfab.vid.ranges import Range
@@ -92,7 +93,19 @@ class SqliteStore:
 
     def commit(self) -> None:
         """Commit the batch: after a durable ``begin`` the write-ahead log is fsync'd before this returns."""
-        self._exec("COMMIT")
+        t0 = time.perf_counter()
+        try:
+            self._exec("COMMIT")
+        finally:
+            self._disk(t0)
+
+    def _disk(self, t0: float) -> None:
+        self._local.disk_s = getattr(self._local, "disk_s", 0.0) + time.perf_counter() - t0
+
+    def disk_seconds(self) -> float:
+        """Wall seconds the calling thread has spent committing (with the checkpoints a commit runs: writes and
+        fsyncs) and syncing: what a slow disk costs that thread."""
+        return getattr(self._local, "disk_s", 0.0)
 
     def rollback(self) -> None:
         """Roll back the open transaction, if SQLite has not already (it does on a full disk)."""
@@ -109,7 +122,11 @@ class SqliteStore:
             self._synchronous(durable)
             db.execute("BEGIN IMMEDIATE")
             out = fn(db)
-            db.execute("COMMIT")
+            t0 = time.perf_counter()
+            try:
+                db.execute("COMMIT")
+            finally:
+                self._disk(t0)
             return out
         except sqlite3.Error as exc:
             self.rollback()
@@ -130,12 +147,14 @@ class SqliteStore:
             fd = os.open(self.path + "-wal", os.O_RDONLY)
         except FileNotFoundError:
             return  # no WAL: everything is in the database file, synced by the checkpoint that emptied it
+        t0 = time.perf_counter()
         try:
             os.fsync(fd)
         except OSError as exc:
             raise self.Error(f"fsync of {self.path}-wal failed: {exc.strerror}") from None
         finally:
             os.close(fd)
+            self._disk(t0)
 
     # -- housekeeping ------------------------------------------------------------------------
     def drop(self, rng: Range, limit: int | None = None, below_gen: int | None = None) -> int:
