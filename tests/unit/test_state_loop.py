@@ -683,3 +683,25 @@ def test_the_view_watchers_two_threads_hand_views_over_in_the_order_they_made_th
     w._emit()
     later[0].join(2)
     assert got == [0, 5]
+
+
+def test_a_loop_that_gets_a_cpu_late_after_a_wakeup_says_so(endpoint):
+    """Requests can wait with no long pass at all: the loop's thread woke for them but waited for a CPU (its
+    run-queue delay, from /proc).  Counted (stall_wakeup, stall_wakeup_max_ms) and logged."""
+    loop, backend, client, svc = endpoint
+    state = {"base": loop.call(loop._queued), "armed": 0}
+
+    def fake_queued():
+        if state["armed"]:
+            state["armed"] += 1
+            if state["armed"] == 3:              # the first read after the pass that armed it: the next wakeup
+                state["base"] += 0.04
+                state["armed"] = 0
+        return state["base"]
+    loop.call(lambda: setattr(loop, "_queued", fake_queued))
+    before = loop.call(lambda: loop.counters["stall_wakeup"])
+    loop.call(lambda: state.update(armed=1))
+    send(client, svc, 0x000012, b"000012:w:late", 5)
+    assert [f.payload for f in replies(client, 0.5)] == [b"ok:late"]
+    assert loop.call(lambda: loop.counters["stall_wakeup"]) == before + 1
+    assert loop.call(lambda: loop.counters["stall_wakeup_max_ms"]) >= 40

@@ -259,6 +259,7 @@ class EndpointLoop(PeerSide, Replication):
             self._schedstat = None
         log.info("%s: serving %s on %s (ctl %s, lease %x)", self.name, self.service.name, self.port.iface, self.ctl,
                  self.lease.id)
+        q_end = self._queued()
         while not stop.is_set():
             waiting = self.inflight is not None
             if waiting:
@@ -278,6 +279,8 @@ class EndpointLoop(PeerSide, Replication):
                 except BlockingIOError:
                     pass
             t0, c0, q0, d0 = time.perf_counter(), time.thread_time(), self._queued(), self._disk()
+            if q0 - q_end > STALL and events:
+                self._woke_late(q0 - q_end)
             if self.router in events:
                 self._serve_ctl()
             for sock in [s for s in self.dealers.values() if s in events]:
@@ -294,9 +297,10 @@ class EndpointLoop(PeerSide, Replication):
             elif time.monotonic() >= self.inflight.deadline:
                 self._finish_inflight(timed_out=True)
             t4 = time.perf_counter()
+            q_end = self._queued()
             if t4 - t0 > STALL:
                 self._stalled(t4 - t0, {"control": t1 - t0, "chunk": t2 - t1, "calls": t3 - t2, "batch": t4 - t3},
-                              time.thread_time() - c0, self._queued() - q0, self._disk() - d0)
+                              time.thread_time() - c0, q_end - q0, self._disk() - d0)
         if self.disk_wait:
             self._sync_now()   # stopping: what committed and waits for the disk is answered, not dropped
 
@@ -312,6 +316,18 @@ class EndpointLoop(PeerSide, Replication):
     def _disk(self) -> float:
         fn = getattr(self.backend, "disk_seconds", None)
         return fn() if fn is not None else 0.0
+
+    def _woke_late(self, late: float) -> None:
+        """The loop's thread waited ``late`` s for a CPU after what woke it arrived (``stall_wakeup``): the
+        requests it then served waited as long, though no pass of the loop was long."""
+        self.counters["stall_wakeup"] += 1
+        longest = round(late * 1e3) > self.counters["stall_wakeup_max_ms"]
+        self.counters["stall_wakeup_max_ms"] = max(self.counters["stall_wakeup_max_ms"], round(late * 1e3))
+        now = time.monotonic()
+        if longest or now - self._last_stall_log >= 1.0:
+            self._last_stall_log = now
+            log.info("%s: the loop got a CPU %.0f ms after its requests woke it (the machine's cores were busy)%s; "
+                     "they waited as long", self.name, late * 1e3, ", the longest yet" if longest else "")
 
     def _stalled(self, took: float, parts: dict[str, float], cpu: float = 0.0, queued: float = 0.0,
                  disk: float = 0.0) -> None:
