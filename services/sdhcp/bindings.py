@@ -14,7 +14,8 @@ Off the loop's thread: the backend hands each committed batch's events to :meth:
 writes them at most every ``PASS_S`` in etcd transactions of up to ``BATCH`` puts, the newest event of a MAC
 winning.  A write that fails is retried every ``RETRY_S`` (said once in the log, and when it works again);
 the clients are served meanwhile (only their source guard lags).  Which MACs are DHCP hosts is read from the
-host records, at most once a second and only when an unknown MAC comes, and otherwise every ``HOSTS_S``.
+host records: at start, then at most once a second when a MAC of no registered host comes, and otherwise
+every ``HOSTS_S`` (a host marked ``dhcp`` meanwhile: its next renewal, or the next reconciliation, binds it).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 from ipaddress import IPv4Address
 
 from vfab.vid.codec import int_to_mac, mac_to_int
-from vfab.vid.errors import RegistryError
+from vfab.vid.errors import RegistryError, VidError
 from vfab.vid.registry import Registry, schema
 
 log = logging.getLogger("vfab.sdhcp.bindings")
@@ -55,6 +56,7 @@ class Binder:
         self._stop = threading.Event()
         self._written: dict[int, int] = {}      # chaddr -> mod revision of the binding this shard wrote
         self._dhcp: set[int] = set()            # MACs of hosts registered with dhcp: true
+        self._hosts: set[int] = set()           # MACs of every registered host (a MAC not among them: reload)
         self._hosts_at = -1e9                   # monotonic time of the last load of them
         self._gc_at = time.monotonic()
         self._reconcile_at = -1e9
@@ -83,6 +85,10 @@ class Binder:
     def _run(self) -> None:
         reg = Registry(self.etcd)
         try:
+            try:
+                self._load_hosts(reg)   # before the first clients: their MACs are known then
+            except RegistryError:
+                pass                    # etcd away: loaded with the first events
             while True:
                 due = self._reconcile_at + RECONCILE_S - time.monotonic()
                 self._wake.wait(max(0.0, due) if not self._stop.is_set() else 0)
@@ -115,8 +121,12 @@ class Binder:
 
     def _load_hosts(self, reg: Registry) -> None:
         _, items = reg.get_prefix(schema.folder("hosts"))
-        dhcp = set()
+        dhcp, known = set(), set()
         for key, (raw, _) in items.items():
+            try:
+                known.add(mac_to_int(key.rsplit("/", 1)[1]))
+            except VidError:
+                continue
             if b'"dhcp":true' not in raw:   # the records' own JSON (sorted keys, no spaces): skip the rest unparsed
                 continue
             try:
@@ -125,7 +135,7 @@ class Binder:
                 continue
             if host.dhcp:
                 dhcp.add(mac_to_int(host.mac))
-        self._dhcp = dhcp
+        self._dhcp, self._hosts = dhcp, known
         self._hosts_at = time.monotonic()
 
     def write(self, reg: Registry) -> None:
@@ -136,7 +146,7 @@ class Binder:
             return
         try:
             age = time.monotonic() - self._hosts_at
-            if age >= HOSTS_S or (age >= MISS_S and any(c not in self._dhcp for c in events)):
+            if age >= HOSTS_S or (age >= MISS_S and any(c not in self._hosts for c in events)):
                 self._load_hosts(reg)
             puts = {}
             for chaddr, (ip, until) in events.items():
