@@ -35,6 +35,7 @@ from vfab.controller.report import COUNTED, Reporter, counters_from_stats
 from vfab.vid.registry import Registry, schema
 
 log = logging.getLogger("vfab.controller")
+BINDING_LAG = 1.0   # s a binding may outlive its lease's end before a round removes its flows
 
 _config: ControllerConfig | None = None
 
@@ -43,7 +44,6 @@ def configure(config: ControllerConfig) -> None:
     """Set the configuration the next ``VfabController`` starts with (call before ``run_apps``)."""
     global _config
     _config = config
-
 
 class VfabController(app_manager.OSKenApp):
     OFP_VERSIONS = [ofproto_v1_4.OFP_VERSION]
@@ -60,7 +60,7 @@ class VfabController(app_manager.OSKenApp):
         self.conns: dict[int, OFConn] = {}
         self.installed: dict[int, engine.Installed] = {}
         self.locks: dict[int, threading.Lock] = {}
-        self.dirty = hub.Event()
+        self.dirty = threading.Event()   # not hub.Event: its wait(timeout) never times out (a binding's end)
         self.problems: set[str] = set()   # logged already (each is logged when it first appears)
         self.verified: set[int] = set()   # switches an audit found as committed since their last commit
         self.parsed: dict = {}            # records parsed in earlier rounds (reconcile thread only)
@@ -113,8 +113,9 @@ class VfabController(app_manager.OSKenApp):
     # -- reconcile --------------------------------------------------------
     def _reconcile_loop(self) -> None:
         while True:
-            # A binding (a DHCP host's leased address) guards until it ends: a round then takes its flows away.
-            wait = None if self.next_change is None else max(0.0, self.next_change - time.time()) + 0.01
+            # A binding (a DHCP host's leased address) guards until it ends: a round then takes its flows away,
+            # up to BINDING_LAG s late so that the ends of one second (clients leaving) share one round.
+            wait = None if self.next_change is None else max(0.0, self.next_change - time.time()) + BINDING_LAG
             self.dirty.wait(wait)
             self.dirty.clear()
             try:

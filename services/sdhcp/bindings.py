@@ -13,9 +13,10 @@ next renewal (a mirror taking a dead shard's range over does the same for that r
 Off the loop's thread: the backend hands each committed batch's events to :meth:`Binder.offer`; a thread
 writes them at most every ``PASS_S`` in etcd transactions of up to ``BATCH`` puts, the newest event of a MAC
 winning.  A write that fails is retried every ``RETRY_S`` (said once in the log, and when it works again);
-the clients are served meanwhile (only their source guard lags).  Which MACs are DHCP hosts is read from the
-host records: at start, then at most once a second when a MAC of no registered host comes, and otherwise
-every ``HOSTS_S`` (a host marked ``dhcp`` meanwhile: its next renewal, or the next reconciliation, binds it).
+the clients are served meanwhile (only their source guard lags).  Which MACs are DHCP hosts comes from the
+host records, kept current by a watch of their own: a burst of clients costs no etcd read, and a host an
+operator marks ``dhcp`` gets its binding at once when this shard holds its lease (no wait for a renewal).
+Events that come before the host records are read wait for them.
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ log = logging.getLogger("vfab.sdhcp.bindings")
 PASS_S = 0.05      # s between two writes (the events of that time go in one transaction)
 BATCH = 64         # puts per etcd transaction (etcd allows 128 operations)
 RETRY_S = 1.0      # s between tries while etcd fails
-HOSTS_S = 30.0     # s the set of DHCP hosts is trusted
-MISS_S = 1.0       # s between two reloads of it caused by a MAC it does not know
+HOSTS_IDLE = 10.0  # s a watch of the host records may stay silent before it is renewed
 GC_S = 60.0        # s after its end a binding of this service is deleted
 RECONCILE_S = 30.0  # s between two comparisons of this shard's bound leases with the published bindings
 WRITTEN_MAX = 65536  # versions of its own bindings a shard remembers (forgotten: deleted by the lease's end only)
@@ -55,9 +55,9 @@ class Binder:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._written: dict[int, int] = {}      # chaddr -> mod revision of the binding this shard wrote
-        self._dhcp: set[int] = set()            # MACs of hosts registered with dhcp: true
-        self._hosts: set[int] = set()           # MACs of every registered host (a MAC not among them: reload)
-        self._hosts_at = -1e9                   # monotonic time of the last load of them
+        self._dhcp: set[int] = set()            # MACs of hosts registered with dhcp: true (the watch's)
+        self._hosts_ready = False               # the host records were read (else events wait)
+        self._marked: set[int] = set()          # hosts marked dhcp since: their leases are looked up
         self._gc_at = time.monotonic()
         self._reconcile_at = -1e9
         self._failing = ""
@@ -72,6 +72,7 @@ class Binder:
         self._wake.set()
 
     def start(self) -> "Binder":
+        threading.Thread(target=self._watch_hosts, name="bindings-hosts", daemon=True).start()
         self._thread.start()
         return self
 
@@ -85,18 +86,18 @@ class Binder:
     def _run(self) -> None:
         reg = Registry(self.etcd)
         try:
-            try:
-                self._load_hosts(reg)   # before the first clients: their MACs are known then
-            except RegistryError:
-                pass                    # etcd away: loaded with the first events
             while True:
                 due = self._reconcile_at + RECONCILE_S - time.monotonic()
                 self._wake.wait(max(0.0, due) if not self._stop.is_set() else 0)
-                if self._stop.is_set() and not self._pending:
+                if self._stop.is_set() and (not self._pending or not self._hosts_ready):
                     return
                 self._stop.wait(PASS_S)
                 self._wake.clear()
                 try:
+                    with self._lock:
+                        marked, self._marked = self._marked, set()
+                    if marked:
+                        self.reconcile(reg, only=marked)
                     if time.monotonic() - self._reconcile_at >= RECONCILE_S and not self._stop.is_set():
                         self.reconcile(reg)
                     self.write(reg)
@@ -119,38 +120,83 @@ class Binder:
         finally:
             reg.close()
 
-    def _load_hosts(self, reg: Registry) -> None:
-        _, items = reg.get_prefix(schema.folder("hosts"))
-        dhcp, known = set(), set()
+    @staticmethod
+    def _dhcp_host(key: str, raw: bytes | None) -> tuple[int, bool] | None:
+        """(MAC, marked dhcp) of a host record (None: gone), or None for a key that names no MAC."""
+        try:
+            mac = mac_to_int(key.rsplit("/", 1)[1])
+        except VidError:
+            return None
+        if raw is None or b'"dhcp":true' not in raw:   # the records' own JSON (sorted keys, no spaces)
+            return mac, False
+        try:
+            return mac, schema.Host.from_json(raw, key).dhcp
+        except RegistryError:
+            return mac, False
+
+    def load_hosts(self, reg: Registry) -> int:
+        """Read every host record (the DHCP hosts' MACs); the etcd revision read."""
+        rev, items = reg.get_prefix(schema.folder("hosts"))
+        dhcp = set()
         for key, (raw, _) in items.items():
-            try:
-                known.add(mac_to_int(key.rsplit("/", 1)[1]))
-            except VidError:
-                continue
-            if b'"dhcp":true' not in raw:   # the records' own JSON (sorted keys, no spaces): skip the rest unparsed
-                continue
-            try:
-                host = schema.Host.from_json(raw, key)
-            except RegistryError:
-                continue
-            if host.dhcp:
-                dhcp.add(mac_to_int(host.mac))
-        self._dhcp, self._hosts = dhcp, known
-        self._hosts_at = time.monotonic()
+            got = self._dhcp_host(key, raw)
+            if got is not None and got[1]:
+                dhcp.add(got[0])
+        with self._lock:
+            self._marked |= dhcp - self._dhcp
+            self._dhcp, self._hosts_ready = dhcp, True
+        self._wake.set()
+        return rev
+
+    def _watch_hosts(self) -> None:
+        """Keep the DHCP hosts current: read them, then follow their changes; on any failure read again."""
+        reg = Registry(self.etcd)
+        prefix = schema.folder("hosts")
+        rev = 0
+        try:
+            while not self._stop.is_set():
+                try:
+                    if rev == 0:
+                        rev = self.load_hosts(reg)
+                    batches, cancel = reg.watch_batches(prefix, rev + 1, idle=HOSTS_IDLE)
+                    try:
+                        for batch in batches:
+                            with self._lock:
+                                for ev in batch:
+                                    rev = max(rev, ev.revision)
+                                    got = self._dhcp_host(ev.key, ev.value)
+                                    if got is None:
+                                        continue
+                                    if got[1] and got[0] not in self._dhcp:
+                                        self._dhcp.add(got[0])
+                                        self._marked.add(got[0])
+                                    elif not got[1]:
+                                        self._dhcp.discard(got[0])
+                            self._wake.set()
+                            if self._stop.is_set():
+                                break
+                    finally:
+                        cancel()
+                    continue   # idle: watch again from the next revision
+                except RegistryError:
+                    rev = 0    # read them again: changes may have been compacted away meanwhile
+                self._stop.wait(RETRY_S)
+        finally:
+            reg.close()
 
     def write(self, reg: Registry) -> None:
         """One pass: every pending event of a DHCP host written (puts batched, each delete on its own)."""
         with self._lock:
+            if not self._hosts_ready:
+                return            # which MACs are DHCP hosts is not known yet: the events wait
             events, self._pending = self._pending, {}
+            dhcp = set(self._dhcp)
         if not events:
             return
         try:
-            age = time.monotonic() - self._hosts_at
-            if age >= HOSTS_S or (age >= MISS_S and any(c not in self._hosts for c in events)):
-                self._load_hosts(reg)
             puts = {}
             for chaddr, (ip, until) in events.items():
-                if chaddr not in self._dhcp:
+                if chaddr not in dhcp:
                     self.counters["not_dhcp_hosts"] += 1
                 elif ip is not None:
                     mac = int_to_mac(chaddr)
@@ -179,15 +225,16 @@ class Binder:
                     self._pending.setdefault(chaddr, ev)
             raise
 
-    def reconcile(self, reg: Registry) -> int:
-        """Queue every bound lease of a DHCP host whose binding etcd lacks or holds with another address or an
-        earlier end (a newer event of that MAC wins); how many."""
-        self._reconcile_at = time.monotonic()
-        leases = self.leases()
+    def reconcile(self, reg: Registry, only: set[int] | None = None) -> int:
+        """Queue every bound lease of a DHCP host (of ``only``, if given) whose binding etcd lacks or holds with
+        another address or an earlier end (a newer event of that MAC wins); how many."""
+        if only is None:
+            self._reconcile_at = time.monotonic()
+        with self._lock:
+            dhcp = set(self._dhcp) if only is None else only & self._dhcp
+        leases = [x for x in self.leases() if x[0] in dhcp] if dhcp else []
         if not leases:
             return 0
-        if time.monotonic() - self._hosts_at >= MISS_S:
-            self._load_hosts(reg)
         _, items = reg.get_prefix(schema.folder("bindings"))
         have = {}
         for key, (raw, _) in items.items():
@@ -199,7 +246,7 @@ class Binder:
         missing = []
         for chaddr, ip, until_ms in leases:
             b = have.get(chaddr)
-            if chaddr in self._dhcp and (b is None or b.ip != str(IPv4Address(ip)) or b.until < until_ms / 1000 - 1):
+            if b is None or b.ip != str(IPv4Address(ip)) or b.until < until_ms / 1000 - 1:
                 missing.append((chaddr, ip, until_ms))
         with self._lock:
             for chaddr, ip, until_ms in missing:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import subprocess
+import time
 import sys
 from ipaddress import IPv4Address
 
@@ -473,6 +474,10 @@ def test_the_binder_publishes_dhcp_hosts_leases_deletes_its_own_and_collects_end
     for mac, dhcp_host in ((guarded, True), (plain, False), (other, True)):
         registry.put_host(schema.Host(mac=codec_mac(mac), dpid=1, port=mac & 0xFF, dhcp=dhcp_host))
     binder = bindings.Binder(registry.endpoint, "dhcp", "s1", clock=lambda: 10_000.0)
+    binder.offer([(guarded, 0xC0A84D0A, 9_000_000)])
+    binder.write(registry)
+    assert registry.get(schema.binding_key(codec_mac(guarded))) is None     # hosts not read yet: it waits
+    binder.load_hosts(registry)
     binder.offer([(guarded, 0xC0A84D0A, 9_000_000), (plain, 0xC0A84D0B, 9_000_000), (guarded, 0xC0A84D0C, 10_600_000)])
     binder.write(registry)
 
@@ -510,6 +515,7 @@ def test_the_binder_keeps_what_etcd_refused_and_writes_it_once_etcd_answers(regi
     mac = 0x025D00200001
     registry.put_host(schema.Host(mac=codec_mac(mac), dpid=1, port=1, dhcp=True))
     binder = bindings.Binder(registry.endpoint, "dhcp", "s1")
+    binder.load_hosts(registry)
     dead = Registry("127.0.0.1:9", timeout=0.5)
     binder.offer([(mac, 0xC0A84D0A, 9_000_000)])
     with pytest.raises(RegistryError):
@@ -540,6 +546,7 @@ def test_the_binder_publishes_again_what_its_leases_hold_and_etcd_lacks(registry
                              leases=lambda: b.store.bound([FULL], int(b.clock() * 1000)))
     registry.put(schema.binding_key(macs[1].hex(":")), schema.Binding(                 # stale: another address
         mac=macs[1].hex(":"), ip="192.168.77.240", until=b.clock() + 600, service="dhcp").to_json())
+    binder.load_hosts(registry)
     assert binder.reconcile(registry) == 2
     binder.write(registry)
     got = {k.rsplit("/", 1)[1]: schema.Binding.from_json(v).ip
@@ -549,25 +556,27 @@ def test_the_binder_publishes_again_what_its_leases_hold_and_etcd_lacks(registry
     b.store.close()
 
 
-def test_the_binder_reads_the_host_records_again_only_for_a_mac_of_no_registered_host(registry):
-    """A burst of clients on hosts not marked dhcp costs no etcd read per second (the sdhcp bench's farm:
-    each of 4 shards re-read its ~250 host records every second of the burst)."""
+def test_a_host_marked_dhcp_gets_the_binding_of_its_lease_at_once(registry, tmp_path):
+    """The binder follows the host records with a watch: a burst of clients costs no etcd read, and a host an
+    operator marks dhcp while its client holds a lease is bound within a moment, without a renewal."""
     from vfab.services.sdhcp import bindings
     from vfab.vid.registry import schema
 
-    known, unknown = 0x025D00200001, 0x025D00200077
-    registry.put_host(schema.Host(mac=codec_mac(known), dpid=1, port=1))
-    binder = bindings.Binder(registry.endpoint, "dhcp", "s1")
-    loads = []
-    real = binder._load_hosts
-    binder._load_hosts = lambda reg: (loads.append(1), real(reg))
-    binder.offer([(known, 0xC0A84D0A, 9_000_000)])
-    binder.write(registry)
-    assert len(loads) == 1                                  # the first: nothing loaded yet
-    binder._hosts_at -= 2 * bindings.MISS_S
-    binder.offer([(known, 0xC0A84D0A, 9_100_000)])
-    binder.write(registry)
-    assert len(loads) == 1                                  # a registered host's MAC: no reload
-    binder.offer([(unknown, 0xC0A84D0B, 9_100_000)])
-    binder.write(registry)
-    assert len(loads) == 2                                  # a MAC of no registered host: reloaded
+    b = SdhcpBackend(Store(str(tmp_path / "s.sqlite"), parse_opts(OPTS)))
+    ip = lease(b, MAC)
+    host = schema.Host(mac=MAC.hex(":"), dpid=1, port=1)
+    registry.put_host(host)
+    binder = bindings.Binder(registry.endpoint, "dhcp", "s1",
+                             leases=lambda: b.store.bound([FULL], int(b.clock() * 1000))).start()
+    try:
+        time.sleep(0.5)
+        assert registry.get(schema.binding_key(MAC.hex(":"))) is None        # not a dhcp host: nothing
+        registry.put_host(schema.Host(mac=host.mac, dpid=1, port=1, dhcp=True))
+        deadline = time.monotonic() + 5
+        while registry.get(schema.binding_key(MAC.hex(":"))) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        got = registry.get(schema.binding_key(MAC.hex(":")))
+        assert got is not None and schema.Binding.from_json(got[0]).ip == str(ip)
+    finally:
+        binder.stop()
+        b.store.close()
