@@ -97,7 +97,12 @@ class Binder:
                     with self._lock:
                         marked, self._marked = self._marked, set()
                     if marked:
-                        self.reconcile(reg, only=marked)
+                        try:
+                            self.reconcile(reg, only=marked)
+                        except BaseException:
+                            with self._lock:
+                                self._marked |= marked   # looked up again at the next pass
+                            raise
                     if time.monotonic() - self._reconcile_at >= RECONCILE_S and not self._stop.is_set():
                         self.reconcile(reg)
                     self.write(reg)
