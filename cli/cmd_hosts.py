@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -63,9 +64,8 @@ def hosts(c, as_json: bool) -> None:
     now = time.time()
     rows, out = [], []
     for mac in sorted(found):
-        h = found[mac]
-        guard, addrs = guard_of(h, bound.get(mac), now)
-        b = bound.get(mac)
+        h, b = found[mac], bound.get(mac)
+        guard, addrs = guard_of(h, b, now)
         out.append({"mac": mac, "name": h.name, "dpid": h.dpid, "port": h.port, "guard": guard, "ips": h.ips,
                     "binding": json.loads(b.to_json()) if b is not None and h.dhcp else None})
         rows.append([mac, h.name or "-", f"{h.dpid:#x}", h.port, guard, ", ".join(addrs) or "-"])
@@ -109,9 +109,8 @@ def host_set(c, mac: str, ips: tuple[str, ...], no_ips: bool, dhcp: bool | None,
                                    "where it attaches: 'vfab up' registers its Mininet hosts)")
     old = schema.Host.from_json(got[0], schema.host_key(mac))
     try:
-        new = schema.Host(mac=old.mac, dpid=old.dpid, port=old.port, name=old.name,
-                          ips=[] if no_ips else list(ips) if ips else list(old.ips),
-                          dhcp=old.dhcp if dhcp is None else dhcp)
+        new = dataclasses.replace(old, ips=[] if no_ips else list(ips) if ips else list(old.ips),
+                                  dhcp=old.dhcp if dhcp is None else dhcp)
     except VidError as exc:
         raise click.BadParameter(str(exc), param_hint="--ip") from None
     ok, rev = reg.txn([reg.cmp_mod(schema.host_key(mac), got[1])], {schema.host_key(mac): new.to_json()})
