@@ -10,7 +10,7 @@ import click
 
 from vfab.cli.common import errors, pass_ctx, table
 from vfab.vid import codec
-from vfab.vid.errors import RegistryError, VidError
+from vfab.vid.errors import VidError
 from vfab.vid.registry import schema
 
 
@@ -24,17 +24,9 @@ class MacType(click.ParamType):
             self.fail(f"{value!r} is not a MAC address (six hex bytes, e.g. 02:5d:00:20:00:02)", param, ctx)
 
 
-def _records(reg, folder: str, rec_type) -> dict[str, object]:
-    """MAC -> record of every well-formed record in ``folder`` (a malformed one is skipped)."""
-    _, items = reg.get_prefix(schema.folder(folder))
-    out = {}
-    for key, (raw, _) in items.items():
-        try:
-            rec = rec_type.from_json(raw, key)
-        except RegistryError:
-            continue
-        out[rec.mac] = rec
-    return out
+def _by_mac(reg, folder: str, rec_type) -> dict[str, object]:
+    """MAC -> record of every well-formed record in ``folder``."""
+    return {rec.mac: rec for _, rec, _ in schema.records(reg.get_prefix(schema.folder(folder))[1], rec_type)}
 
 
 def guard_of(host: schema.Host, binding: schema.Binding | None, now: float) -> tuple[str, list[str]]:
@@ -59,8 +51,8 @@ def hosts(c, as_json: bool) -> None:
     registered addresses ("addresses"); a DHCP host ("dhcp") from the address its sdhcp lease binds while the
     lease lasts, and from none before; "none": not guarded.  Change it with 'vfab host set'."""
     reg = c.registry
-    found = _records(reg, "hosts", schema.Host)
-    bound = _records(reg, "bindings", schema.Binding)
+    found = _by_mac(reg, "hosts", schema.Host)
+    bound = _by_mac(reg, "bindings", schema.Binding)
     now = time.time()
     rows, out = [], []
     for mac in sorted(found):

@@ -8,7 +8,7 @@ import click
 from vfab.cli.cmd_state import fmt_rate, load_by_range, range_load
 from vfab.cli.common import KEY, RANGE, NameType, errors, pass_ctx, table
 from vfab.vid import codec, plugin
-from vfab.vid.errors import RegistryError, VidError
+from vfab.vid.errors import VidError
 from vfab.vid.registry import schema
 
 
@@ -17,11 +17,7 @@ def fabric_counters(reg) -> dict[str, list[int]]:
     id>", ...) summed over switches, as the controller published them."""
     _, items = reg.get_prefix(schema.folder("counters"))
     out: dict[str, list[int]] = {}
-    for key, (raw, _) in items.items():
-        try:
-            rec = schema.Counters.from_json(raw, key)
-        except RegistryError:
-            continue  # one malformed report must not hide the others
+    for _, rec, _ in schema.records(items, schema.Counters):   # a malformed report is skipped
         for name, (pk, by) in rec.counters.items():
             acc = out.setdefault(name, [0, 0])
             acc[0] += pk

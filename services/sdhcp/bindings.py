@@ -132,7 +132,7 @@ class Binder:
             mac = mac_to_int(key.rsplit("/", 1)[1])
         except VidError:
             return None
-        if raw is None or b'"dhcp":true' not in raw:   # the records' own JSON (sorted keys, no spaces)
+        if raw is None:
             return mac, False
         try:
             return mac, schema.Host.from_json(raw, key).dhcp
@@ -241,13 +241,7 @@ class Binder:
         if not leases:
             return 0
         _, items = reg.get_prefix(schema.folder("bindings"))
-        have = {}
-        for key, (raw, _) in items.items():
-            try:
-                b = schema.Binding.from_json(raw, key)
-            except RegistryError:
-                continue
-            have[mac_to_int(b.mac)] = b
+        have = {mac_to_int(b.mac): b for _, b, _ in schema.records(items, schema.Binding)}
         missing = []
         for chaddr, ip, until_ms in leases:
             b = have.get(chaddr)
@@ -267,11 +261,7 @@ class Binder:
         now = self.clock() if now is None else now
         _, items = reg.get_prefix(schema.folder("bindings"))
         gone = 0
-        for key, (raw, rev) in items.items():
-            try:
-                b = schema.Binding.from_json(raw, key)
-            except RegistryError:
-                continue
+        for key, b, rev in schema.records(items, schema.Binding):
             if b.service == self.service and b.until < now - GC_S:
                 ok, _ = reg.txn([reg.cmp_mod(key, rev)], {}, [key])
                 gone += ok

@@ -501,6 +501,18 @@ def parse_key(key: str) -> tuple[str, list[str]] | None:
     return parts[0], parts[1:]
 
 
+def records(items: dict[str, tuple[bytes, int]], rec_type: type[Record]) -> list[tuple[str, Any, int]]:
+    """(key, record, mod revision) of every well-formed ``rec_type`` record among ``items`` (a
+    ``Registry.get_prefix`` answer); a malformed one is skipped: one bad record must not hide the others."""
+    out = []
+    for key, (raw, rev) in items.items():
+        try:
+            out.append((key, rec_type.from_json(raw, key), rev))
+        except RegistryError:
+            continue
+    return out
+
+
 # Which record type lives under which top-level folder.
 RECORDS: dict[str, type[Record]] = {
     "services": Service,
