@@ -9,6 +9,7 @@ and the server's ``--help`` are checked at the end.
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import time
@@ -580,3 +581,45 @@ def test_a_host_marked_dhcp_gets_the_binding_of_its_lease_at_once(registry, tmp_
     finally:
         binder.stop()
         b.store.close()
+
+
+def test_the_binders_threads_ride_out_an_etcd_that_stops_answering(tmp_path):
+    """etcd frozen (SIGSTOP) while leases are acknowledged: the binder keeps them, says so once, and publishes
+    every one once etcd answers again (its own etcd here: the session's is shared)."""
+    import signal
+
+    from vfab.services.sdhcp import bindings
+    from vfab.testbed.etcd import LocalEtcd, free_port
+    from vfab.vid.registry import Registry, schema
+
+    etcd = LocalEtcd(tmp_path / "etcd", free_port(), free_port())
+    etcd.start(timeout=20)
+    reg = Registry(etcd.endpoint)
+    macs = [0x025D00200000 + i for i in range(1, 7)]
+    try:
+        for m in macs:
+            reg.put_host(schema.Host(mac=codec_mac(m), dpid=1, port=m & 0xFF, dhcp=True))
+        binder = bindings.Binder(etcd.endpoint, "dhcp", "s1").start()
+        binder.offer([(macs[0], 0xC0A84D0A, 9_000_000)])
+        deadline = time.monotonic() + 10
+        while binder.counters["published"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert binder.counters["published"] == 1
+        os.kill(etcd.proc.pid, signal.SIGSTOP)
+        try:
+            binder.offer([(m, 0xC0A84D10 + i, 9_000_000) for i, m in enumerate(macs[1:])])
+            deadline = time.monotonic() + 15
+            while binder.counters["failed"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert binder.counters["failed"] >= 1 and binder.counters["published"] == 1
+        finally:
+            os.kill(etcd.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 20
+        while binder.counters["published"] < len(macs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        got = {k.rsplit("/", 1)[1] for k in reg.get_prefix(schema.folder("bindings"))[1]}
+        assert got == {codec_mac(m) for m in macs}
+        binder.stop()
+    finally:
+        reg.close()
+        etcd.stop()
