@@ -705,3 +705,20 @@ def test_a_loop_that_gets_a_cpu_late_after_a_wakeup_says_so(endpoint):
     assert [f.payload for f in replies(client, 0.5)] == [b"ok:late"]
     assert loop.call(lambda: loop.counters["stall_wakeup"]) == before + 1
     assert loop.call(lambda: loop.counters["stall_wakeup_max_ms"]) >= 40
+
+
+def test_ping_names_the_ops_whose_record_the_loop_still_writes(endpoint):
+    """An operator whose op record vanished (the lease expired) asks the source with PING whether the record
+    comes back: the running op, and an ended one until its final record is written, are named."""
+    from types import SimpleNamespace
+
+    loop = endpoint[0]
+    op = SimpleNamespace(id="e1.00c0ffee", peer="e2", ranges=[LOW])
+    with ctl_peer(loop) as ask:
+        assert ask("PING", 1, {}).body["ops"] == []
+        loop.call(lambda: setattr(loop, "op", op))
+        assert ask("PING", 2, {}).body["ops"] == [op.id]
+        loop.call(lambda: loop.op_ended(op))
+        assert loop.op is None and ask("PING", 3, {}).body["ops"] == [op.id]   # its end not yet in etcd
+        loop.call(lambda: loop.op_recorded(op.id))
+        assert ask("PING", 4, {}).body["ops"] == []

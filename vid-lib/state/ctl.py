@@ -97,6 +97,35 @@ def mirror(reg: Registry, service: str, source: str, peer: str, throttle: float 
     return _start(reg, service, source, "MIRROR", {"peer": peer, "throttle": throttle})
 
 
+VANISHED_GRACE = 15.0   # s a vanished op record's source may stay unreachable before it is taken for dead
+
+
+class _Reread(Exception):
+    """(wait) the record was deleted: read it again."""
+
+
+def _vanished(reg: Registry, service: str, op_id: str, source: str, since: float) -> str:
+    """Why ``op_id``'s record will not come back, or "" while it may (its source still runs the op, or has
+    been unreachable for less than VANISHED_GRACE)."""
+    try:
+        reply = command(reg, service, source, "PING", {}, timeout=1.0)
+    except (StateError, RegistryError) as exc:
+        away = time.monotonic() - since
+        if away < VANISHED_GRACE:
+            return ""
+        return f"{source} died or is stopped (its lease expired; unreachable for {away:.0f} s: {exc})"
+    if op_id in reply.body.get("ops", []):
+        return ""
+    return f"{source} answers but no longer runs it (it restarted)"
+
+
+def _still_gone(reg: Registry, service: str, op_id: str) -> bool:
+    try:
+        return reg.op(service, op_id)[0] is None
+    except RegistryError:
+        return False   # etcd away: look again at the next pass
+
+
 def cancel(reg: Registry, service: str, source: str) -> str:
     """Cancel ``source``'s running operation; returns its op id."""
     return str(command(reg, service, source, "CANCEL", {}).body.get("op", ""))
@@ -110,17 +139,20 @@ def running(reg: Registry, service: str, source: str) -> schema.OpRec | None:
 
 def wait(reg: Registry, service: str, op_id: str, timeout: float = 600.0,
          progress: Callable[[schema.OpRec], None] | None = None) -> schema.OpRec:
-    """Follow operation ``op_id`` (from the command's reply) with an etcd watch until it ends."""
+    """Follow operation ``op_id`` (from the command's reply) with an etcd watch until it ends.
+
+    The record lives under its source's lease until the end, so it vanishes when that lease expires (the
+    source stopped, or etcd hung, past the TTL); a live source puts it back under its new lease.  So a
+    vanished record is waited for while the source says (PING) it still runs the op; NotFound once the
+    source answers that it does not (it restarted) or stays unreachable for VANISHED_GRACE."""
     deadline = time.monotonic() + timeout
     key = schema.op_key(service, op_id)
     last: list[schema.OpRec] = []   # the newest record seen
+    gone_since: float | None = None
 
     def seen(rec: schema.OpRec | None) -> bool:
         """Take one state of the record (None: deleted); True once the operation ended."""
         if rec is None:
-            if last:
-                raise NotFound(f"the record of {op_id} vanished: {last[0].source} died (its lease expired); "
-                               "see 'vfab ranges' for who owns what now")
             return False
         if progress is not None and (not last or (rec.phase, rec.done) != (last[0].phase, last[0].done)):
             progress(rec)
@@ -137,6 +169,13 @@ def wait(reg: Registry, service: str, op_id: str, timeout: float = 600.0,
             continue
         if seen(rec):
             return last[0]
+        if rec is None and last:
+            gone_since = gone_since or time.monotonic()
+            lost = _vanished(reg, service, op_id, last[0].source, gone_since)
+            if lost and _still_gone(reg, service, op_id):   # (its final record may have landed meanwhile)
+                raise NotFound(f"the record of {op_id} vanished: {lost}; see 'vfab ranges' for who owns what now")
+        elif rec is not None:
+            gone_since = None
         left = deadline - time.monotonic()
         if left <= 0:
             raise StateError(f"operation {op_id} did not end within {timeout:.0f} s; cancel it with "
@@ -149,9 +188,12 @@ def wait(reg: Registry, service: str, op_id: str, timeout: float = 600.0,
         try:
             for batch in batches:
                 for ev in batch:
-                    if seen(None if ev.value is None else schema.OpRec.from_json(ev.value, key)):
+                    if ev.value is None:
+                        raise _Reread   # deleted: see above what that means
+                    if seen(schema.OpRec.from_json(ev.value, key)):
                         return last[0]
-        except RegistryError:
-            pass  # the watch broke (etcd restarted): re-read and watch again
+                    gone_since = None
+        except (RegistryError, _Reread):
+            pass  # the watch broke (etcd restarted), or the record was deleted: re-read and watch again
         finally:
             stop()

@@ -114,6 +114,7 @@ class EndpointLoop(PeerSide, Replication):
         self.fenced: list = []
         self.targets: dict[str, list[Range]] = {}
         self.op: OpRunner | None = None
+        self.ending: set[str] = set()   # (loop thread) ops ended whose final record is still being written
         self.inflight: Inflight | None = None
         self.dealers: dict[str, zmq.Socket] = {}
         self.calls: collections.deque = collections.deque()
@@ -583,8 +584,8 @@ class EndpointLoop(PeerSide, Replication):
                 raise StateError(f"{self.name} runs no operation: nothing to cancel")
             op.cancel.set()
             return env.reply("OK", self.name, op=op.id)
-        if t == "PING":
-            return env.reply("OK", self.name)
+        if t == "PING":   # with the ops whose record is ours to write (an operator's wait asks when it vanished)
+            return env.reply("OK", self.name, ops=([self.op.id] if self.op else []) + sorted(self.ending))
         if t == "STATS":
             return env.reply("OK", self.name, counters=dict(self.counters), port=dict(self.port.counters))
         raise StateError(f"unknown control message type {t!r}")
@@ -631,10 +632,15 @@ class EndpointLoop(PeerSide, Replication):
         return None
 
     def op_ended(self, op: OpRunner) -> None:
+        """(loop thread) ``op`` ended; its final record is being written until :meth:`op_recorded`."""
         if self.op is op:
             self.op = None
+        self.ending.add(op.id)
         for rng in op.ranges:
             self._untarget(op.peer, rng)
+
+    def op_recorded(self, op_id: str) -> None:
+        self.ending.discard(op_id)
 
     def _untarget(self, peer: str, rng: Range) -> None:
         rngs = self.targets.get(peer, [])

@@ -82,6 +82,7 @@ class OpRunner:
         self.loop.call(lambda: self.loop.op_ended(self))  # before anyone can see it ended (a BEGIN may follow)
         self.progress.close()   # no progress write may land after the final record
         self._publish_final()
+        self.loop.call(lambda: self.loop.op_recorded(self.id))
         self._prune_old_records()
         log.info("%s: %s %s of %s to %s: %s in %.3f s %s %s", self.loop.name, self.kind, self.id, self.rec.ranges,
                  self.peer, self.rec.phase, self.rec.timings.get("total_s", 0), self.rec.error,
