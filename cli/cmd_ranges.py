@@ -63,13 +63,21 @@ def service() -> None:
               help="Service type, from the plug-ins: " + ", ".join(sorted(plugin.load())) + ". It decides the "
                    "front doors the service gets.")
 @click.option("--opt", "opts", multiple=True, metavar="NAME=VALUE",
-              help="An option of the kind (e.g. the address of a front door); repeatable.")
+              help="An option of the kind (e.g. the address of a front door, an sdhcp pool), checked by the kind "
+                   "and kept in the service record, where its endpoints read it at start; repeatable.")
 @pass_ctx
 @errors
 def service_add(c, name: str, layout: str, sid: int | None, kind: str, opts: tuple[str, ...]) -> None:
     """Register service NAME; all its keys start in one unassigned range.
 
-    Example: vfab service add kvs --kind elastic-kvs
+    Adding a service that exists with the same settings changes nothing; with other settings it is refused
+    (delete it first: 'vfab service del NAME').
+
+    \b
+    Examples:
+      vfab service add kvs --kind elastic-kvs
+      vfab service add dhcp --kind sdhcp --opt pool=192.168.77.10-192.168.77.250 --opt mask=24 \\
+          --opt server=192.168.77.1
     """
     pairs = {}
     for text in opts:
@@ -85,9 +93,37 @@ def service_add(c, name: str, layout: str, sid: int | None, kind: str, opts: tup
             raise click.BadParameter(str(exc), param_hint="--kind/--opt") from None
     elif pairs:
         raise click.BadParameter("options need a --kind", param_hint="--opt")
-    s = c.registry.create_service(name, layout, sid, kind=kind, frontdoors=doors)
-    click.echo(f"service {s.name}: id {s.id}, {s.layout} layout, kind {s.kind or '-'}, "
+    s = c.registry.create_service(name, layout, sid, kind=kind, frontdoors=doors, opts=pairs)
+    asked = (layout, kind, doors, pairs) + ((sid,) if sid is not None else ())
+    have = (s.layout, s.kind, s.frontdoors, s.opts) + ((s.id,) if sid is not None else ())
+    if asked != have:
+        raise click.ClickException(
+            f"service {name} already exists with other settings ({describe_service(s)}): "
+            f"delete it first ('vfab service del {name}', which drops its ranges and endpoint records) or "
+            "add it under another name")
+    click.echo(f"service {s.name}: {describe_service(s)}, "
                f"VIDs {codec.encode(s.id, 0, layout=codec.Layout(s.layout))}..")
+
+
+def describe_service(s) -> str:
+    opts = " ".join(f"{k}={v}" for k, v in s.opts.items())
+    doors = ", ".join(str(d.get("kind")) for d in s.frontdoors)
+    return (f"id {s.id}, {s.layout} layout, kind {s.kind or '-'}" + (f", front doors {doors}" if doors else "")
+            + (f", options {opts}" if opts else ""))
+
+
+@service.command("show")
+@click.argument("name", type=NameType("service"))
+@click.option("--json", "as_json", is_flag=True, help="The service record as JSON.")
+@pass_ctx
+@errors
+def service_show(c, name: str, as_json: bool) -> None:
+    """Show service NAME's record: id, layout, kind, front doors and the kind's options."""
+    s = c.registry.service(name)
+    if as_json:
+        click.echo(s.to_json())
+        return
+    click.echo(f"service {s.name}: {describe_service(s)}")
 
 
 @service.command("del")

@@ -188,3 +188,25 @@ def parse_opts(opts: dict[str, str]) -> Config:
         raise DhcpError(f"T1 {t1} s, T2 {t2} s and the lease {lease} s must grow strictly (RFC 2131 §4.4.5): "
                         "set --opt t1 and t2 below --opt lease, t1 below t2")
     return Config(first, last, prefix, server, routers, dns, lease, t1, t2, relays, dict(opts))
+
+
+def shard_config(given: dict[str, str], record: dict[str, str], service: str) -> Config | None:
+    """The configuration a shard starts with: the service record's options ('vfab service add NAME --kind
+    sdhcp --opt ...') with the shard's own ``--opt`` over them, or None when neither gives any (the one its
+    store was created with: a restarted shard).  ``--opt`` may change what each shard hands out (lease,
+    t1, t2, router, dns, relays), never the pool, mask or server the record names."""
+    rec = None
+    if record:
+        try:
+            rec = parse_opts(record)
+        except DhcpError as exc:
+            raise DhcpError(f"service {service}'s record holds options that are no valid pool ({exc}): delete and "
+                            "add the service again with good ones") from None
+    if not given:
+        return rec
+    mine = parse_opts({**record, **given})
+    if rec is not None and mine.fingerprint != rec.fingerprint:
+        raise DhcpError(f"--opt gives {mine.describe()} but service {service}'s record says {rec.describe()}: "
+                        "every shard of a service hands out the one pool; leave --opt pool, mask and server out "
+                        "to take the record's")
+    return mine

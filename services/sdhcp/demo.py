@@ -140,10 +140,9 @@ class Demo:
 
     def start_shard(self, name: str, host: str, listen: str | None = None) -> None:
         out = os.path.join(self.workdir, f"{name}.out")
-        opts = [a for k, v in self.plan.opts().items() for a in ("--opt", f"{k}={v}")]
         args = ["-m", "vfab.services.sdhcp", "server", "--etcd", self.tb.etcd_endpoint, "--service", SVC,
                 "--name", name, "--iface", self.tb.hosts[host]["iface"], "--data", os.path.join(self.workdir, "data"),
-                *opts, *(["--listen", listen] if listen else [])]
+                *(["--listen", listen] if listen else [])]     # the pool: from the service record (setup)
         proc = self.tb.run_on(host, f"sdhcp-{name}", args, stdout=open(out, "wb"))
         wait_for(lambda: b"ready" in open(out, "rb").read() or not proc.alive(), 30, f"shard {name} to start")
         if not proc.alive():

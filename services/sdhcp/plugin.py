@@ -4,11 +4,12 @@
 and the dhcp4 front door (table 0: ``udp,tp_dst=67`` from host ports → the
 service's VID whose key is the low 24 bits of the client MAC).  Options given
 there are checked by the same code the shards use (``config.parse_opts``), so
-an operator learns of a bad pool before starting any shard.  The service
-record has no field for a kind's options (``schema.Service``), so each shard
-takes them itself (``python -m vfab.services.sdhcp server --opt ...``); every
-lease record carries the pool's fingerprint and shards of different pools
-refuse each other's records (``store.py``).
+an operator learns of a bad pool before starting any shard, and kept in the
+service record (``Service.opts``), where every shard reads them at start
+(``config.shard_config``: a shard's own ``--opt`` may change its lease times,
+router, DNS and relays, not the pool).  Every lease record carries the pool's
+fingerprint and shards of different pools refuse each other's records
+(``store.py``).
 """
 
 from __future__ import annotations

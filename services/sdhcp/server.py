@@ -31,7 +31,7 @@ import threading
 from vfab.services.sdhcp import frames
 from vfab.services.sdhcp.backend import SdhcpBackend, open_backend
 from vfab.services.sdhcp.bindings import Binder
-from vfab.services.sdhcp.config import OPTIONS, Config, parse_opts
+from vfab.services.sdhcp.config import OPTIONS, Config, parse_opts, shard_config
 from vfab.services.sdhcp.errors import DhcpError
 from vfab.services.sdhcp.pool import subtract
 from vfab.services.sdhcp.port import DhcpPort
@@ -163,7 +163,12 @@ and mirror like any stateful endpoint ('vfab split|merge|move|mirror'), their
 leases and their slice of the pool with them.  Leases are on disk (fsync) and on
 every mirror before the ACK leaves.
 
-Every shard of one service takes the same pool, mask and server options."""
+Every shard of one service hands out one pool: give its options once, to
+'vfab service add NAME --kind sdhcp --opt ...', and each shard reads them from
+the service record at start.  A shard's own --opt goes over the record's: it
+may change what that shard hands out (lease, t1, t2, router, dns, relays),
+never the pool, mask or server.  A shard whose service record has no options
+and that is given none uses those its store was created with."""
     p.epilog = "pool options (--opt NAME=VALUE):\n" + "\n".join(f"  {k:<7} {v}" for k, v in OPTIONS.items()) + """
 
 example (shard s1 on testbed host vfh1, owning every key):
@@ -171,8 +176,7 @@ example (shard s1 on testbed host vfh1, owning every key):
       --opt mask=24 --opt server=192.168.77.1
   python -m vfab.services.sdhcp server --service dhcp --name s1 \\
       --iface vfh1-eth0 --netns "$(vfab netns vfh1)" --data /var/lib/vfab/sdhcp \\
-      --listen 0-0xffffff --opt pool=192.168.77.10-192.168.77.250 \\
-      --opt mask=24 --opt server=192.168.77.1"""
+      --listen 0-0xffffff"""
     p.add_argument("--etcd", default=os.environ.get("VFAB_ETCD", "127.0.0.1:2379"),
                    help="etcd HOST:PORT (default: $VFAB_ETCD, else 127.0.0.1:2379)")
     p.add_argument("--service", required=True, help="service name (create it with 'vfab service add NAME "
@@ -182,8 +186,8 @@ example (shard s1 on testbed host vfh1, owning every key):
     p.add_argument("--netns", default=None, metavar="PATH", help="network namespace of --iface (/proc/PID/ns/net)")
     p.add_argument("--data", required=True, metavar="DIR", help="directory of the lease store (NAME.sqlite)")
     p.add_argument("--opt", action="append", default=[], metavar="NAME=VALUE",
-                   help="pool option (repeatable; see below); may be left out when --data already holds this "
-                        "shard's store, whose options are then used")
+                   help="pool option (repeatable; see below), over the service record's; with neither, those of "
+                        "the store in --data")
     p.add_argument("--listen", action="append", default=[], metavar="LO-HI",
                    help="take this key range at start (repeatable; only for a fresh service)")
     p.add_argument("--ttl", type=int, default=1, help="endpoint lease TTL in s: a mirror serves a crashed shard's "
@@ -197,10 +201,12 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     opts = parse_opt_list(args.opt)
-    config = parse_opts(opts) if opts else None
+    if {"pool", "mask", "server"} <= opts.keys():
+        parse_opts(opts)   # a whole pool of its own: bad input is said before etcd is asked
     registry = Registry(args.etcd)
     loop = None
     try:
+        config = shard_config(opts, registry.service(args.service).opts, args.service)
         loop = open_server(registry, args.service, args.name, args.iface, args.data, config, netns=args.netns,
                            ttl=args.ttl)
         loop.binder = Binder(args.etcd, args.service, args.name, leases=loop.bound_leases).start()

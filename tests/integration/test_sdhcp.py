@@ -151,7 +151,7 @@ def run_op(tb, start) -> None:
 def dh(testbed, tmp_path_factory):
     reg = testbed.registry
     workdir = str(tmp_path_factory.mktemp("sdhcp"))
-    reg.create_service(SVC, kind="sdhcp", frontdoors=[{"kind": "dhcp4"}])
+    reg.create_service(SVC, kind="sdhcp", frontdoors=[{"kind": "dhcp4"}], opts=OPTS)   # the shards read the pool
     for kind, (host, mac) in CLIENTS.items():
         iface = testbed.hosts[host]["iface"]
         for cmd in (("down",), ("address", mac), ("up",)):
@@ -159,12 +159,11 @@ def dh(testbed, tmp_path_factory):
         info = testbed.hosts[host]
         reg.put_host(schema.Host(mac=mac, dpid=info["dpid"], port=info["port"], name=host))
     procs = {}
-    opts = [a for k, v in OPTS.items() for a in ("--opt", f"{k}={v}")]
     for name, (host, listen) in SHARDS.items():
         out = os.path.join(workdir, f"{name}.out")
         args = ["-m", "vfab.services.sdhcp", "server", "--etcd", testbed.etcd_endpoint, "--service", SVC,
                 "--name", name, "--iface", testbed.hosts[host]["iface"], "--data", os.path.join(workdir, "data"),
-                *opts, *(["--listen", listen] if listen else [])]
+                *(["--listen", listen] if listen else [])]
         procs[name] = testbed.run_on(host, f"sdhcp-{name}", args, stdout=open(out, "wb"))
         wait_for(lambda: b"ready" in open(out, "rb").read() or not procs[name].alive(), 20, f"shard {name}")
         assert procs[name].alive(), procs[name].tail()

@@ -15,7 +15,8 @@ from vfab.vid.errors import RegistryError, VidError
 MAC = "02:00:00:00:00:01"
 
 GOOD = {
-    schema.Service: {"name": "echo", "id": 7, "layout": "suffix", "kind": "echo", "frontdoors": [{"kind": "dhcp4"}]},
+    schema.Service: {"name": "echo", "id": 7, "layout": "suffix", "kind": "echo", "frontdoors": [{"kind": "dhcp4"}],
+                     "opts": {"pool": "10.0.0.10-10.0.0.99"}},
     schema.Endpoint: {"service": "echo", "name": "e1", "mac": MAC, "rx": "bpf", "host": "h1", "ctl": "tcp://127.0.0.1:5555"},
     schema.RangeRec: {"lo": 0, "hi": 99, "owner": "e1", "mirrors": ["e2"], "helpers": ["e3"],
                       "epoch": 4, "state": "moving"},
@@ -116,6 +117,19 @@ def test_bad_rx_mode():
         schema.Endpoint(service="echo", name="e1", mac=MAC, rx="dpdk")
     for rx in schema.RX_MODES:
         assert schema.Endpoint(service="echo", name="e1", mac=MAC, rx=rx).rx == rx
+
+
+def test_service_options_are_names_and_strings_within_limits():
+    svc = schema.Service(name="dh", id=3, kind="sdhcp", opts={"pool": "10.0.0.10-10.0.0.99", "t1": "30"})
+    assert schema.Service.from_json(svc.to_json(), "/s").opts == {"pool": "10.0.0.10-10.0.0.99", "t1": "30"}
+    assert schema.Service.from_json('{"name": "old", "id": 4}', "/s").opts == {}   # a record from before
+    for bad in ({"Pool": "x"}, {"pool": 5}, {"": "x"}, {"p": "x" * (schema.OPT_LEN_MAX + 1)}):
+        with pytest.raises(VidError, match="malformed: a name of a-z"):
+            schema.Service(name="dh", id=3, opts=bad)
+    with pytest.raises(VidError, match="has 33 options: the limit is 32"):
+        schema.Service(name="dh", id=3, opts={f"o{i}": "" for i in range(33)})
+    with pytest.raises(VidError, match="wrong type"):
+        schema.Service(name="dh", id=3, opts=["pool"])
 
 
 def test_value_checks():

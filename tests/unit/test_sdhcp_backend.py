@@ -623,3 +623,46 @@ def test_the_binders_threads_ride_out_an_etcd_that_stops_answering(tmp_path):
     finally:
         reg.close()
         etcd.stop()
+
+
+def test_a_shard_takes_the_service_records_pool_and_may_change_only_what_it_hands_out():
+    from vfab.services.sdhcp.config import shard_config
+
+    rec = shard_config({}, OPTS, "dh")                                   # no --opt: the record's
+    assert rec == parse_opts(OPTS)
+    mine = shard_config({"lease": "60", "t1": "30", "t2": "50"}, OPTS, "dh")
+    assert (mine.lease, mine.t1, mine.t2, mine.fingerprint) == (60, 30, 50, rec.fingerprint)
+    assert mine.dns == rec.dns                                           # the rest from the record
+    with pytest.raises(DhcpError, match="--opt gives pool 192.168.77.10-192.168.77.200 .* but service dh's record "
+                                        "says pool 192.168.77.10-192.168.77.250 .* leave --opt pool"):
+        shard_config({"pool": "192.168.77.10-192.168.77.200"}, OPTS, "dh")
+    assert shard_config({}, {}, "dh") is None                            # neither: the store's own
+    assert shard_config(OPTS, {}, "dh") == rec                           # a record without options
+    with pytest.raises(DhcpError, match="service dh's record holds options that are no valid pool"):
+        shard_config({}, {**OPTS, "mask": "33"}, "dh")
+
+
+def test_vfab_service_add_keeps_the_options_in_the_record_and_refuses_other_settings(registry):
+    from vfab.cli.main import cli
+
+    runner = CliRunner()
+    base = ["--etcd", registry.endpoint, "service"]
+    opts = sum((["--opt", f"{k}={v}"] for k, v in OPTS.items()), [])
+    res = runner.invoke(cli, [*base, "add", "dh", "--kind", "sdhcp", *opts])
+    assert res.exit_code == 0 and "options pool=192.168.77.10-192.168.77.250" in res.output, res.output
+    assert registry.service("dh").opts == OPTS
+    assert runner.invoke(cli, [*base, "add", "dh", "--kind", "sdhcp", *opts]).exit_code == 0   # the same: nothing
+    res = runner.invoke(cli, [*base, "add", "dh", "--kind", "sdhcp", *opts, "--opt", "dns=192.168.77.9"])
+    assert res.exit_code == 1 and "already exists with other settings" in res.output \
+        and "vfab service del dh" in res.output, res.output
+    assert registry.service("dh").opts == OPTS
+    res = runner.invoke(cli, [*base, "show", "dh"])
+    assert res.exit_code == 0 and "kind sdhcp, front doors dhcp4" in res.output and "server=192.168.77.1" in res.output
+    import json
+    assert json.loads(runner.invoke(cli, [*base, "show", "dh", "--json"]).output)["opts"] == OPTS
+    bad = subprocess.run([sys.executable, "-m", "vfab.services.sdhcp", "server", "--etcd", registry.endpoint,
+                          "--service", "dh", "--name", "s1", "--iface", "lo", "--data", "/tmp/vfab-nodata",
+                          "--opt", "pool=192.168.77.10-192.168.77.100"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "but service dh's record says pool 192.168.77.10-192.168.77.250" in bad.stderr, \
+        bad.stderr
+    assert not os.path.exists("/tmp/vfab-nodata")             # refused before anything was created

@@ -234,10 +234,12 @@ class Registry:
         return schema.Service.from_json(got[0], schema.service_key(name))
 
     def create_service(self, name: str, layout: str = "prefix", sid: int | None = None, kind: str = "",
-                       frontdoors: list | None = None) -> schema.Service:
-        """Register a service with a fresh id and one unassigned range over all keys.
+                       frontdoors: list | None = None, opts: dict | None = None) -> schema.Service:
+        """Register a service with a fresh id and one unassigned range over all keys; an existing service of
+        that name is returned as it is (the caller compares, see 'vfab service add').
 
-        ``kind`` names its plug-in (``vfab.vid.plugin``), ``frontdoors`` the table-0 classifiers it gets.
+        ``kind`` names its plug-in (``vfab.vid.plugin``), ``frontdoors`` the table-0 classifiers it gets,
+        ``opts`` the kind's options its endpoints read at start.
         """
         schema.check_name("service", name)
         Layout.parse(layout)
@@ -253,7 +255,8 @@ class Registry:
                     raise RegistryError(f"no free service id: all {SERVICE_MAX} are in use")
             else:
                 free = sid
-            svc = schema.Service(name=name, id=free, layout=layout, kind=kind, frontdoors=list(frontdoors or []))
+            svc = schema.Service(name=name, id=free, layout=layout, kind=kind, frontdoors=list(frontdoors or []),
+                                 opts=dict(opts or {}))
             full = schema.RangeRec(lo=0, hi=KEY_MAX, state="unassigned")
             ok, _ = self.txn(
                 [self.cmp_mod(schema.service_key(name), 0), self.cmp_mod(schema.service_id_key(free), 0)],

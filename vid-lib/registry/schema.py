@@ -42,6 +42,9 @@ RX_MODES = ("ovs", "bpf", "promisc")
 RANGE_STATES = ("active", "unassigned", "moving")
 WEIGHT_DEFAULT = 100    # a helper's bucket weight when its range names none (the balancer's weights are 1..100)
 WEIGHT_MAX = 65535
+OPTS_MAX = 32                     # options of one service (Service.opts)
+OPT_LEN_MAX = 1024                # characters of one option's value
+OPT_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 
 
 def check_name(kind: str, name: str) -> str:
@@ -186,6 +189,9 @@ class Service(Record):
     # {"kind": "dhcp4"} or {"kind": "udp", "ip": "10.0.0.100", "port": 11211, "key": "ip_src"}.
     # The kinds and their parameters are defined by vfab.fabric.frontdoor.
     frontdoors: list = field(default_factory=list)
+    # The kind's options as the operator gave them ('vfab service add NAME --kind K --opt NAME=VALUE'), checked
+    # by its plug-in there; the service's endpoints read them at start (e.g. an sdhcp pool: one place for all).
+    opts: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_name("service", self.name)
@@ -205,6 +211,13 @@ class Service(Record):
                 if not isinstance(k, str) or not isinstance(v, (str, int)) or isinstance(v, bool):
                     raise VidError(f"front door {door!r} of service {self.name!r}: parameter {k!r} must be a "
                                    "string or an integer")
+        _need("service", "opts", self.opts, dict)
+        if len(self.opts) > OPTS_MAX:
+            raise VidError(f"service {self.name!r} has {len(self.opts)} options: the limit is {OPTS_MAX}")
+        for k, v in self.opts.items():
+            if not isinstance(k, str) or not OPT_RE.match(k) or not isinstance(v, str) or len(v) > OPT_LEN_MAX:
+                raise VidError(f"option {k!r}={v!r} of service {self.name!r} is malformed: a name of a-z, 0-9, "
+                               f"'_', '-' and a string of at most {OPT_LEN_MAX} characters")
 
 
 @dataclass
