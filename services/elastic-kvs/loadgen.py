@@ -11,6 +11,13 @@ checker can tell which write a read saw.  Output (``--out``)::
 ``invoke``/``respond`` are CLOCK_MONOTONIC seconds (system-wide on Linux, so
 histories of several processes can be checked together); ``status`` is the
 reply status name or ``"TIMEOUT"`` when every retry was spent.
+
+``"client_wait_ms"`` (one per history entry, in the same order): how long this
+process was runnable but not running between the operation's invoke and
+respond (the scheduler's run-queue delay, ``/proc/thread-self/schedstat``): on a
+busy machine a reply may sit in the socket while the client waits for a core,
+and that wait is the client's, not the service's.  0 where the kernel does not
+say (no schedstat).
 """
 
 from __future__ import annotations
@@ -46,9 +53,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="FILE.json")
 
 
+class RunDelay:
+    """The calling thread's run-queue delay so far (s): time runnable but not running; 0 if unknown."""
+
+    def __init__(self) -> None:
+        try:
+            self.fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self.fd = None
+
+    def __call__(self) -> float:
+        if self.fd is None:
+            return 0.0
+        try:
+            return int(os.pread(self.fd, 64, 0).split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            return 0.0
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 def drive(client: KvsClient, n: int, duration: float, keys: list[bytes], mix: tuple[int, int, int],
-          value_size: int, seed: int | None = None) -> list[tuple]:
+          value_size: int, seed: int | None = None, waits: list | None = None) -> list[tuple]:
+    """Run the load; the history, and into ``waits`` each entry's client-side run-queue delay (ms)."""
     rng = random.Random(seed)
+    delay = RunDelay()
     ops = [Op.PUT] * mix[0] + [Op.GET] * mix[1] + [Op.DEL] * mix[2]
     history: list[tuple] = []
     counts = [0] * n
@@ -61,23 +93,29 @@ def drive(client: KvsClient, n: int, duration: float, keys: list[bytes], mix: tu
             counts[c] += 1
             tag = f"c{client.client_id % 100000}_{c}_{counts[c]}".encode()
             value = (tag + b"." * value_size)[:max(value_size, len(tag))]
-        client.submit(op, key, value, tag=c)
+        client.submit(op, key, value, tag=(c, delay()))
 
     end = time.monotonic() + duration
     for c in range(n):
         issue(c)
     while client.inflight:
-        for p in client.poll(0.05):
+        done = client.poll(0.05)
+        now_delay = delay()
+        for p in done:
+            c, delay0 = p.tag
+            if waits is not None:
+                waits.append(round((now_delay - delay0) * 1e3, 2))
             status = p.reply.status.name if p.reply is not None else "TIMEOUT"
             shown = p.value if p.op is Op.PUT else (p.reply.body if p.reply is not None and p.op is Op.GET
                                                     and status == "OK" else None)
             # A tuple of plain values: the collector stops tracking it, so a history of 100,000s of entries
             # never makes this process pause for a full collection (lists made it pause 20-60 ms, every
             # client at once, and the pause was recorded as the server's latency).
-            history.append((p.tag, p.op.name, p.key.decode(), shown.split(b".")[0].decode() if shown else None,
+            history.append((c, p.op.name, p.key.decode(), shown.split(b".")[0].decode() if shown else None,
                             p.submitted, p.finished, status, p.reply.version if p.reply else 0))
             if time.monotonic() < end:
-                issue(p.tag)
+                issue(c)
+    delay.close()
     return history
 
 
@@ -105,11 +143,13 @@ def run(args: argparse.Namespace) -> int:
             while not os.path.exists(args.wait_start):
                 time.sleep(0.001)
         t0 = time.monotonic()
-        history = drive(client, args.clients, args.duration, keys, mix, args.value_size, args.seed)
+        waits: list[float] = []
+        history = drive(client, args.clients, args.duration, keys, mix, args.value_size, args.seed, waits)
         took = time.monotonic() - t0
     finally:
         client.close()
-    doc = {"history": history, "counters": client.counters, "summary": summarize(history, took)}
+    doc = {"history": history, "client_wait_ms": waits, "counters": client.counters,
+           "summary": summarize(history, took)}
     tmp = f"{args.out}.tmp.{os.getpid()}"
     with open(tmp, "w") as fh:
         json.dump(doc, fh)
