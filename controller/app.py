@@ -77,38 +77,36 @@ class VfabController(app_manager.OSKenApp):
 
     # -- etcd -------------------------------------------------------------
     def _watch_loop(self) -> None:
-        while True:
-            try:
-                rev, items = self.registry.get_prefix(schema.ROOT)
-                with self.mirror_lock:
-                    self.items = {k: v for k, (v, _) in items.items()}
-                    self.revision = rev
-                log.info("etcd %s: loaded %d keys at revision %d", self.registry.endpoint, len(items), rev)
+        def reset(items: dict, rev: int) -> None:
+            with self.mirror_lock:
+                self.items = {k: v for k, (v, _) in items.items()}
+                self.revision = rev
+            log.info("etcd %s: loaded %d keys at revision %d", self.registry.endpoint, len(items), rev)
+            self.dirty.set()
+
+        def apply(batch: list) -> None:
+            # Whole watch responses: a revision (one etcd txn) is applied to the mirror at once, so the
+            # reconcile loop never compiles or reports half of a transaction.
+            changed = False
+            with self.mirror_lock:  # os-ken's hub runs real threads: the batch goes in whole
+                for ev in batch:
+                    if ev.value is None:
+                        self.items.pop(ev.key, None)
+                    else:
+                        self.items[ev.key] = ev.value
+                    self.revision = max(self.revision, ev.revision)
+                    parsed = schema.parse_key(ev.key)
+                    if not (parsed and parsed[0] in schema.PASSIVE):
+                        changed = True
+            if changed:
                 self.dirty.set()
-                # Whole watch responses: a revision (one etcd txn) is applied to the mirror at
-                # once, so the reconcile loop never compiles or reports half of a transaction.
-                batches, cancel = self.registry.watch_batches(schema.ROOT, rev + 1)
-                try:
-                    for batch in batches:
-                        changed = False
-                        with self.mirror_lock:  # os-ken's hub runs real threads: the batch goes in whole
-                            for ev in batch:
-                                if ev.value is None:
-                                    self.items.pop(ev.key, None)
-                                else:
-                                    self.items[ev.key] = ev.value
-                                self.revision = max(self.revision, ev.revision)
-                                parsed = schema.parse_key(ev.key)
-                                if not (parsed and parsed[0] in schema.PASSIVE):
-                                    changed = True
-                        if changed:
-                            self.dirty.set()
-                finally:
-                    cancel()
-                log.warning("etcd watch ended; reloading")
-            except Exception as exc:  # etcd down or compacted: reload after a pause
-                log.warning("etcd %s: %s; retrying in 1 s", self.registry.endpoint, exc)
-                hub.sleep(1)
+
+        def failed(exc: Exception, first: bool) -> None:   # etcd down or compacted: reload after a pause
+            log.warning("etcd %s: %s; retrying in 1 s", self.registry.endpoint, exc)
+
+        # Reloaded whenever the watch ends (etcd restarted): never resumed from a revision it may not have.
+        self.registry.follow(schema.ROOT, reset, apply, threading.Event(), resume=False, errors=(Exception,),
+                             on_error=failed)
 
     # -- reconcile --------------------------------------------------------
     def _reconcile_loop(self) -> None:

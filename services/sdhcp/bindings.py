@@ -142,6 +142,10 @@ class Binder:
     def load_hosts(self, reg: Registry) -> int:
         """Read every host record (the DHCP hosts' MACs); the etcd revision read."""
         rev, items = reg.get_prefix(schema.folder("hosts"))
+        self._reset_hosts(items)
+        return rev
+
+    def _reset_hosts(self, items: dict) -> None:
         dhcp = set()
         for key, (raw, _) in items.items():
             got = self._dhcp_host(key, raw)
@@ -151,41 +155,26 @@ class Binder:
             self._marked |= dhcp - self._dhcp
             self._dhcp, self._hosts_ready = dhcp, True
         self._wake.set()
-        return rev
+
+    def _host_events(self, batch: list) -> None:
+        with self._lock:
+            for ev in batch:
+                got = self._dhcp_host(ev.key, ev.value)
+                if got is None:
+                    continue
+                if got[1] and got[0] not in self._dhcp:
+                    self._dhcp.add(got[0])
+                    self._marked.add(got[0])
+                elif not got[1]:
+                    self._dhcp.discard(got[0])
+        self._wake.set()
 
     def _watch_hosts(self) -> None:
         """Keep the DHCP hosts current: read them, then follow their changes; on any failure read again."""
         reg = Registry(self.etcd)
-        prefix = schema.folder("hosts")
-        rev = 0
         try:
-            while not self._stop.is_set():
-                try:
-                    if rev == 0:
-                        rev = self.load_hosts(reg)
-                    batches, cancel = reg.watch_batches(prefix, rev + 1, idle=HOSTS_IDLE)
-                    try:
-                        for batch in batches:
-                            with self._lock:
-                                for ev in batch:
-                                    rev = max(rev, ev.revision)
-                                    got = self._dhcp_host(ev.key, ev.value)
-                                    if got is None:
-                                        continue
-                                    if got[1] and got[0] not in self._dhcp:
-                                        self._dhcp.add(got[0])
-                                        self._marked.add(got[0])
-                                    elif not got[1]:
-                                        self._dhcp.discard(got[0])
-                            self._wake.set()
-                            if self._stop.is_set():
-                                break
-                    finally:
-                        cancel()
-                    continue   # idle: watch again from the next revision
-                except RegistryError:
-                    rev = 0    # read them again: changes may have been compacted away meanwhile
-                self._stop.wait(RETRY_S)
+            reg.follow(schema.folder("hosts"), lambda items, rev: self._reset_hosts(items), self._host_events,
+                       self._stop, idle=HOSTS_IDLE, retry=RETRY_S)
         finally:
             reg.close()
 

@@ -375,3 +375,70 @@ def test_an_ovs_endpoint_needs_its_interface_to_itself(registry):
     other = "00:00:00:00:00:0b"
     registry.announce(schema.Endpoint(service="sa", name="c", mac=other, rx="bpf"), ttl=5)
     registry.announce(schema.Endpoint(service="sb", name="d", mac=other, rx="bpf"), ttl=5)
+
+
+def test_follow_reads_then_follows_and_reads_again_after_etcd_came_back(tmp_path):
+    """Registry.follow (the view watcher's, the controller's and the sdhcp binder's loop): every key first,
+    then each change whole; with etcd killed and restarted, one error said, every key read again, and the
+    changes made while it was down are in the copy; a set stop ends it."""
+    import threading
+    import time
+
+    from vfab.testbed.etcd import LocalEtcd, free_port
+
+    etcd = LocalEtcd(tmp_path / "etcd", free_port(), free_port())
+    etcd.start(timeout=20)
+    reg = Registry(etcd.endpoint)
+    prefix = schema.ROOT + "hosts/"
+    copy: dict = {}
+    seen = {"resets": 0, "batches": 0, "errors": []}
+    stop = threading.Event()
+
+    def reset(items, rev):
+        copy.clear()
+        copy.update({k: v for k, (v, _) in items.items()})
+        seen["resets"] += 1
+
+    def apply(batch):
+        for ev in batch:
+            if ev.value is None:
+                copy.pop(ev.key, None)
+            else:
+                copy[ev.key] = ev.value
+        seen["batches"] += 1
+
+    def until(fn, what):
+        deadline = time.monotonic() + 20
+        while not fn() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert fn(), what
+
+    try:
+        reg.put(prefix + "a", "1")
+        follower = Registry(etcd.endpoint)
+        th = threading.Thread(target=follower.follow, args=(prefix, reset, apply, stop),
+                              kwargs={"idle": 0.5, "retry": 0.2,
+                                      "on_error": lambda exc, first: seen["errors"].append(first)}, daemon=True)
+        th.start()
+        until(lambda: copy == {prefix + "a": b"1"}, "the first read")
+        reg.txn([], {prefix + "b": "2", prefix + "c": "3"})
+        reg.delete(prefix + "a")
+        until(lambda: copy == {prefix + "b": b"2", prefix + "c": b"3"}, "the changes")
+        assert seen["resets"] == 1 and seen["batches"] == 2
+        time.sleep(1.2)                                   # idle renewals of the watch read nothing again
+        assert seen["resets"] == 1
+        etcd.kill9()
+        time.sleep(1.0)
+        etcd.start(timeout=20)
+        reg.put(prefix + "d", "4")
+        until(lambda: copy.get(prefix + "d") == b"4", "the change after etcd came back")
+        assert seen["resets"] >= 2                        # every key read again
+        assert seen["errors"] and seen["errors"][0] is True and not any(seen["errors"][1:]), seen["errors"]
+        stop.set()
+        th.join(5)
+        assert not th.is_alive()
+        follower.close()
+    finally:
+        stop.set()
+        reg.close()
+        etcd.stop()

@@ -177,6 +177,44 @@ class Registry:
 
         return gen(), cancel
 
+    def follow(self, prefix: str, reset: Callable[[dict, int], None], apply: Callable[[list[Event]], None],
+               stop: threading.Event, idle: float | None = None, retry: float = 1.0, resume: bool = True,
+               errors: tuple = (RegistryError,), on_error: Callable[[Exception, bool], None] | None = None) -> None:
+        """Keep a copy of the keys under ``prefix`` current until ``stop`` is set (the calling thread's loop).
+
+        ``reset(items, revision)`` gets every key (``get_prefix``'s items) at the start and again after any
+        failure (events may have been compacted away meanwhile); ``apply(batch)`` gets each watch response
+        whole (one or more complete etcd revisions, see :meth:`watch_batches`).  With ``idle`` the watch is
+        renewed after ``idle`` s without events, so ``stop`` is looked at that often.  A watch that ends by
+        itself is resumed from the next revision, or read again from scratch with ``resume=False``.  On one
+        of ``errors`` (raised by etcd, or by ``reset``/``apply``): ``on_error(exc, first)`` (``first``:
+        not right after another failure), then a retry after ``retry`` s.
+        """
+        rev, failing = 0, False
+        while not stop.is_set():
+            try:
+                if rev == 0:
+                    got, items = self.get_prefix(prefix)
+                    reset(items, got)
+                    rev, failing = got, False
+                batches, cancel = self.watch_batches(prefix, rev + 1, idle=idle)
+                try:
+                    for batch in batches:
+                        apply(batch)
+                        rev = max(rev, max(ev.revision for ev in batch))
+                        if stop.is_set():
+                            break
+                finally:
+                    cancel()
+                if not resume:
+                    rev = 0
+                continue
+            except errors as exc:
+                if on_error is not None and not stop.is_set():
+                    on_error(exc, not failing)
+                rev, failing = 0, True
+            stop.wait(retry)
+
     def lease(self, ttl: int) -> int:
         out = self._post("/lease/grant", {"TTL": ttl})
         return int(out["ID"])

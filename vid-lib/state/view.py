@@ -116,36 +116,29 @@ class ViewWatcher:
     def _run(self, i: int, prefix: str) -> None:
         reg = Registry(self.endpoint)
         store = self._ranges if i == 0 else self._eps
-        rev = 0
-        while not self._stop.is_set():
-            try:
-                if rev == 0:
-                    rev, items = reg.get_prefix(prefix)
-                    with self._lock:
-                        store.clear()
-                        store.update({k: (v,) for k, (v, _) in items.items()})
-                        self._revs[i] = rev
-                    self._emit()
-                batches, cancel = reg.watch_batches(prefix, rev + 1, idle=IDLE)
-                try:
-                    for batch in batches:
-                        with self._lock:
-                            for ev in batch:
-                                if ev.value is None:
-                                    store.pop(ev.key, None)
-                                else:
-                                    store[ev.key] = (ev.value,)
-                                rev = max(rev, ev.revision)
-                                self._revs[i] = rev
-                        self._emit()
-                        if self._stop.is_set():
-                            break
-                finally:
-                    cancel()
-                continue  # idle: watch again from the next revision
-            except RegistryError as exc:
-                if not self._stop.is_set() and rev:
-                    log.warning("%s: watch of %s: %s; retrying every %.1f s", self.service, prefix, exc, RETRY)
-                rev = 0  # reload: events may have been compacted away meanwhile
-            self._stop.wait(RETRY)
-        reg.close()
+
+        def reset(items: dict, rev: int) -> None:
+            with self._lock:
+                store.clear()
+                store.update({k: (v,) for k, (v, _) in items.items()})
+                self._revs[i] = rev
+            self._emit()
+
+        def apply(batch: list) -> None:
+            with self._lock:
+                for ev in batch:
+                    if ev.value is None:
+                        store.pop(ev.key, None)
+                    else:
+                        store[ev.key] = (ev.value,)
+                    self._revs[i] = max(self._revs[i], ev.revision)
+            self._emit()
+
+        def failed(exc: Exception, first: bool) -> None:
+            if first and self._revs[i]:   # once per outage, and not while the first read fails (said elsewhere)
+                log.warning("%s: watch of %s: %s; retrying every %.1f s", self.service, prefix, exc, RETRY)
+
+        try:
+            reg.follow(prefix, reset, apply, self._stop, idle=IDLE, retry=RETRY, on_error=failed)
+        finally:
+            reg.close()
