@@ -71,7 +71,7 @@ class SdhcpLoop(EndpointLoop):
                         "'vfab service add %s --kind sdhcp --opt ...'", name, service, service)
 
     def vid_mac(self, key: int) -> bytes:
-        return codec.encode(self.service.id, key, layout=self.layout).packed
+        return codec.packed(self.service.id, key, self.layout)   # remembered: asked once per reply
 
     def bound_leases(self) -> list[tuple[int, int, int]]:
         """(any thread: its own connection) The bound leases in the ranges this shard owns now (the binder)."""
