@@ -32,6 +32,7 @@ import time
 from vfab.services.elastic_kvs.client import KvsClient
 from vfab.services.elastic_kvs.proto import Op
 from vfab.vid.registry import Registry
+from vfab.vid.state.sched import RunDelay
 
 log = logging.getLogger("vfab.kvs.load")
 
@@ -51,29 +52,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--wait-start", metavar="FILE", default=None, help="start when FILE exists")
     p.add_argument("--out", required=True, metavar="FILE.json")
-
-
-class RunDelay:
-    """The calling thread's run-queue delay so far (s): time runnable but not running; 0 if unknown."""
-
-    def __init__(self) -> None:
-        try:
-            self.fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-        except OSError:
-            self.fd = None
-
-    def __call__(self) -> float:
-        if self.fd is None:
-            return 0.0
-        try:
-            return int(os.pread(self.fd, 64, 0).split()[1]) / 1e9
-        except (OSError, ValueError, IndexError):
-            return 0.0
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
 
 
 def drive(client: KvsClient, n: int, duration: float, keys: list[bytes], mix: tuple[int, int, int],

@@ -51,6 +51,7 @@ from vfab.vid.state.backend import Backend, BackendError, BadRequest, Refusal, R
 from vfab.vid.state.faillog import FailureLog
 from vfab.vid.state.housekeeper import Housekeeper
 from vfab.vid.state.lease import EndpointLease
+from vfab.vid.state.sched import RunDelay
 from vfab.vid.state.peer import INCOMING_IDLE, Incoming, PeerSide
 from vfab.vid.state.replication import Inflight, Replication
 from vfab.vid.state.runner import OpRunner
@@ -67,7 +68,6 @@ IDLE_WAIT = 1.0          # s an idle loop with nothing timed sleeps (frames, con
 # handover wait up to 5 ms (several per batch).  The process serves requests: hand over sooner.
 SWITCH_INTERVAL = 0.0005
 STALL = 0.02             # s: a pass of the loop that ran longer held every request behind it that long
-SCHEDSTAT = "/proc/thread-self/schedstat"   # "<ns on a CPU> <ns waiting for one> <slices>" of the reading thread
 REPLAY_KEPT = 4096       # mirrored requests kept for a takeover replay (backends that ask for it)
 GROUP_HOLD = 0.002       # s: group commit fsyncs once the port is drained, or once a reply has waited this long
 class _Call:
@@ -148,7 +148,7 @@ class EndpointLoop(PeerSide, Replication):
         self._stopping = threading.Event()
         self._last_timers = 0.0
         self._last_stall_log = 0.0
-        self._schedstat: int | None = None   # the serving thread's /proc schedstat (serve opens it)
+        self._run_delay: RunDelay | None = None   # the serving thread's wait for a core (serve opens it)
         self.watcher = ViewWatcher(self.etcd, service, self._on_view)
         self.housekeeper = Housekeeper(self)
         self.lease.on_renewed.append(self._renewed)
@@ -254,10 +254,7 @@ class EndpointLoop(PeerSide, Replication):
             p.register(self._wakefd, zmq.POLLIN)
         idle.register(self.port.fileno(), zmq.POLLIN)
         self._pollers = (idle, busy)
-        try:
-            self._schedstat = os.open(SCHEDSTAT, os.O_RDONLY)   # this thread's: where a long pass's time went
-        except OSError:
-            self._schedstat = None
+        self._run_delay = RunDelay()   # this thread's: where a long pass's time went
         log.info("%s: serving %s on %s (ctl %s, lease %x)", self.name, self.service.name, self.port.iface, self.ctl,
                  self.lease.id)
         q_end = self._queued()
@@ -307,12 +304,7 @@ class EndpointLoop(PeerSide, Replication):
 
     def _queued(self) -> float:
         """s this thread has waited for a CPU (runnable, not running) since it started; 0 if unknown."""
-        if self._schedstat is None:
-            return 0.0
-        try:
-            return int(os.pread(self._schedstat, 64, 0).split()[1]) / 1e9
-        except (OSError, ValueError, IndexError):
-            return 0.0
+        return self._run_delay() if self._run_delay is not None else 0.0
 
     def _disk(self) -> float:
         fn = getattr(self.backend, "disk_seconds", None)
@@ -662,7 +654,6 @@ class EndpointLoop(PeerSide, Replication):
         self.router.close(0)
         self.port.close()
         os.close(self._wakefd)
-        if self._schedstat is not None:
-            os.close(self._schedstat)
-            self._schedstat = None
+        if self._run_delay is not None:
+            self._run_delay.close()
         log.info("%s: closed; counters %s, port %s", self.name, dict(self.counters), self.port.counters)
