@@ -642,7 +642,7 @@ def test_a_shard_takes_the_service_records_pool_and_may_change_only_what_it_hand
         shard_config({}, {**OPTS, "mask": "33"}, "dh")
 
 
-def test_vfab_service_add_keeps_the_options_in_the_record_and_refuses_other_settings(registry):
+def test_vfab_service_add_keeps_the_options_in_the_record_and_refuses_other_settings(registry, tmp_path):
     from vfab.cli.main import cli
 
     runner = CliRunner()
@@ -661,8 +661,8 @@ def test_vfab_service_add_keeps_the_options_in_the_record_and_refuses_other_sett
     import json
     assert json.loads(runner.invoke(cli, [*base, "show", "dh", "--json"]).output)["opts"] == OPTS
     bad = subprocess.run([sys.executable, "-m", "vfab.services.sdhcp", "server", "--etcd", registry.endpoint,
-                          "--service", "dh", "--name", "s1", "--iface", "lo", "--data", "/tmp/vfab-nodata",
+                          "--service", "dh", "--name", "s1", "--iface", "lo", "--data", str(tmp_path / "data"),
                           "--opt", "pool=192.168.77.10-192.168.77.100"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "but service dh's record says pool 192.168.77.10-192.168.77.250" in bad.stderr, \
         bad.stderr
-    assert not os.path.exists("/tmp/vfab-nodata")             # refused before anything was created
+    assert not os.path.exists(tmp_path / "data")              # refused before anything was created

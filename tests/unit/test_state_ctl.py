@@ -71,16 +71,19 @@ def record(phase: str = "copy", done: int = 10) -> str:
 
 
 def start_wait(reg: Registry) -> tuple[threading.Thread, dict]:
+    """ctl.wait on its own thread; returns once it has seen the record (so a deletion is one it follows)."""
     out: dict = {}
+    seen = threading.Event()
 
     def run() -> None:
         try:
-            out["rec"] = ctl.wait(Registry(reg.endpoint), SVC, OP, timeout=30)
+            out["rec"] = ctl.wait(Registry(reg.endpoint), SVC, OP, timeout=30, progress=lambda rec: seen.set())
         except Exception as exc:  # noqa: BLE001 - handed to the test
             out["exc"] = exc
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
+    assert seen.wait(10), "wait never saw the record"
     return t, out
 
 
@@ -96,7 +99,6 @@ def test_a_record_taken_by_an_expired_lease_is_waited_for_while_its_source_still
         lease = reg.lease(3)
         reg.put(key, record(), lease=lease)
         t, out = start_wait(reg)
-        time.sleep(0.5)
         reg.revoke(lease)                   # what etcd does when the source's lease expires
         deadline = time.monotonic() + 10
         while src.pings == 0 and time.monotonic() < deadline:
@@ -118,7 +120,6 @@ def test_a_vanished_record_whose_source_no_longer_runs_the_op_is_reported_at_onc
         lease = reg.lease(3)
         reg.put(schema.op_key(SVC, OP), record(), lease=lease)
         t, out = start_wait(reg)
-        time.sleep(0.5)
         t0 = time.monotonic()
         reg.revoke(lease)
         t.join(10)
@@ -135,7 +136,6 @@ def test_a_vanished_record_whose_source_is_unreachable_is_reported_after_the_gra
     lease = reg.lease(3)
     reg.put(schema.op_key(SVC, OP), record(), lease=lease)   # no endpoint "a" registered at all
     t, out = start_wait(reg)
-    time.sleep(0.5)
     t0 = time.monotonic()
     reg.revoke(lease)
     t.join(15)
