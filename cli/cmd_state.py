@@ -125,6 +125,13 @@ class Follow:
         self._bar.update(self._task, completed=done, total=max(rec.total, done, 1),
                          description=f"{self.label} [{rec.phase}]")
 
+    def notice(self, text: str) -> None:
+        """A line about the operation (why the wait pauses), above the bar on a terminal."""
+        if self._bar is not None:
+            self._bar.console.print(f"{self.label}: {text}", markup=False, highlight=False)
+        else:
+            click.echo(f"{self.label}: {text}", err=True)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
@@ -203,7 +210,7 @@ def _run(c, service: str, source: str, kind: str, desc: str, send, wait: bool, t
     follow = Follow(desc)
     note = ""
     try:
-        rec = statectl.wait(reg, service, started.op, timeout=timeout, progress=follow)
+        rec = statectl.wait(reg, service, started.op, timeout=timeout, progress=follow, notice=follow.notice)
     except KeyboardInterrupt:
         follow.close()
         rec, note = _interrupted(reg, service, started, kind)

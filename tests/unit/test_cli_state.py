@@ -393,3 +393,11 @@ def test_a_malformed_load_report_does_not_break_status(run, reported):
     reported.put(schema.load_key("kv", "s2"), "not json")
     res = run("status")
     assert res.exit_code == 0 and "kv: ranges" in res.output and "4242" in res.output
+
+
+def test_follow_says_why_the_wait_pauses_above_its_progress(capsys):
+    from vfab.cli.cmd_state import Follow
+
+    f = Follow("split kv", tty=False)
+    f.notice("the record of a.1 vanished: waiting for a to write it again")
+    assert capsys.readouterr().err == "split kv: the record of a.1 vanished: waiting for a to write it again\n"

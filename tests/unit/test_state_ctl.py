@@ -71,13 +71,15 @@ def record(phase: str = "copy", done: int = 10) -> str:
 
 
 def start_wait(reg: Registry) -> tuple[threading.Thread, dict]:
-    """ctl.wait on its own thread; returns once it has seen the record (so a deletion is one it follows)."""
-    out: dict = {}
+    """ctl.wait on its own thread; returns once it has seen the record (so a deletion is one it follows).
+    ``out``: "rec" or "exc" when it ended, "notices" what it told meanwhile."""
+    out: dict = {"notices": []}
     seen = threading.Event()
 
     def run() -> None:
         try:
-            out["rec"] = ctl.wait(Registry(reg.endpoint), SVC, OP, timeout=30, progress=lambda rec: seen.set())
+            out["rec"] = ctl.wait(Registry(reg.endpoint), SVC, OP, timeout=30, progress=lambda rec: seen.set(),
+                                  notice=out["notices"].append)
         except Exception as exc:  # noqa: BLE001 - handed to the test
             out["exc"] = exc
 
@@ -108,6 +110,9 @@ def test_a_record_taken_by_an_expired_lease_is_waited_for_while_its_source_still
         t.join(10)
         assert not t.is_alive() and "exc" not in out, out
         assert out["rec"].phase == "done" and out["rec"].done == 20
+        told = out["notices"]                   # said once that it waits, once that the record is back
+        assert len(told) == 2 and "vanished: a's etcd lease expired" in told[0] and "waiting for a" in told[0] \
+            and told[1].startswith(f"a wrote the record of {OP} again after"), told
     finally:
         src.close()
 

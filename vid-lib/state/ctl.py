@@ -138,13 +138,15 @@ def running(reg: Registry, service: str, source: str) -> schema.OpRec | None:
 
 
 def wait(reg: Registry, service: str, op_id: str, timeout: float = 600.0,
-         progress: Callable[[schema.OpRec], None] | None = None) -> schema.OpRec:
+         progress: Callable[[schema.OpRec], None] | None = None,
+         notice: Callable[[str], None] | None = None) -> schema.OpRec:
     """Follow operation ``op_id`` (from the command's reply) with an etcd watch until it ends.
 
     The record lives under its source's lease until the end, so it vanishes when that lease expires (the
     source stopped, or etcd hung, past the TTL); a live source puts it back under its new lease.  So a
     vanished record is waited for while the source says (PING) it still runs the op; NotFound once the
-    source answers that it does not (it restarted) or stays unreachable for VANISHED_GRACE."""
+    source answers that it does not (it restarted) or stays unreachable for VANISHED_GRACE.  ``notice(text)``
+    is told when the record vanishes and when it is back (an operator's wait then pauses for a reason)."""
     deadline = time.monotonic() + timeout
     key = schema.op_key(service, op_id)
     last: list[schema.OpRec] = []   # the newest record seen
@@ -159,6 +161,13 @@ def wait(reg: Registry, service: str, op_id: str, timeout: float = 600.0,
         last[:] = [rec]
         return rec.finished
 
+    def back() -> None:
+        """The record is there (again)."""
+        nonlocal gone_since
+        if gone_since is not None and notice is not None:
+            notice(f"{last[0].source} wrote the record of {op_id} again after {time.monotonic() - gone_since:.1f} s")
+        gone_since = None
+
     while True:
         try:
             rec, rev = reg.op(service, op_id)
@@ -167,15 +176,19 @@ def wait(reg: Registry, service: str, op_id: str, timeout: float = 600.0,
                 raise
             time.sleep(0.2)  # etcd restarting: ride it out
             continue
+        if rec is not None:
+            back()
         if seen(rec):
             return last[0]
         if rec is None and last:
+            if gone_since is None and notice is not None:
+                notice(f"the record of {op_id} vanished: {last[0].source}'s etcd lease expired (etcd or "
+                       f"{last[0].source} was stopped or cut off past its TTL); waiting for {last[0].source} to "
+                       f"write it again (up to {VANISHED_GRACE:.0f} s while it does not answer)")
             gone_since = gone_since or time.monotonic()
             lost = _vanished(reg, service, op_id, last[0].source, gone_since)
             if lost and _still_gone(reg, service, op_id):   # (its final record may have landed meanwhile)
                 raise NotFound(f"the record of {op_id} vanished: {lost}; see 'vfab ranges' for who owns what now")
-        elif rec is not None:
-            gone_since = None
         left = deadline - time.monotonic()
         if left <= 0:
             raise StateError(f"operation {op_id} did not end within {timeout:.0f} s; cancel it with "
@@ -190,9 +203,9 @@ def wait(reg: Registry, service: str, op_id: str, timeout: float = 600.0,
                 for ev in batch:
                     if ev.value is None:
                         raise _Reread   # deleted: see above what that means
+                    back()
                     if seen(schema.OpRec.from_json(ev.value, key)):
                         return last[0]
-                    gone_since = None
         except (RegistryError, _Reread):
             pass  # the watch broke (etcd restarted), or the record was deleted: re-read and watch again
         finally:
