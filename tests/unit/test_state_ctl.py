@@ -89,6 +89,19 @@ def start_wait(reg: Registry) -> tuple[threading.Thread, dict]:
     return t, out
 
 
+def vanish(reg: Registry, join: float) -> tuple[dict, float]:
+    """The op record under a lease of its own, a waiter following it, the lease revoked (what etcd does when
+    the source's lease expires): how the waiter ended (``start_wait``'s out), and how long after the revoke."""
+    lease = reg.lease(3)
+    reg.put(schema.op_key(SVC, OP), record(), lease=lease)
+    t, out = start_wait(reg)
+    t0 = time.monotonic()
+    reg.revoke(lease)
+    t.join(join)
+    assert not t.is_alive()
+    return out, time.monotonic() - t0
+
+
 def announce(reg: Registry, src: FakeSource) -> int:
     return reg.announce(schema.Endpoint(service=SVC, name="a", mac="02:00:00:00:00:0a", ctl=src.addr), ttl=3)
 
@@ -122,28 +135,15 @@ def test_a_vanished_record_whose_source_no_longer_runs_the_op_is_reported_at_onc
     try:
         announce(reg, src)
         src.ops = []                        # restarted: the op is unknown to it
-        lease = reg.lease(3)
-        reg.put(schema.op_key(SVC, OP), record(), lease=lease)
-        t, out = start_wait(reg)
-        t0 = time.monotonic()
-        reg.revoke(lease)
-        t.join(10)
-        assert not t.is_alive()
+        out, took = vanish(reg, 10)
         assert isinstance(out.get("exc"), NotFound) and "no longer runs it" in str(out["exc"]), out
-        assert time.monotonic() - t0 < 5
+        assert took < 5
     finally:
         src.close()
 
 
 def test_a_vanished_record_whose_source_is_unreachable_is_reported_after_the_grace(etcd_reg, monkeypatch):
     monkeypatch.setattr(ctl, "VANISHED_GRACE", 2.0)
-    reg = etcd_reg
-    lease = reg.lease(3)
-    reg.put(schema.op_key(SVC, OP), record(), lease=lease)   # no endpoint "a" registered at all
-    t, out = start_wait(reg)
-    t0 = time.monotonic()
-    reg.revoke(lease)
-    t.join(15)
-    assert not t.is_alive()
+    out, took = vanish(etcd_reg, 15)                         # no endpoint "a" registered at all
     assert isinstance(out.get("exc"), NotFound) and "died or is stopped" in str(out["exc"]), out
-    assert 2.0 <= time.monotonic() - t0 < 10
+    assert 2.0 <= took < 10

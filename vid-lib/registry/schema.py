@@ -216,8 +216,8 @@ class Service(Record):
             raise VidError(f"service {self.name!r} has {len(self.opts)} options: the limit is {OPTS_MAX}")
         for k, v in self.opts.items():
             if not isinstance(k, str) or not OPT_RE.match(k) or not isinstance(v, str) or len(v) > OPT_LEN_MAX:
-                raise VidError(f"option {str(k)[:40]!r}={str(v)[:60]!r} of service {self.name!r} is malformed: a name of a-z, 0-9, "
-                               f"'_', '-' and a string of at most {OPT_LEN_MAX} characters")
+                raise VidError(f"option {str(k)[:40]!r}={str(v)[:60]!r} of service {self.name!r} is malformed: "
+                               f"a name of a-z, 0-9, '_', '-' and a string of at most {OPT_LEN_MAX} characters")
 
 
 @dataclass

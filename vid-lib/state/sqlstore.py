@@ -93,9 +93,15 @@ class SqliteStore:
 
     def commit(self) -> None:
         """Commit the batch: after a durable ``begin`` the write-ahead log is fsync'd before this returns."""
+        try:
+            self._commit(self.db)
+        except sqlite3.Error as exc:
+            raise self.Error(why(exc, self.path)) from None
+
+    def _commit(self, db: sqlite3.Connection) -> None:
         t0 = time.perf_counter()
         try:
-            self._exec("COMMIT")
+            db.execute("COMMIT")
         finally:
             self._disk(t0)
 
@@ -122,11 +128,7 @@ class SqliteStore:
             self._synchronous(durable)
             db.execute("BEGIN IMMEDIATE")
             out = fn(db)
-            t0 = time.perf_counter()
-            try:
-                db.execute("COMMIT")
-            finally:
-                self._disk(t0)
+            self._commit(db)
             return out
         except sqlite3.Error as exc:
             self.rollback()
