@@ -570,7 +570,10 @@ def test_a_host_marked_dhcp_gets_the_binding_of_its_lease_at_once(registry, tmp_
     binder = bindings.Binder(registry.endpoint, "dhcp", "s1",
                              leases=lambda: b.store.bound([FULL], int(b.clock() * 1000))).start()
     try:
-        time.sleep(0.5)
+        deadline = time.monotonic() + 5            # the host records read, a first pass looked at the lease
+        while not (binder._hosts_ready and binder._reconcile_at > 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert binder._hosts_ready and binder._reconcile_at > 0
         assert registry.get(schema.binding_key(MAC.hex(":"))) is None        # not a dhcp host: nothing
         registry.put_host(schema.Host(mac=host.mac, dpid=1, port=1, dhcp=True))
         deadline = time.monotonic() + 5
