@@ -6,6 +6,7 @@ Topology line,2,3: vfh1-3 on vfbs1, vfh4-6 on vfbs2.  Servers on vfh1, vfh4, vfh
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -16,7 +17,9 @@ from vfab.testbed import history, kvs
 from vfab.testbed.procs import wait_for
 from vfab.vid.state import ctl as statectl
 from vfab.vid.errors import VidError
+from vfab.vid.errors import NotFound
 from vfab.vid.ranges import Range
+from vfab.vid.registry import Registry
 from vfab.vid.errors import StateError
 
 HALF = Range(0x800000, 0xFFFFFF)
@@ -92,12 +95,26 @@ def test_kill_during_split_keeps_one_owner_and_every_write(testbed, servers, vic
     wait_for(lambda: (op := testbed.registry.op(service, started.op)[0]) and op.phase == "copy"
              and op.done > 200, 20, "the split to be copying")
     if victim == "owner":
+        told, ended = [], {}        # an operator following the split ('vfab split' waits like this)
+
+        def follow() -> None:
+            try:
+                ended["rec"] = statectl.wait(Registry(testbed.registry.endpoint), service, started.op, timeout=60,
+                                             notice=told.append)
+            except Exception as exc:  # noqa: BLE001 - checked below
+                ended["exc"] = exc
+        operator = threading.Thread(target=follow, daemon=True)
+        operator.start()
         testbed.sup.kill9(procs[0])
         time.sleep(1.0)
         # The crashed owner comes back on its durable store, under the same name.
         procs[0] = kvs.start_server(testbed, "vfh1", "a", service)
         # The peer aborts by itself once its source is silent and etcd still names the owner.
         wait_for(lambda: "aborted" in open(procs[1].logpath).read(), 20, "b to abort the orphaned copy")
+        # The operator is told: the record went with the dead process's lease, and the new a does not run it.
+        operator.join(30)
+        assert not operator.is_alive() and isinstance(ended.get("exc"), NotFound), ended
+        assert "no longer runs it (it restarted)" in str(ended["exc"]) and "vanished" in told[0], (ended, told)
     else:
         testbed.sup.kill9(procs[1])
         op = statectl.wait(testbed.registry, service, started.op, timeout=30)
