@@ -3,8 +3,10 @@
 A host registered with ``dhcp: true`` gets its addresses from DHCP; a source-guarded front door (memcached's
 udp door) takes its requests only from the addresses its ``Binding`` records give, so a tenant cannot make a
 service answer to someone else's address.  The shard that acknowledges such a host's lease writes
-``/vfab/v1/bindings/<mac>`` (address, lease end, service, shard); the host's RELEASE or DECLINE deletes it (only
-the version this shard wrote); the controller ignores a binding once its lease ended and turns the others into
+``/vfab/v1/bindings/<mac>`` (address, lease end, service, shard), each write compared with what it read, and never
+over another shard's binding that ends later (a write that comes late, from a shard that lost the client's range
+meanwhile, would undo the newer lease); the host's RELEASE or DECLINE deletes it (only the version this shard
+wrote); the controller ignores a binding once its lease ended and turns the others into
 flows.  Every shard of the service also clears its service's bindings that ended over ``GC_S`` ago, and
 every ``RECONCILE_S`` (and at start) publishes again what its own leases say and etcd lacks: a binding lost
 with a shard killed before it wrote, or while etcd was away, comes back without waiting for the client's
@@ -39,6 +41,7 @@ RETRY_S = 1.0      # s between tries while etcd fails
 HOSTS_IDLE = 10.0  # s a watch of the host records may stay silent before it is renewed
 GC_S = 60.0        # s after its end a binding of this service is deleted
 RECONCILE_S = 30.0  # s between two comparisons of this shard's bound leases with the published bindings
+CAS_TRIES = 5      # reads and compare-and-writes of one transaction's bindings while others write them too
 WRITTEN_MAX = 65536  # versions of its own bindings a shard remembers (forgotten: deleted by the lease's end only)
 
 
@@ -196,17 +199,13 @@ class Binder:
                     mac = int_to_mac(chaddr)
                     puts[chaddr] = (schema.binding_key(mac), schema.Binding(
                         mac=mac, ip=str(IPv4Address(ip)), until=round(until, 3), service=self.service,
-                        shard=self.shard).to_json())
+                        shard=self.shard))
             items = list(puts.items())
             for i in range(0, len(items), BATCH):
-                part = items[i:i + BATCH]
-                _, rev = reg.txn([], dict(v for _, v in part))
-                if len(self._written) > WRITTEN_MAX:
-                    self._written.clear()
-                for chaddr, _ in part:
-                    self._written[chaddr] = rev
+                part = dict(items[i:i + BATCH])
+                self._put(reg, part)
+                for chaddr in part:
                     del events[chaddr]
-                self.counters["published"] += len(part)
             for chaddr, (ip, _) in list(events.items()):
                 if ip is None and chaddr in self._written:
                     key = schema.binding_key(int_to_mac(chaddr))
@@ -218,6 +217,50 @@ class Binder:
                 for chaddr, ev in events.items():
                     self._pending.setdefault(chaddr, ev)
             raise
+
+    def _newer_elsewhere(self, raw: bytes, until: float) -> bool:
+        """Does etcd's binding ``raw`` come from another shard's later lease than ours (ending at ``until``)?
+        Then ours is late: its shard lost the client's range meanwhile, and the lease that range's owner
+        gave since (a renewal, or a new address) ends later, the service's shards giving the same lease
+        time."""
+        try:
+            have = schema.Binding.from_json(raw)
+        except RegistryError:
+            return False          # unreadable: ours replaces it
+        return have.shard != self.shard and have.until > until
+
+    def _put(self, reg: Registry, part: dict[int, tuple[str, schema.Binding]]) -> None:
+        """Write one transaction's bindings, each only over what was read of it (a compare on its mod
+        revision), none over another shard's later one; read again if another writer came in between."""
+        for _ in range(CAS_TRIES):
+            _, have = reg.get_many([key for key, _ in part.values()])
+            cmps, puts, late = [], {}, []
+            for chaddr, (key, b) in part.items():
+                old = have.get(key)
+                if old is not None and self._newer_elsewhere(old[0], b.until):
+                    late.append(chaddr)
+                    continue
+                cmps.append(reg.cmp_mod(key, old[1] if old else 0))
+                puts[key] = b.to_json()
+            ok, rev = reg.txn(cmps, puts) if puts else (True, 0)
+            if not ok:
+                self.counters["raced"] += 1
+                continue
+            if len(self._written) > WRITTEN_MAX:
+                self._written.clear()
+            for chaddr, (key, _) in part.items():
+                if key in puts:
+                    self._written[chaddr] = rev
+                else:
+                    self._written.pop(chaddr, None)
+            self.counters["published"] += len(puts)
+            self.counters["superseded"] += len(late)
+            if late:
+                log.info("%s: %d binding(s) not written: another shard's later lease of the same host is "
+                         "in etcd (this shard lost those clients' ranges)", self.shard, len(late))
+            return
+        raise RegistryError(f"the bindings of {len(part)} host(s) kept changing under this shard's writes "
+                            f"({CAS_TRIES} tries)")
 
     def reconcile(self, reg: Registry, only: set[int] | None = None) -> int:
         """Queue every bound lease of a DHCP host (of ``only``, if given) whose binding etcd lacks or holds with
@@ -234,6 +277,8 @@ class Binder:
         missing = []
         for chaddr, ip, until_ms in leases:
             b = have.get(chaddr)
+            if b is not None and b.shard != self.shard and b.until > until_ms / 1000:
+                continue      # another shard's later lease: ours is the older (see _newer_elsewhere)
             if b is None or b.ip != str(IPv4Address(ip)) or b.until < until_ms / 1000 - 1:
                 missing.append((chaddr, ip, until_ms))
         with self._lock:

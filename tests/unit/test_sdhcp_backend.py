@@ -527,6 +527,65 @@ def test_the_binder_keeps_what_etcd_refused_and_writes_it_once_etcd_answers(regi
     dead.close()
 
 
+def test_a_late_binding_write_never_replaces_another_shards_later_lease(registry, tmp_path):
+    """A shard that lost a client's range writes that client's binding late (etcd slow, its thread behind):
+    the range's new owner has since leased the client an address that ends later.  The late write leaves the
+    newer binding alone (before: it overwrote it, and the host's source guard followed the old address until
+    the next renewal); a write that ends later still replaces an older one; another shard writing between
+    the read and the write is noticed (compare on the mod revision) and read again."""
+    from vfab.services.sdhcp import bindings
+    from vfab.vid.registry import schema
+
+    mac = 0x025D00200001
+    key = schema.binding_key(codec_mac(mac))
+    registry.put_host(schema.Host(mac=codec_mac(mac), dpid=1, port=1, dhcp=True))
+
+    def newer(ip: str, until: float, shard: str = "s2") -> None:
+        registry.put(key, schema.Binding(mac=codec_mac(mac), ip=ip, until=until, service="dhcp",
+                                         shard=shard).to_json())
+
+    def stored() -> schema.Binding:
+        return schema.Binding.from_json(registry.get(key)[0])
+
+    binder = bindings.Binder(registry.endpoint, "dhcp", "s1")
+    binder.load_hosts(registry)
+    newer("192.168.77.40", 10_700.0)
+    binder.offer([(mac, 0xC0A84D0C, 10_600_000)])             # s1's lease of .12 to 10,600: older
+    binder.write(registry)
+    assert (stored().ip, stored().shard) == ("192.168.77.40", "s2")
+    assert binder.counters["superseded"] == 1 and binder.counters["published"] == 0
+    binder.offer([(mac, None, 10_650_000)])                   # its RELEASE: s2's binding is not s1's to delete
+    binder.write(registry)
+    assert stored().shard == "s2"
+    binder.offer([(mac, 0xC0A84D0C, 10_800_000)])             # a later lease of s1's (the range came back)
+    binder.write(registry)
+    assert (stored().ip, stored().until, stored().shard) == ("192.168.77.12", 10_800.0, "s1")
+
+    # s2 renews between s1's read and s1's write: s1's compare fails, it reads again and leaves s2's alone
+    real = registry.get_many
+    calls = []
+
+    def racing(keys):
+        got = real(keys)
+        if not calls:
+            newer("192.168.77.40", 11_000.0)
+        calls.append(keys)
+        return got
+    registry.get_many = racing
+    try:
+        binder.offer([(mac, 0xC0A84D0C, 10_900_000)])
+        binder.write(registry)
+    finally:
+        registry.get_many = real
+    assert len(calls) == 2 and binder.counters["raced"] == 1 and binder.counters["superseded"] == 2
+    assert (stored().ip, stored().until) == ("192.168.77.40", 11_000.0)
+    # its periodic comparison does not take the other shard's later lease for a missing binding of its own
+    binder.leases = lambda: [(mac, 0xC0A84D0C, 10_900_000)]
+    assert binder.reconcile(registry) == 0
+    newer("192.168.77.40", 10_000.0)                          # ... but an older one, of another address, is
+    assert binder.reconcile(registry) == 1
+
+
 def codec_mac(value: int) -> str:
     from vfab.vid.codec import int_to_mac
     return int_to_mac(value)
@@ -545,8 +604,8 @@ def test_the_binder_publishes_again_what_its_leases_hold_and_etcd_lacks(registry
         registry.put_host(schema.Host(mac=m.hex(":"), dpid=1, port=i + 1, dhcp=i < 2))   # the third: not marked
     binder = bindings.Binder(registry.endpoint, "dhcp", "s1",
                              leases=lambda: b.store.bound([FULL], int(b.clock() * 1000)))
-    registry.put(schema.binding_key(macs[1].hex(":")), schema.Binding(                 # stale: another address
-        mac=macs[1].hex(":"), ip="192.168.77.240", until=b.clock() + 600, service="dhcp").to_json())
+    registry.put(schema.binding_key(macs[1].hex(":")), schema.Binding(      # stale: an older lease, another address
+        mac=macs[1].hex(":"), ip="192.168.77.240", until=b.clock() + 300, service="dhcp").to_json())
     binder.load_hosts(registry)
     assert binder.reconcile(registry) == 2
     binder.write(registry)

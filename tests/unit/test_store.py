@@ -343,6 +343,14 @@ def test_malformed_endpoint(endpoint):
         Registry(endpoint)
 
 
+def test_get_many_reads_several_keys_at_one_revision(registry):
+    r1 = registry.put("/vfab/t/a", "1")
+    registry.put("/vfab/t/b", "2")
+    rev, got = registry.get_many(["/vfab/t/a", "/vfab/t/missing", "/vfab/t/b"])
+    assert got == {"/vfab/t/a": (b"1", r1), "/vfab/t/b": (b"2", r1 + 1)} and rev == r1 + 1
+    assert registry.get_many([]) == (rev, {})
+
+
 def test_watch_batches_deliver_a_transaction_whole(registry):
     """One delete-range of 500 keys arrives as one list: a consumer never sees half of it."""
     prefix = schema.ROOT + "ranges/wb/"

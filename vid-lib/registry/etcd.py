@@ -89,6 +89,17 @@ class Registry:
             return None
         return _unb64(kvs[0].get("value", "")), int(kvs[0]["mod_revision"])
 
+    def get_many(self, keys: list[str]) -> tuple[int, dict[str, tuple[bytes, int]]]:
+        """(revision, {key: (value, mod_revision)}) of ``keys`` read at one revision (one transaction; at most
+        etcd's --max-txn-ops keys, 128 by default); keys that do not exist are left out."""
+        body = {"compare": [], "success": [{"request_range": {"key": _b64(k)}} for k in keys], "failure": []}
+        out = self._post("/kv/txn", body)
+        items = {}
+        for resp in out.get("responses", []):
+            for kv in resp.get("response_range", {}).get("kvs", []):
+                items[_unb64(kv["key"]).decode()] = (_unb64(kv.get("value", "")), int(kv["mod_revision"]))
+        return int(out["header"]["revision"]), items
+
     def put(self, key: str, value: str | bytes, lease: int | None = None) -> int:
         body = {"key": _b64(key), "value": _b64(value)}
         if lease:
