@@ -69,6 +69,17 @@ def cpu_irq_s(cpu: int) -> float:
     raise RuntimeError(f"/proc/stat has no line for cpu{cpu}")
 
 
+def cpu_busy_s(cpu: int) -> float:
+    """Seconds CPU ``cpu`` was busy so far (/proc/stat: user, nice, system, irq, softirq, steal): whatever ran
+    there, including the packet work its interrupts did while no task of the DUT was running."""
+    with open("/proc/stat") as fh:
+        for line in fh:
+            if line.startswith(f"cpu{cpu} "):
+                f = [int(x) for x in line.split()[1:9]]
+                return (sum(f[0:3]) + sum(f[5:8])) / CLK_TCK
+    raise RuntimeError(f"/proc/stat has no line for cpu{cpu}")
+
+
 class CpuCap:
     """A cpu cgroup that caps its processes at ``share`` of one CPU (CFS bandwidth: quota per period).
 
