@@ -51,7 +51,7 @@ def services(c) -> None:
 
 @click.group("service")
 def service() -> None:
-    """Create or delete a service."""
+    """Create, show or delete a service (its kind and the kind's settings)."""
 
 
 @service.command("add")

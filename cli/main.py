@@ -7,9 +7,14 @@ it now.  Start a local fabric with 'vfab up', inspect it with 'vfab status',
 'vfab hosts' lists the hosts and the addresses each may send requests from;
 'vfab host set' changes that (its registered addresses, or DHCP).
 
-Stateful services (elastic-KVS) move their ranges live, state and all: 'vfab
-split', 'vfab merge', 'vfab move' and 'vfab mirror' (stop one with 'vfab
-cancel'); 'vfab kvs get|put|del' sends one request from a fabric host.
+Create a service with 'vfab service add NAME --kind KIND' (its kind's settings
+with --opt; 'vfab service show NAME' prints them).  Stateful services
+(elastic-KVS, sdhcp) move their ranges live, state and all: 'vfab split',
+'vfab merge', 'vfab move' and 'vfab mirror' (stop one with 'vfab cancel');
+'vfab kvs get|put|del' sends one request from a fabric host, 'vfab sdhcp
+status' shows a DHCP service's shards, pool use and leases.  'vfab helpers'
+shows and switches the PostMan helpers in front of a memcached service;
+'vfab balancer run' does that (and splits hot sdhcp shards) by itself.
 """
 
 from __future__ import annotations
