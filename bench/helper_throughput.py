@@ -15,10 +15,10 @@ frame out); CPU-second = the DUT process's user + system time (/proc; tick-based
 packet work done in its context — its own sends into the veth — is in it) plus ksoftirqd on its CPU.
 memcached is not the bottleneck: it answers multi-gets of ~100 keys on the other CPU (its CPU share is
 printed, ~0.1 of a core).  Beside it, a second view: frames out per *busy* second of the DUT's CPU (/proc/stat
-user + system + irq + softirq of CPU 1, whatever ran there): it also counts the packet work of the DUT's
-frames that the kernel did on that CPU while the capped DUT was not running (here CPU 1 is busy 0.37-0.39 of
-the time while the DUT is held to 0.25), and anything else that ran there.  The
-goal is judged on the first.
+user + system + irq + softirq + steal of CPU 1, whatever ran there).  Here CPU 1 counts as busy 0.37-0.44 of
+the time while the DUT process is held to 0.25: the rest is about CPU 1's interrupt share (0.12-0.17, also
+printed), which this tick-sampled accounting does not split further by whose frames it handled.  The goal
+is judged on the first view.
 
 Why a CPU cap: on this 2-core machine one core cannot offer more than ~0.4-0.5 M frames/s (the kernel's copy
 into the DUT's ring runs on the sender's core), and both DUTs keep up with that, so a busy-polling DUT's
