@@ -71,7 +71,7 @@ def cpu_irq_s(cpu: int) -> float:
 
 def cpu_busy_s(cpu: int) -> float:
     """Seconds CPU ``cpu`` was busy so far (/proc/stat: user, nice, system, irq, softirq, steal): whatever ran
-    there, including the packet work its interrupts did while no task of the DUT was running."""
+    there, tasks and interrupts alike."""
     with open("/proc/stat") as fh:
         for line in fh:
             if line.startswith(f"cpu{cpu} "):
