@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -170,6 +171,13 @@ def memaslap(t, topo, mode: str, duration: float) -> dict:
     cmd = ["ip", "netns", "exec", t.ns_c[0], "taskset", "-c", "0", "memcaslap", "-s", t.server(), "--udp", "-t",
            f"{int(duration)}s", "-T", "1", "-c", "32", "-X", str(VALUE)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=duration + 60)
+    if out.returncode == -signal.SIGABRT and "Assertion" in out.stderr:
+        # memaslap's UDP mode aborts on its own assertion now and then (a datagram whose request id is not the
+        # connection's current one), against memcached alone too (1 of 60 direct runs here): run it once more
+        print(f"memaslap {mode} aborted on its own assertion ({out.stderr.strip()[-160:]}); running it again",
+              flush=True)
+        cpu0 = topo.proc_cpu_s(mc_pid)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=duration + 60)
     cpu1 = topo.proc_cpu_s(mc_pid)
     got = {k.strip(): v.strip() for k, sep, v in (ln.partition(":") for ln in out.stdout.splitlines()) if sep}
     ops = int(got.get("cmd_get", 0)) + int(got.get("cmd_set", 0))
