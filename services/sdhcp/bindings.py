@@ -218,16 +218,18 @@ class Binder:
                     self._pending.setdefault(chaddr, ev)
             raise
 
-    def _newer_elsewhere(self, raw: bytes, until: float) -> bool:
-        """Does etcd's binding ``raw`` come from another shard's later lease than ours (ending at ``until``)?
-        Then ours is late: its shard lost the client's range meanwhile, and the lease that range's owner
-        gave since (a renewal, or a new address) ends later, the service's shards giving the same lease
-        time."""
+    def _newer_elsewhere(self, have: schema.Binding | None, until: float) -> bool:
+        """Is etcd's binding ``have`` another shard's later lease than ours (ending at ``until``)?  Then ours is
+        late: its shard lost the client's range meanwhile, and the lease that range's owner gave since (a
+        renewal, or a new address) ends later, the service's shards giving the same lease time."""
+        return have is not None and have.shard != self.shard and have.until > until
+
+    @staticmethod
+    def _read(raw: bytes) -> schema.Binding | None:
         try:
-            have = schema.Binding.from_json(raw)
+            return schema.Binding.from_json(raw)
         except RegistryError:
-            return False          # unreadable: ours replaces it
-        return have.shard != self.shard and have.until > until
+            return None           # unreadable: ours replaces it
 
     def _put(self, reg: Registry, part: dict[int, tuple[str, schema.Binding]]) -> None:
         """Write one transaction's bindings, each only over what was read of it (a compare on its mod
@@ -237,7 +239,7 @@ class Binder:
             cmps, puts, late = [], {}, []
             for chaddr, (key, b) in part.items():
                 old = have.get(key)
-                if old is not None and self._newer_elsewhere(old[0], b.until):
+                if old is not None and self._newer_elsewhere(self._read(old[0]), b.until):
                     late.append(chaddr)
                     continue
                 cmps.append(reg.cmp_mod(key, old[1] if old else 0))
@@ -277,8 +279,8 @@ class Binder:
         missing = []
         for chaddr, ip, until_ms in leases:
             b = have.get(chaddr)
-            if b is not None and b.shard != self.shard and b.until > until_ms / 1000:
-                continue      # another shard's later lease: ours is the older (see _newer_elsewhere)
+            if self._newer_elsewhere(b, until_ms / 1000):
+                continue      # another shard's later lease: ours is the older
             if b is None or b.ip != str(IPv4Address(ip)) or b.until < until_ms / 1000 - 1:
                 missing.append((chaddr, ip, until_ms))
         with self._lock:

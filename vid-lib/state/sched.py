@@ -14,7 +14,7 @@ SCHEDSTAT = "/proc/thread-self/schedstat"
 
 
 class RunDelay:
-    """The opening thread's run-queue delay so far (s): ``delay()``; 0 if the kernel does not say."""
+    """The opening thread's run-queue delay so far (s), read by calling it; 0 if the kernel does not say."""
 
     def __init__(self) -> None:
         try:
