@@ -586,6 +586,47 @@ def test_a_late_binding_write_never_replaces_another_shards_later_lease(registry
     assert binder.reconcile(registry) == 1
 
 
+def test_two_shards_racing_their_binding_writes_leave_the_latest_lease(registry):
+    """Two shards' binder threads write the same host's binding at once, each its own leases in order, ending
+    later and later (the host's range moved between them while it renewed; s1, the old owner, is behind and
+    still writing when s2 is done): whatever the interleaving, etcd ends with the lease that ends last, never
+    an earlier one written after it (before: the last writer won)."""
+    import threading
+
+    from vfab.services.sdhcp import bindings
+    from vfab.vid.errors import RegistryError
+    from vfab.vid.registry import schema
+
+    mac = 0x025D00200001
+    registry.put_host(schema.Host(mac=codec_mac(mac), dpid=1, port=1, dhcp=True))
+    ends = {"s1": [10_000_000 + 2_000 * i for i in range(40)], "s2": [10_061_000 + 2_000 * i for i in range(10)]}
+    errors, raced = [], []
+
+    def shard(name: str) -> None:
+        try:
+            binder = bindings.Binder(registry.endpoint, "dhcp", name)
+            binder.load_hosts(registry)
+            for until_ms in ends[name]:
+                binder.offer([(mac, 0xC0A84D0A + (name == "s2"), until_ms)])
+                while True:   # as the binder's thread does: what a write could not place stays pending
+                    try:
+                        binder.write(registry)
+                        break
+                    except RegistryError as exc:
+                        assert "kept changing" in str(exc)
+                        raced.append(name)
+        except Exception as exc:   # noqa: BLE001 - reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=shard, args=(n,)) for n in ends]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    got = schema.Binding.from_json(registry.get(schema.binding_key(codec_mac(mac)))[0])
+    assert (got.until, got.shard) == (10_079.0, "s2")
+
+
 def codec_mac(value: int) -> str:
     from vfab.vid.codec import int_to_mac
     return int_to_mac(value)
