@@ -530,6 +530,67 @@ def test_group_commit_answers_only_after_an_fsync_that_covers_the_batch_and_in_o
     assert loop.call(lambda: (len(loop.disk_wait), loop.counters["sync_failed"])) == (0, 0)
 
 
+def test_a_slow_group_fsync_is_counted(group_endpoint):
+    """An fsync that held replies past STALL shows in STATS (sync_slow, sync_max_ms); a fast one does not
+    count as slow.  No pass of the loop is long meanwhile: only these counters show such a wait."""
+    loop, backend, client, svc = group_endpoint
+    count = lambda name: loop.call(lambda: loop.counters[name])   # noqa: E731
+    send(client, svc, 0x000004, b"000004:w:fast", 1)
+    assert [f.payload for f in replies(client, 0.5)] == [b"ok:fast"]
+    assert count("sync_slow") == 0 and count("sync_max_ms") < 20
+    backend.gate.clear()
+    send(client, svc, 0x000004, b"000004:w:slow", 2)
+    time.sleep(0.08)
+    backend.gate.set()
+    assert [f.payload for f in replies(client, 0.5)] == [b"ok:slow"]
+    assert count("sync_slow") == 1 and count("sync_max_ms") >= 70
+
+
+def test_a_slow_acknowledgement_of_replicated_writes_is_counted(endpoint, registry):
+    """The owner's batch waits for its mirror's acknowledgement (no other batch is served meanwhile): a wait
+    past STALL shows in STATS as repl_wait_slow and repl_wait_max_ms."""
+    import zmq
+
+    from vfab.vid.envelope import decode
+    from vfab.vid.registry import schema
+
+    loop, backend, client, svc = endpoint
+    count = lambda name: loop.call(lambda: loop.counters[name])   # noqa: E731
+    mirror = zmq.Context.instance().socket(zmq.ROUTER)
+    mirror.setsockopt(zmq.LINGER, 0)
+    port = mirror.bind_to_random_port("tcp://127.0.0.1")
+    delay = {"s": 0.0}
+    seen = []
+
+    def answer():
+        while mirror.poll(3000):
+            ident, *rest = mirror.recv_multipart()
+            env = decode(rest)
+            seen.append(env.type)
+            time.sleep(delay["s"])
+            mirror.send_multipart([ident, *env.reply("OK", "m1", applied=len(env.blobs)).frames()])
+
+    try:
+        registry.announce(schema.Endpoint(service="t", name="m1", mac="02:00:00:00:00:98", rx="ovs",
+                                          ctl=f"tcp://127.0.0.1:{port}"), ttl=60)
+        registry.assign("t", LOW, "e1", mirrors=["m1"])
+        until(lambda: loop.call(lambda: (loop.view.find(LOW.lo).mirrors, "m1" in loop.view.endpoints))
+              == (["m1"], True), 5)
+        th = threading.Thread(target=answer, daemon=True)
+        th.start()
+        send(client, svc, 0x000006, b"000006:w:fast", 1)
+        assert [f.payload for f in replies(client, 1.0)] == [b"ok:fast"]
+        assert seen == ["REPL"] and count("repl_wait_slow") == 0
+        delay["s"] = 0.08
+        send(client, svc, 0x000006, b"000006:w:slow", 2)
+        assert [f.payload for f in replies(client, 1.0)] == [b"ok:slow"]
+        assert seen == ["REPL", "REPL"]
+        assert count("repl_wait_slow") == 1 and count("repl_wait_max_ms") >= 70
+        th.join(5)
+    finally:
+        mirror.close()
+
+
 def test_a_failed_group_fsync_answers_its_writes_unavailable(group_endpoint):
     loop, backend, client, svc = group_endpoint
     backend.fail = "disk I/O error"

@@ -346,6 +346,17 @@ class EndpointLoop(PeerSide, Replication):
                      cpu * 1e3, queued * 1e3, on_disk * 1e3, where["blocked"] * 1e3,
                      ", the longest yet" if longest else "")
 
+    def _count_wait(self, what: str, took: float) -> None:
+        """A wait that held replies without holding the loop: the group fsync (``sync``), a peer's
+        acknowledgement of replicated writes (``repl_wait``; no batch is served meanwhile, so a request that
+        comes during one waits for it and then for its own).  Counted in STATS as the longest
+        (``<what>_max_ms``) and how many took over STALL (``<what>_slow``); no long pass shows them."""
+        ms = round(took * 1e3)
+        if ms > self.counters[f"{what}_max_ms"]:
+            self.counters[f"{what}_max_ms"] = ms
+        if took > STALL:
+            self.counters[f"{what}_slow"] += 1
+
     def _run_calls(self) -> None:
         while self.calls and self.inflight is None:
             box = self.calls.popleft()
@@ -495,6 +506,7 @@ class EndpointLoop(PeerSide, Replication):
         (then what waited for the disk is answered UNAVAILABLE: the clients retry)."""
         upto, self.unsynced_since = self.batch_seq, 0.0
         self.counters["group_syncs"] += 1
+        t0 = time.monotonic()
         try:
             self.backend.sync()
         except BackendError as exc:
@@ -503,6 +515,7 @@ class EndpointLoop(PeerSide, Replication):
             while self.disk_wait and self.disk_wait[0][0] <= upto:
                 self._unsynced_replies(self.disk_wait.popleft()[2], str(exc))
             return str(exc)
+        self._count_wait("sync", time.monotonic() - t0)
         if self.sync_failures.failing:
             self.sync_failures.succeeded(self.name)
         self._release_synced(upto)

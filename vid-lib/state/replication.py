@@ -37,6 +37,7 @@ class Inflight:
     waiting: dict                  # REPL id -> peer
     deadline: float
     failed: dict = field(default_factory=dict)   # peer -> why
+    sent: float = field(default_factory=time.monotonic)
 
 
 
@@ -104,6 +105,7 @@ class Replication:
 
     def _finish_inflight(self, timed_out: bool = False) -> None:
         fl, self.inflight = self.inflight, None
+        self._count_wait("repl_wait", time.monotonic() - fl.sent)
         for peer in set(fl.waiting.values()):
             fl.failed.setdefault(peer, f"did not acknowledge within {ACK_TIMEOUT:.0f} s")
         safe = all([self._peer_failed(peer, why) for peer, why in fl.failed.items()])
