@@ -18,7 +18,9 @@ etcd = the flip's transaction; total), the wall time from the statectl call to
 moved (OpRec.done) and the load's latency for requests invoked in that window or in the GAP s after it
 (the old copy is dropped in the background after the op has ended, in steps on the loop's thread: its
 stalls count as the operation's).  Failed client requests (status not OK/NOT_FOUND) are counted over
-the whole load run.  Then, in the same run, Redis Cluster resharding of the same
+the whole load run.  Per operation (and the GAP after it) the servers' own counts of waits over 20 ms
+(STATS: long passes of the loop, group fsyncs, a peer's acknowledgement of replicated writes) say which
+side held the slow requests.  Then, in the same run, Redis Cluster resharding of the same
 N keys (``redis_reshard.measure``, share 1.0, 4 clients) beside elastic's split.
 
 Run: ``/opt/vfab-venv/bin/python bench/kvs_ops.py [--smoke]`` (root).
@@ -48,6 +50,9 @@ SOURCE = {"split": "a", "merge": "b", "mirror": "a", "move": "a"}   # the endpoi
 PAPER = {"mirror": (1.078, 3.336), "split": (1.289, 3.782), "merge": (1.304, 2.544), "move": (None, 3.871)}
 GAP = 0.5          # s of plain load between operations
 WARMUP = 1.0       # s of load before the first operation
+# the servers' counters of waits over the loop's STALL (20 ms) and their longest (STATS; vid-lib/state/loop.py)
+WAITS = ("stall_batch", "stall_chunk", "stall_control", "stall_calls", "stall_wakeup", "sync_slow", "repl_wait_slow",
+         "stall_max_ms", "stall_wakeup_max_ms", "sync_max_ms", "repl_wait_max_ms")
 
 
 def run_op(tb: Testbed, svc: str, name: str) -> dict:
@@ -71,6 +76,16 @@ def run_op(tb: Testbed, svc: str, name: str) -> dict:
             "wall_s": round(m1 - m0, 4), "start_s": round(m_started - m0, 4), "t0": m0, "t1": m1}
 
 
+def server_waits(tb: Testbed, svc: str) -> dict[str, dict[str, int]]:
+    """Each server's counts of waits over the loop's STALL (long passes ``stall_*``, group fsyncs ``sync_slow``,
+    a peer's acknowledgement of replicated writes ``repl_wait_slow``) and the longest of each (``*_max_ms``)."""
+    out = {}
+    for name in ("a", "b"):
+        c = statectl.command(tb.registry, svc, name, "STATS", {}).body["counters"]
+        out[name] = {k: c.get(k, 0) for k in WAITS}
+    return out
+
+
 def configuration(tb: Testbed, n: int, placement: str, rep: int, load_s: float) -> dict:
     svc = f"kvsops-{placement}-{n}-{rep}"
     tb.registry.create_service(svc)
@@ -88,8 +103,14 @@ def configuration(tb: Testbed, n: int, placement: str, rep: int, load_s: float) 
         time.sleep(WARMUP + 0.5)  # the load process needs ~0.5 s to start
         ops, ops_start = [], time.monotonic()
         for name in OPS:
+            before = server_waits(tb, svc)
             ops.append(run_op(tb, svc, name))
             time.sleep(GAP)
+            after = server_waits(tb, svc)
+            ops[-1]["waits"] = {who: {k: after[who].get(k, 0) - before[who].get(k, 0) for k in WAITS
+                                      if not k.endswith("_ms") and after[who].get(k, 0) > before[who].get(k, 0)}
+                                for who in after}
+        run_max = server_waits(tb, svc)
         ops_end = time.monotonic()
         doc = kvs.finish_load(tb, load, out, wait=load_s + 300)
     finally:
@@ -122,7 +143,8 @@ def configuration(tb: Testbed, n: int, placement: str, rep: int, load_s: float) 
     return {"keys": n, "placement": placement, "rep": rep, "service": svc, "peer_host": PEERS[placement],
             "preload_s": round(preload_s, 3), "load_s": load_s, "ops_s": round(ops_end - ops_start, 3),
             "load_summary": doc["summary"], "load_counters": doc.get("counters", {}), "failed_requests": len(failed),
-            "failed_samples": failed[:5], "ops": ops}
+            "failed_samples": failed[:5], "ops": ops,
+            "waits_max_ms": {who: {k: v for k, v in c.items() if k.endswith("_ms")} for who, c in run_max.items()}}
 
 
 def main() -> int:
@@ -181,6 +203,15 @@ def main() -> int:
                   f"{ld['max_ms'] or float('nan'):>7.1f} {ld['max_less_client_wait_ms']:>7.1f} "
                   f"{paper if paper else '-':>6} "
                   f"{o['speedup_vs_paper'] if o['speedup_vs_paper'] else '-':>8}")
+    print("\nwaits over 20 ms in the servers during each operation and the GAP after it (a = vfh1; b = the peer): "
+          "passes of the loop (stall_*), group fsyncs (sync_slow), acknowledgements of replicated writes by the "
+          "peer (repl_wait_slow: no batch is served meanwhile); the longest of each over the whole run after")
+    for c in configs:
+        for o in c["ops"]:
+            print(f"  N={c['keys']} {c['placement']} {o['op']:>6}: " + "; ".join(
+                f"{who} " + (", ".join(f"{k} {v}" for k, v in w.items()) or "none") for who, w in o["waits"].items()))
+        print(f"  N={c['keys']} {c['placement']} longest (ms): " + "; ".join(
+            f"{who} " + ", ".join(f"{k[:-7]} {v}" for k, v in w.items()) for who, w in c["waits_max_ms"].items()))
     for c in configs:
         print(f"  N={c['keys']} {c['placement']}: failed client requests over the whole load run: "
               f"{c['failed_requests']} of {c['load_summary']['ops']}"
