@@ -546,49 +546,126 @@ def test_a_slow_group_fsync_is_counted(group_endpoint):
     assert count("sync_slow") == 1 and count("sync_max_ms") >= 70
 
 
-def test_a_slow_acknowledgement_of_replicated_writes_is_counted(endpoint, registry):
-    """The owner's batch waits for its mirror's acknowledgement (no other batch is served meanwhile): a wait
-    past STALL shows in STATS as repl_wait_slow and repl_wait_max_ms."""
-    import zmq
+class FakeMirror:
+    """A ROUTER socket playing endpoint m1, the mirror of the loop's range: the test takes the REPLs the owner
+    sends (``take``) and answers each when it chooses (``answer``)."""
 
-    from vfab.vid.envelope import decode
-    from vfab.vid.registry import schema
+    def __init__(self, loop, registry):
+        import zmq
 
-    loop, backend, client, svc = endpoint
-    count = lambda name: loop.call(lambda: loop.counters[name])   # noqa: E731
-    mirror = zmq.Context.instance().socket(zmq.ROUTER)
-    mirror.setsockopt(zmq.LINGER, 0)
-    port = mirror.bind_to_random_port("tcp://127.0.0.1")
-    delay = {"s": 0.0}
-    seen = []
+        from vfab.vid.registry import schema
 
-    def answer():
-        while mirror.poll(3000):
-            ident, *rest = mirror.recv_multipart()
-            env = decode(rest)
-            seen.append(env.type)
-            time.sleep(delay["s"])
-            mirror.send_multipart([ident, *env.reply("OK", "m1", applied=len(env.blobs)).frames()])
-
-    try:
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         registry.announce(schema.Endpoint(service="t", name="m1", mac="02:00:00:00:00:98", rx="ovs",
                                           ctl=f"tcp://127.0.0.1:{port}"), ttl=60)
         registry.assign("t", LOW, "e1", mirrors=["m1"])
         until(lambda: loop.call(lambda: (loop.view.find(LOW.lo).mirrors, "m1" in loop.view.endpoints))
               == (["m1"], True), 5)
-        th = threading.Thread(target=answer, daemon=True)
-        th.start()
-        send(client, svc, 0x000006, b"000006:w:fast", 1)
-        assert [f.payload for f in replies(client, 1.0)] == [b"ok:fast"]
-        assert seen == ["REPL"] and count("repl_wait_slow") == 0
-        delay["s"] = 0.08
-        send(client, svc, 0x000006, b"000006:w:slow", 2)
-        assert [f.payload for f in replies(client, 1.0)] == [b"ok:slow"]
-        assert seen == ["REPL", "REPL"]
-        assert count("repl_wait_slow") == 1 and count("repl_wait_max_ms") >= 70
-        th.join(5)
+
+    def take(self, n: int, timeout: float = 1.0) -> list:
+        """The next ``n`` messages (ident, envelope), or fewer if the timeout passes first."""
+        from vfab.vid.envelope import decode
+
+        got, deadline = [], time.monotonic() + timeout
+        while len(got) < n and self.sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            ident, *rest = self.sock.recv_multipart()
+            got.append((ident, decode(rest)))
+        return got
+
+    def answer(self, msg, type_: str = "OK") -> None:
+        ident, env = msg
+        self.sock.send_multipart([ident, *env.reply(type_, "m1", applied=len(env.blobs), error="refused").frames()])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def mirrored(endpoint, registry):
+    loop, backend, client, svc = endpoint
+    mirror = FakeMirror(loop, registry)
+    try:
+        yield loop, backend, client, svc, mirror
     finally:
         mirror.close()
+
+
+def test_a_slow_acknowledgement_of_replicated_writes_is_counted(mirrored):
+    """The owner's batch waits for its mirror's ack: a wait past STALL shows in STATS as repl_wait_slow and
+    repl_wait_max_ms; a quick one does not count as slow."""
+    loop, backend, client, svc, mirror = mirrored
+    count = lambda name: loop.call(lambda: loop.counters[name])   # noqa: E731
+    send(client, svc, 0x000006, b"000006:w:fast", 1)
+    mirror.answer(mirror.take(1)[0])
+    assert [f.payload for f in replies(client, 1.0)] == [b"ok:fast"]
+    assert count("repl_wait_slow") == 0
+    send(client, svc, 0x000006, b"000006:w:slow", 2)
+    repl = mirror.take(1)
+    time.sleep(0.08)
+    mirror.answer(repl[0])
+    assert [f.payload for f in replies(client, 1.0)] == [b"ok:slow"]
+    assert count("repl_wait_slow") == 1 and count("repl_wait_max_ms") >= 70
+
+
+def test_batches_are_served_while_one_waits_for_its_mirror_and_their_replies_leave_in_order(mirrored):
+    """While a write waits for its mirror, the next batches are served (their writes reach the mirror at
+    once) but every reply waits for the batches before it: a read of the waiting write's key is answered
+    only after that write's ack, and the replies leave in the order the batches were served."""
+    loop, backend, client, svc, mirror = mirrored
+    loop.call(lambda: setattr(loop, "batch_max", 1))       # one request per batch
+    send(client, svc, 0x000007, b"000007:w:first", 1)
+    first = mirror.take(1)
+    assert len(first) == 1
+    send(client, svc, 0x000008, b"000008:w:second", 2)
+    send(client, svc, 0x000007, b"000007:r:", 3)
+    second = mirror.take(1)
+    assert len(second) == 1, "the second write waited for the first one's ack before it was served"
+    until(lambda: backend.data.get(0x000007) == b"first" and backend.batches >= 3)
+    mirror.answer(second[0])
+    assert replies(client, 0.3) == [], "a reply left before an earlier batch's ack"
+    mirror.answer(first[0])
+    got = replies(client, 1.0)
+    assert [(f.seq, f.payload) for f in got] == [(1, b"ok:first"), (2, b"ok:second"), (3, b"ok:first")]
+    assert loop.call(lambda: len(loop.inflights)) == 0
+
+
+def test_no_batch_is_served_before_a_waiting_call_and_the_call_waits_for_the_queue(mirrored):
+    """A call from the operation's thread runs with no batch waiting for its peers: once one is queued, the
+    loop serves no further batch until the queue drained and the call ran."""
+    loop, backend, client, svc, mirror = mirrored
+    send(client, svc, 0x000009, b"000009:w:a", 1)
+    first = mirror.take(1)
+    ran = []
+    loop.call(lambda: ran.append(len(loop.inflights)), wait=False)
+    send(client, svc, 0x00000A, b"00000a:w:b", 2)
+    assert mirror.take(1, 0.3) == [] and ran == [], "a batch was served before the waiting call"
+    mirror.answer(first[0])
+    second = mirror.take(1)
+    assert ran == [0] and len(second) == 1
+    mirror.answer(second[0])
+    assert [f.seq for f in replies(client, 1.0)] == [1, 2]
+
+
+def test_a_batch_that_cannot_be_made_safe_turns_the_batches_queued_behind_it_unavailable(mirrored, monkeypatch):
+    """The first write's mirror refuses it and cannot be fenced off (etcd unreachable, here patched): that write
+    and every batch served behind it (which may have read it, as the read here did) are answered
+    UNAVAILABLE, though the later write's own ack came."""
+    loop, backend, client, svc, mirror = mirrored
+    loop.call(lambda: setattr(loop, "batch_max", 1))
+    monkeypatch.setattr(loop, "_peer_failed", lambda peer, why: False)
+    send(client, svc, 0x00000B, b"00000b:w:x", 1)
+    first = mirror.take(1)
+    send(client, svc, 0x00000C, b"00000c:w:y", 2)
+    send(client, svc, 0x00000B, b"00000b:r:", 3)
+    second = mirror.take(1)
+    until(lambda: backend.batches >= 3)
+    mirror.answer(second[0])
+    mirror.answer(first[0], "ERR")
+    got = replies(client, 1.0)
+    assert [f.seq for f in got] == [1, 2, 3]
+    assert all(f.payload.startswith(b"err:unavailable:") for f in got), [f.payload for f in got]
 
 
 def test_a_failed_group_fsync_answers_its_writes_unavailable(group_endpoint):

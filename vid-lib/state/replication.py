@@ -7,6 +7,15 @@ while the loop keeps serving control messages.  A peer that fails is fenced
 off (a mirror is removed from the range in etcd) or fails its copy; when even
 that is impossible, the writes are answered UNAVAILABLE.
 
+Pipelined (a backend without group commit): while batches wait for their acks
+the loop serves up to ``pipeline`` of them, and every batch served meanwhile
+(with writes to replicate or none) queues behind them: replies leave in the
+order the batches were served, so a reply never tells a client what an earlier
+batch wrote before that batch's peers have it.  A batch whose peers could not
+be made safe turns every later one in the queue UNAVAILABLE too (they may have
+read its writes).  Calls from the operation's thread run only with the queue
+empty (no new batch is served while one waits).
+
 Everything here runs on the loop's thread.
 """
 
@@ -38,6 +47,9 @@ class Inflight:
     deadline: float
     failed: dict = field(default_factory=dict)   # peer -> why
     sent: float = field(default_factory=time.monotonic)
+    done: bool = False             # every peer answered (or the deadline passed): may leave once it is first
+    seq: int = 0                   # the order it was served in
+    tainted: bool = False          # an earlier batch's writes could not be made safe: answer UNAVAILABLE
 
 
 
@@ -63,6 +75,9 @@ class Replication:
             if unsynced or self.disk_wait:   # group commit: wait for the disk, in order
                 self._wait_disk(out, unsynced)
                 return
+            if self.inflights:   # earlier batches wait for their peers: these replies leave after theirs
+                self.inflights.append(Inflight(out, {}, time.monotonic() + ACK_TIMEOUT, done=True, seq=self._id()))
+                return
             for frame, vk, payload, _ in out:
                 self._reply(frame, vk, payload)
             return
@@ -72,19 +87,21 @@ class Replication:
             if error:
                 self._unsynced_replies(out, error)
                 return
-        self.inflight = Inflight(out, {}, time.monotonic() + ACK_TIMEOUT)
+        fl = Inflight(out, {}, time.monotonic() + ACK_TIMEOUT, seq=self._id())
+        self.inflights.append(fl)
         for (peer, lo), blobs in need.items():
             sock = self._dealer(peer)
             if sock is None:
-                self.inflight.failed[peer] = "has no control address (not a live endpoint)"
+                fl.failed[peer] = "has no control address (not a live endpoint)"
                 continue
             rid = self._id()
             body = {"durable": True} if lo is None else {"durable": False, "lo": lo}
             sock.send_multipart(Envelope("REPL", self.name, id=rid, body=body, blobs=blobs).frames())
-            self.inflight.waiting[rid] = peer
+            fl.waiting[rid] = peer
             self.counters["repl_sent"] += 1
-        if not self.inflight.waiting:
-            self._finish_inflight()
+        if not fl.waiting:
+            fl.done = True
+            self._release()
 
     def _dealer_in(self, sock: zmq.Socket) -> None:
         while True:
@@ -94,23 +111,38 @@ class Replication:
                 return
             except EnvelopeError:
                 continue
-            fl = self.inflight
-            if fl is None or env.id not in fl.waiting:
+            fl = next((f for f in self.inflights if env.id in f.waiting), None)
+            if fl is None:
                 continue
             peer = fl.waiting.pop(env.id)
             if env.type != "OK":
                 fl.failed[peer] = env.body.get("error", "refused the write")
             if not fl.waiting:
-                self._finish_inflight()
+                fl.done = True
+                self._release()
 
-    def _finish_inflight(self, timed_out: bool = False) -> None:
-        fl, self.inflight = self.inflight, None
+    def _release(self) -> None:
+        """Send the replies of the batches at the head of the queue whose peers all answered (or timed out)."""
+        while self.inflights and self.inflights[0].done:
+            self._finish(self.inflights.popleft())
+
+    def _finish(self, fl: Inflight) -> None:
         self._count_wait("repl_wait", time.monotonic() - fl.sent)
         for peer in set(fl.waiting.values()):
             fl.failed.setdefault(peer, f"did not acknowledge within {ACK_TIMEOUT:.0f} s")
-        safe = all([self._peer_failed(peer, why) for peer, why in fl.failed.items()])
+        safe = True
+        for peer, why in fl.failed.items():
+            # once per failure: the batches already queued when a peer failed fail with it, not again each
+            verdict, upto = self._verdicts.get(peer, (True, -1))
+            if fl.seq > upto:
+                verdict = self._peer_failed(peer, why)
+                self._verdicts[peer] = (verdict, self.inflights[-1].seq if self.inflights else fl.seq)
+            safe = verdict and safe
+        if not safe:
+            for later in self.inflights:
+                later.tainted = True
         for frame, vk, payload, wrote in fl.replies:
-            if wrote and not safe:
+            if (wrote and not safe) or fl.tainted:
                 payload = self.backend.error_reply(frame.payload, Refusal.UNAVAILABLE,
                                                    "a mirror could not be reached or fenced off: retry")
             self._reply(frame, vk, payload)
