@@ -205,7 +205,7 @@ def main() -> int:
                   f"{o['speedup_vs_paper'] if o['speedup_vs_paper'] else '-':>8}")
     print("\nwaits over 20 ms in the servers during each operation and the GAP after it (a = vfh1; b = the peer): "
           "passes of the loop (stall_*), group fsyncs (sync_slow), acknowledgements of replicated writes by the "
-          "peer (repl_wait_slow: no batch is served meanwhile); the longest of each over the whole run after")
+          "peer and for the batches before it (repl_wait_slow); the longest of each over the whole run after")
     for c in configs:
         for o in c["ops"]:
             print(f"  N={c['keys']} {c['placement']} {o['op']:>6}: " + "; ".join(
