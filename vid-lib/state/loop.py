@@ -73,6 +73,8 @@ GROUP_HOLD = 0.002       # s: group commit fsyncs once the port is drained, or o
 # batches served while earlier ones wait for their peers' acks (replies leave in order): a request that comes
 # during one wait no longer waits for it and then for its own (a 100k-key copy's client latency, issue 7)
 PIPELINE = 4
+
+
 class _Call:
     def __init__(self, fn):
         self.fn = fn
