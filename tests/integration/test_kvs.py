@@ -144,6 +144,40 @@ def test_mirror_takes_over_when_the_owner_dies(testbed, servers):
     assert not report["failed"], f"{len(report['failed'])} requests failed, e.g. {report['failed'][:5]}"
 
 
+def test_a_mirror_frozen_then_killed_under_load_is_fenced_off_and_nothing_acknowledged_is_lost(testbed, servers):
+    """The owner serves several batches while one waits for its mirror (pipelining).  SIGSTOP the mirror
+    past the owner's 3 s wait for acks: every queued batch times out, the mirror is fenced off once (removed
+    from the range in etcd), the owner serves on alone; SIGCONT it, mirror it again, then kill -9 it under
+    load.  The history checker finds no acknowledged write lost and no stale read."""
+    import os
+    import signal
+
+    procs = servers("kvs-mfrz", [("vfh1", "a", "0-0xffffff"), ("vfh5", "c", None)])
+    op = run_op(testbed, "kvs-mfrz", lambda: statectl.mirror(testbed.registry, "kvs-mfrz", "a", "c"))
+    assert op.phase == "done", op
+    mirrors = lambda: [r.mirrors for r, _ in testbed.registry.ranges("kvs-mfrz")]   # noqa: E731
+    load, out = kvs.start_load(testbed, "vfh2", "load-mfrz", "kvs-mfrz", duration=16, clients=4, keys=300)
+    time.sleep(2)
+    os.kill(procs[1].pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: mirrors() == [[]], 10, "the frozen mirror to be fenced off")
+    finally:
+        os.kill(procs[1].pid, signal.SIGCONT)
+    # its lease ran out while it was frozen: it registers again (within a second of resuming)
+    wait_for(lambda: "c" in [e.name for e in testbed.registry.endpoints("kvs-mfrz")], 5, "c to register again")
+    op = run_op(testbed, "kvs-mfrz", lambda: statectl.mirror(testbed.registry, "kvs-mfrz", "a", "c"))
+    assert op.phase == "done", op
+    assert mirrors() == [["c"]]
+    time.sleep(1)
+    testbed.sup.kill9(procs[1])
+    wait_for(lambda: mirrors() == [[]], 10, "the dead mirror to be fenced off")
+    doc = kvs.finish_load(testbed, load, out)
+    report = checked(testbed, "kvs-mfrz", [doc], [f"k{i}" for i in range(300)])
+    assert report["acked_puts"] > 300
+    assert not report["violations"], "\n".join(report["violations"][:10])
+    assert owners(testbed, "kvs-mfrz") == [(Range(0, 0xFFFFFF), "a")]
+
+
 def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(testbed, servers):
     servers("kvs-bad", [("vfh1", "a", "0-0x7fffff"), ("vfh4", "b", "0x800000-0xffffff")])
     with kvs.client(testbed, "vfh2", "kvs-bad") as cli:
