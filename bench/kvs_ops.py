@@ -107,9 +107,8 @@ def configuration(tb: Testbed, n: int, placement: str, rep: int, load_s: float) 
             ops.append(run_op(tb, svc, name))
             time.sleep(GAP)
             after = server_waits(tb, svc)
-            ops[-1]["waits"] = {who: {k: after[who].get(k, 0) - before[who].get(k, 0) for k in WAITS
-                                      if not k.endswith("_ms") and after[who].get(k, 0) > before[who].get(k, 0)}
-                                for who in after}
+            ops[-1]["waits"] = {who: {k: after[who][k] - before[who][k] for k in WAITS
+                                      if not k.endswith("_ms") and after[who][k] > before[who][k]} for who in after}
         run_max = server_waits(tb, svc)
         ops_end = time.monotonic()
         doc = kvs.finish_load(tb, load, out, wait=load_s + 300)

@@ -269,7 +269,7 @@ class EndpointLoop(PeerSide, Replication):
         q_end = self._queued()
         while not stop.is_set():
             waiting, serving = bool(self.inflights), self._may_batch()
-            if self.pending and serving or self.calls and not waiting:
+            if (self.pending and serving) or (self.calls and not waiting):
                 timeout = 0.0
             elif self.fenced or self.incoming:
                 timeout = TICK
