@@ -26,15 +26,18 @@ snapshot chunks and live replication may arrive in any order.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import sqlite3
 import struct
+import threading
 from typing import Iterator
 
 from vfab.services.elastic_kvs.proto import RECENT_MAX, KvsError, vkey
 from vfab.vid.ranges import Range
 from vfab.vid.state.backend import BackendError
-from vfab.vid.state.sqlstore import SqliteStore
+from vfab.vid.state.sqlstore import SqliteStore, why
 
 log = logging.getLogger("vfab.kvs.store")
 REC = struct.Struct("!HIQHBB")
@@ -74,6 +77,12 @@ CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 # The id a new row of vkey ?1 gets: the next free one of its block (NULL, an ordinary rowid, if it is full).
 NEW_ID = f"""(SELECT CASE WHEN max(id) IS NULL THEN ?1 << {ID_BITS} WHEN max(id) < (?1 << {ID_BITS}) + {(1 << ID_BITS) - 1}
               THEN max(id) + 1 END FROM kv WHERE id BETWEEN ?1 << {ID_BITS} AND (?1 << {ID_BITS}) + {(1 << ID_BITS) - 1})"""
+# Applying a record (replication, copies): ?1 vkey, ?2 key, ?3 value (NULL: a tombstone), ?4 version, ?5 recent,
+# ?6 the copy's generation (0: none), ?7 whether it also wins over rows of earlier generations (see apply).
+# Run by Store.apply and by the native apply (native/kvs_apply.c), which binds the same parameters.
+UPSERT = (f"INSERT INTO kv (id, k, vkey, value, version, recent, gen) VALUES ({NEW_ID},?2,?1,?3,?4,?5,?6) "
+          "ON CONFLICT(vkey, k) DO UPDATE SET value=excluded.value, version=excluded.version, "
+          "recent=excluded.recent, gen=excluded.gen WHERE excluded.version > kv.version OR (?7 AND kv.gen < excluded.gen)")
 # Earlier layouts (a WITHOUT ROWID table keyed on k; rowid tables with k UNIQUE and ids in arrival order),
 # converted on open in one transaction.  The old table's indexes follow it through the rename: drop them so
 # SCHEMA makes new ones.
@@ -230,21 +239,40 @@ class Store(SqliteStore):
         Without ``gen`` a record wins over an older version only (replication and copies may arrive in
         any order).  With ``gen`` (a copy's generation) it also wins over any row of an earlier
         generation.  ``durable=False`` (a bulk copy) leaves the commit unsynced until :meth:`sync`.
+        A single blob goes through the native apply when it is built (a copy's chunk, a replicated batch).
         """
+        native = self._native() if len(blobs) == 1 else None
+        if native is not None:
+            blob = blobs[0]
+            return native.apply(blob if isinstance(blob, bytes) else bytes(blob), durable, gen or 0)
         rows = [rec for blob in blobs for rec in unpack_records(blob)]
-        g = gen or 0
-        cond = "excluded.version > kv.version" + (" OR kv.gen < excluded.gen" if gen else "")
+        g, over = gen or 0, 1 if gen else 0
 
         def run(db: sqlite3.Connection) -> int:
             before = db.total_changes
-            db.executemany(
-                f"INSERT INTO kv (id, k, vkey, value, version, recent, gen) VALUES ({NEW_ID},?2,?1,?3,?4,?5,?6) "
-                "ON CONFLICT(vkey, k) DO UPDATE SET value=excluded.value, version=excluded.version, "
-                f"recent=excluded.recent, gen=excluded.gen WHERE {cond}",
-                [(vk, k, value, version, recent, g) for k, vk, value, version, recent in rows])
+            db.executemany(UPSERT, [(vk, k, value, version, recent, g, over) for k, vk, value, version, recent in rows])
             return db.total_changes - before
 
         return self._txn(run, durable)
+
+    def _native(self) -> "NativeApply | None":
+        """This thread's native apply (its own connection to the store), or None: not built, switched off
+        (VFAB_KVS_NATIVE=0), or a transaction of this thread's connection is open (the native connection
+        would wait for its lock)."""
+        lib = native_lib()
+        if lib is None or self.db.in_transaction:
+            return None
+        h = getattr(self._local, "native", None)
+        if h is None:
+            h = self._local.native = NativeApply(lib, self)
+        return h
+
+    def close(self) -> None:
+        h = getattr(self._local, "native", None)
+        if h is not None:
+            h.close()
+            self._local.native = None
+        super().close()
 
     def drop(self, rng: Range, limit: int | None = None, below_gen: int | None = None) -> int:
         """Forget the keys of ``rng`` (about ``limit`` of them if given: fewer means none are left);
@@ -265,3 +293,73 @@ class Store(SqliteStore):
                 f"DELETE FROM kv WHERE vkey BETWEEN ? AND ?{extra}", (lo, cut, *args)).rowcount, durable=False)
             lo = cut + 1
         return total
+
+
+# -- the native apply (native/kvs_apply.c) ---------------------------------------------------------------------
+NATIVE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "build", "libvfab_kvs.so")
+_lib: ctypes.CDLL | None = None
+_lib_tried = False
+_lib_lock = threading.Lock()
+
+
+def native_lib() -> ctypes.CDLL | None:
+    """The native apply's library (built by bootstrap: ``make -C services/elastic-kvs/native``), or None with
+    one warning saying why (the Python apply then does the same work, slower)."""
+    global _lib, _lib_tried
+    if _lib_tried:
+        return _lib
+    with _lib_lock:
+        if _lib_tried:
+            return _lib
+        if os.environ.get("VFAB_KVS_NATIVE", "1") == "0":
+            log.info("native apply switched off (VFAB_KVS_NATIVE=0): records are applied in Python")
+        elif not os.path.exists(NATIVE_PATH):
+            log.warning("native apply not built (%s missing; run 'make -C %s'): records are applied in Python, "
+                        "copies run slower", NATIVE_PATH, os.path.dirname(os.path.dirname(NATIVE_PATH)))
+        else:
+            try:
+                lib = ctypes.CDLL(NATIVE_PATH)
+                lib.kvs_apply_open.restype = ctypes.c_void_p
+                lib.kvs_apply_open.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                                               ctypes.c_int]
+                lib.kvs_apply.restype = ctypes.c_longlong
+                lib.kvs_apply.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_longlong, ctypes.c_int,
+                                          ctypes.c_longlong, ctypes.POINTER(ctypes.c_double), ctypes.c_char_p,
+                                          ctypes.c_int]
+                lib.kvs_apply_close.restype = None
+                lib.kvs_apply_close.argtypes = [ctypes.c_void_p]
+                _lib = lib
+            except (OSError, AttributeError) as exc:
+                log.warning("native apply unusable (%s): records are applied in Python", exc)
+        _lib_tried = True
+        return _lib
+
+
+class NativeApply:
+    """A connection of the native apply, for one thread (like SqliteStore's connections)."""
+
+    ERR = 512
+
+    def __init__(self, lib: ctypes.CDLL, store: Store):
+        self.lib, self.store = lib, store
+        self.err = ctypes.create_string_buffer(self.ERR)
+        self.commit_s = ctypes.c_double()
+        self.h = lib.kvs_apply_open(store.path.encode(), UPSERT.encode(), CHECKPOINT_PAGES, self.err, self.ERR)
+        if not self.h:
+            raise StoreError(f"cannot open the store {store.path}: {self.err.value.decode(errors='replace')}; "
+                             "check the --data directory")
+
+    def apply(self, blob: bytes, durable: bool, gen: int) -> int:
+        n = self.lib.kvs_apply(self.h, blob, len(blob), int(durable), gen, ctypes.byref(self.commit_s), self.err,
+                               self.ERR)
+        self.store._account_disk(self.commit_s.value)
+        if n == -1:
+            raise KvsError(self.err.value.decode(errors="replace"))
+        if n < 0:
+            raise StoreError(why(sqlite3.OperationalError(self.err.value.decode(errors="replace")), self.store.path))
+        return n
+
+    def close(self) -> None:
+        if self.h:
+            self.lib.kvs_apply_close(self.h)
+            self.h = None

@@ -17,6 +17,16 @@ FULL = Range(0, (1 << 24) - 1)
 C1, C2 = 0xAAAA, 0xBBBB
 
 
+@pytest.fixture(params=["native", "python"])
+def apply_path(request, monkeypatch):
+    """Run a test with the native apply (native/kvs_apply.c, built by bootstrap) and with the Python one."""
+    if request.param == "python":
+        monkeypatch.setattr(store_mod, "native_lib", lambda: None)
+    else:
+        assert store_mod.native_lib() is not None, f"{store_mod.NATIVE_PATH} is not built: run 'make bootstrap'"
+    return request.param
+
+
 @pytest.fixture
 def st(tmp_path):
     s = Store(str(tmp_path / "kv.db"))
@@ -299,7 +309,7 @@ def test_drop_removes_only_that_range(st):
 # -- apply -------------------------------------------------------------------------------
 
 
-def test_apply_into_an_empty_store_reproduces_rows_exactly(st, tmp_path):
+def test_apply_into_an_empty_store_reproduces_rows_exactly(st, tmp_path, apply_path):
     keys = fill(st, 120)
     for i, k in enumerate(keys[:40]):
         put(st, k, b"second", C2, i + 1)
@@ -328,7 +338,7 @@ def test_apply_into_an_empty_store_reproduces_rows_exactly(st, tmp_path):
         dst.close()
 
 
-def test_apply_is_version_gated(st):
+def test_apply_is_version_gated(st, apply_path):
     k = b"key"
     vk = vkey(k)
     r1 = pack_record(k, vk, b"one", 1, PAIR.pack(C1, 1))
@@ -345,7 +355,7 @@ def test_apply_is_version_gated(st):
     assert st.row(k)[:2] == (None, 3)
 
 
-def test_apply_older_record_never_overwrites_newer_in_any_order(st, tmp_path):
+def test_apply_older_record_never_overwrites_newer_in_any_order(st, tmp_path, apply_path):
     import itertools
 
     k = b"key"
@@ -364,7 +374,7 @@ def test_apply_older_record_never_overwrites_newer_in_any_order(st, tmp_path):
             dst.close()
 
 
-def test_apply_local_write_newer_than_the_copy_wins(st):
+def test_apply_local_write_newer_than_the_copy_wins(st, apply_path):
     put(st, b"k", b"a", C1, 1)
     put(st, b"k", b"b", C1, 2)
     stale = pack_record(b"k", vkey(b"k"), b"stale", 1, PAIR.pack(C2, 1))
@@ -376,7 +386,7 @@ def test_apply_local_write_newer_than_the_copy_wins(st):
     assert put(st, b"k", b"local", C1, 3)[:2] == (10, True)
 
 
-def test_shuffled_snapshots_converge(st, tmp_path):
+def test_shuffled_snapshots_converge(st, tmp_path, apply_path):
     keys = fill(st, 150)
     snap1 = [b for b, _n in st.snapshot(FULL, chunk_bytes=700)]
     rnd = random.Random(1234)
@@ -405,13 +415,18 @@ def test_shuffled_snapshots_converge(st, tmp_path):
     assert all(r == want for r in results)
 
 
-def test_apply_truncated_blob_raises_and_applies_nothing(st):
+def test_apply_truncated_blob_raises_and_applies_nothing(st, apply_path):
     good = pack_record(b"a", vkey(b"a"), b"x", 1, b"")
     bad = pack_record(b"b", vkey(b"b"), b"yyyy", 1, PAIR.pack(C1, 1))[:-3]
     with pytest.raises(KvsError, match="truncated"):
         st.apply([good, bad])
+    with pytest.raises(KvsError, match="truncated"):
+        st.apply([good + bad])   # one blob: the native apply when built
+    with pytest.raises(KvsError, match="truncated state record at byte 0"):
+        st.apply([b"\x00" * (REC.size - 1)])
     assert st.row(b"a") is None
     assert not st.db.in_transaction
+    assert st.apply([good]) == 1   # the store is usable after
 
 
 # -- the record format -------------------------------------------------------------------
@@ -596,7 +611,7 @@ def test_rows_are_clustered_by_vid_key_and_a_full_block_still_takes_new_keys(tmp
         t.close()
 
 
-def test_a_copy_generation_wins_over_stale_rows_whatever_their_versions(tmp_path):
+def test_a_copy_generation_wins_over_stale_rows_whatever_their_versions(tmp_path, apply_path):
     """A stale copy can hold a version that was never acknowledged (an owner died before replicating it)
     and collides with the acknowledged one: a new copy must replace it, and drop what it did not replace."""
     s = Store(str(tmp_path / "g.sqlite"))
@@ -661,3 +676,31 @@ def test_the_time_a_thread_spends_committing_is_counted_for_that_thread(st):
     t.start()
     t.join()
     assert other == [0.0]
+
+
+def test_the_time_an_apply_spends_committing_is_counted_too(st, apply_path):
+    before = st.disk_seconds()
+    st.apply([pack_record(b"k", vkey(b"k"), b"v" * 1000, 1, b"")])
+    assert st.disk_seconds() > before
+
+
+def test_the_native_apply_keeps_its_own_connection_per_thread_and_closes_it(tmp_path):
+    s = Store(str(tmp_path / "n.db"))
+    assert store_mod.native_lib() is not None, f"{store_mod.NATIVE_PATH} is not built: run 'make bootstrap'"
+    s.apply([pack_record(b"a", vkey(b"a"), b"1", 1, b"")])
+    mine = s._local.native
+    assert mine is not None and mine.h
+    seen = []
+
+    def other():
+        s.apply([pack_record(b"b", vkey(b"b"), b"2", 1, b"")])
+        seen.append(s._local.native)
+        s.close()
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert seen and seen[0] is not mine and seen[0].h is None   # closed by that thread's close()
+    assert s.row(b"b") == (b"2", 1, b"")
+    s.close()
+    assert mine.h is None

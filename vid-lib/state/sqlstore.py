@@ -106,7 +106,11 @@ class SqliteStore:
             self._disk(t0)
 
     def _disk(self, t0: float) -> None:
-        self._local.disk_s = getattr(self._local, "disk_s", 0.0) + time.perf_counter() - t0
+        self._account_disk(time.perf_counter() - t0)
+
+    def _account_disk(self, seconds: float) -> None:
+        """Add ``seconds`` of committing or syncing to the calling thread's :meth:`disk_seconds`."""
+        self._local.disk_s = getattr(self._local, "disk_s", 0.0) + seconds
 
     def disk_seconds(self) -> float:
         """Wall seconds the calling thread has spent committing (with the checkpoints a commit runs: writes and
