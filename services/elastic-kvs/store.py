@@ -79,10 +79,12 @@ NEW_ID = f"""(SELECT CASE WHEN max(id) IS NULL THEN ?1 << {ID_BITS} WHEN max(id)
               THEN max(id) + 1 END FROM kv WHERE id BETWEEN ?1 << {ID_BITS} AND (?1 << {ID_BITS}) + {(1 << ID_BITS) - 1})"""
 # Applying a record (replication, copies): ?1 vkey, ?2 key, ?3 value (NULL: a tombstone), ?4 version, ?5 recent,
 # ?6 the copy's generation (0: none), ?7 whether it also wins over rows of earlier generations (see apply).
-# Run by Store.apply and by the native apply (native/kvs_apply.c), which binds the same parameters.
+# Run by Store.apply and by the native part (native/kvs_native.c), which binds the same parameters.
 UPSERT = (f"INSERT INTO kv (id, k, vkey, value, version, recent, gen) VALUES ({NEW_ID},?2,?1,?3,?4,?5,?6) "
           "ON CONFLICT(vkey, k) DO UPDATE SET value=excluded.value, version=excluded.version, "
           "recent=excluded.recent, gen=excluded.gen WHERE excluded.version > kv.version OR (?7 AND kv.gen < excluded.gen)")
+# A range's rows in the order a snapshot ships them (?1 lo, ?2 hi): Store.snapshot and the native part.
+SNAPSHOT = "SELECT k, vkey, value, version, recent FROM kv WHERE vkey BETWEEN ?1 AND ?2 ORDER BY vkey"
 # Earlier layouts (a WITHOUT ROWID table keyed on k; rowid tables with k UNIQUE and ids in arrival order),
 # converted on open in one transaction.  The old table's indexes follow it through the rename: drop them so
 # SCHEMA makes new ones.
@@ -197,16 +199,19 @@ class Store(SqliteStore):
     def snapshot(self, rng: Range, chunk_bytes: int = 256 * 1024) -> Iterator[tuple[bytes, int]]:
         """(blob of records, number of records) chunks of every key (tombstones too) in ``rng``.
 
-        Reads inside one transaction: a consistent snapshot while the data path keeps writing.
+        Reads inside one transaction: a consistent snapshot while the data path keeps writing.  Packed by
+        the native part when it is built (the GIL released meanwhile).
         """
+        native = self._native()
+        if native is not None:
+            yield from native.snapshot(rng, chunk_bytes)
+            return
         db = self.db
         db.execute("BEGIN")
         try:
             blob, n = [], 0
             size = 0
-            for k, vk, value, version, recent in db.execute(
-                    "SELECT k, vkey, value, version, recent FROM kv WHERE vkey BETWEEN ? AND ? ORDER BY vkey",
-                    (rng.lo, rng.hi)):
+            for k, vk, value, version, recent in db.execute(SNAPSHOT, (rng.lo, rng.hi)):
                 rec = pack_record(k, vk, value, version, recent)
                 blob.append(rec)
                 size += len(rec)
@@ -239,7 +244,7 @@ class Store(SqliteStore):
         Without ``gen`` a record wins over an older version only (replication and copies may arrive in
         any order).  With ``gen`` (a copy's generation) it also wins over any row of an earlier
         generation.  ``durable=False`` (a bulk copy) leaves the commit unsynced until :meth:`sync`.
-        A single blob goes through the native apply when it is built (a copy's chunk, a replicated batch).
+        A single blob goes through the native part when it is built (a copy's chunk, a replicated batch).
         """
         native = self._native() if len(blobs) == 1 else None
         if native is not None:
@@ -255,8 +260,8 @@ class Store(SqliteStore):
 
         return self._txn(run, durable)
 
-    def _native(self) -> "NativeApply | None":
-        """This thread's native apply (its own connection to the store), or None: not built, switched off
+    def _native(self) -> "Native | None":
+        """This thread's native part (its own connection to the store), or None: not built, switched off
         (VFAB_KVS_NATIVE=0), or a transaction of this thread's connection is open (the native connection
         would wait for its lock)."""
         lib = native_lib()
@@ -264,7 +269,7 @@ class Store(SqliteStore):
             return None
         h = getattr(self._local, "native", None)
         if h is None:
-            h = self._local.native = NativeApply(lib, self)
+            h = self._local.native = Native(lib, self)
         return h
 
     def close(self) -> None:
@@ -295,16 +300,17 @@ class Store(SqliteStore):
         return total
 
 
-# -- the native apply (native/kvs_apply.c) ---------------------------------------------------------------------
+# -- the native part (native/kvs_native.c) -------------------------------------------------------------------
 NATIVE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "build", "libvfab_kvs.so")
+MAX_RECORD = REC.size + 0xFFFF + 0xFFFF + 0xFF * PAIR.size   # the largest record the layout can hold
 _lib: ctypes.CDLL | None = None
 _lib_tried = False
 _lib_lock = threading.Lock()
 
 
 def native_lib() -> ctypes.CDLL | None:
-    """The native apply's library (built by bootstrap: ``make -C services/elastic-kvs/native``), or None with
-    one warning saying why (the Python apply then does the same work, slower)."""
+    """The native part's library (built by bootstrap: ``make -C services/elastic-kvs/native``), or None with
+    one warning saying why (the store then does the same work in Python, slower)."""
     global _lib, _lib_tried
     if _lib_tried:
         return _lib
@@ -312,31 +318,41 @@ def native_lib() -> ctypes.CDLL | None:
         if _lib_tried:
             return _lib
         if os.environ.get("VFAB_KVS_NATIVE", "1") == "0":
-            log.info("native apply switched off (VFAB_KVS_NATIVE=0): records are applied in Python")
+            log.info("native part switched off (VFAB_KVS_NATIVE=0): records are applied and packed in Python")
         elif not os.path.exists(NATIVE_PATH):
-            log.warning("native apply not built (%s missing; run 'make -C %s'): records are applied in Python, "
-                        "copies run slower", NATIVE_PATH, os.path.dirname(os.path.dirname(NATIVE_PATH)))
+            log.warning("native part not built (%s missing; run 'make -C %s'): records are applied and packed in "
+                        "Python, copies run slower", NATIVE_PATH, os.path.dirname(os.path.dirname(NATIVE_PATH)))
         else:
             try:
-                lib = ctypes.CDLL(NATIVE_PATH)
-                lib.kvs_apply_open.restype = ctypes.c_void_p
-                lib.kvs_apply_open.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
-                                               ctypes.c_int]
-                lib.kvs_apply.restype = ctypes.c_longlong
-                lib.kvs_apply.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_longlong, ctypes.c_int,
-                                          ctypes.c_longlong, ctypes.POINTER(ctypes.c_double), ctypes.c_char_p,
-                                          ctypes.c_int]
-                lib.kvs_apply_close.restype = None
-                lib.kvs_apply_close.argtypes = [ctypes.c_void_p]
-                _lib = lib
+                _lib = _declare(ctypes.CDLL(NATIVE_PATH))
             except (OSError, AttributeError) as exc:
-                log.warning("native apply unusable (%s): records are applied in Python", exc)
+                log.warning("native part unusable (%s): records are applied and packed in Python", exc)
         _lib_tried = True
         return _lib
 
 
-class NativeApply:
-    """A connection of the native apply, for one thread (like SqliteStore's connections)."""
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    c = ctypes
+    err = [c.c_char_p, c.c_int]
+    lib.kvs_native_open.restype = c.c_void_p
+    lib.kvs_native_open.argtypes = [c.c_char_p, c.c_char_p, c.c_char_p, c.c_int, *err]
+    lib.kvs_apply.restype = c.c_longlong
+    lib.kvs_apply.argtypes = [c.c_void_p, c.c_char_p, c.c_longlong, c.c_int, c.c_longlong, c.POINTER(c.c_double),
+                              *err]
+    lib.kvs_native_close.restype = None
+    lib.kvs_native_close.argtypes = [c.c_void_p]
+    lib.kvs_snapshot_begin.restype = c.c_int
+    lib.kvs_snapshot_begin.argtypes = [c.c_void_p, c.c_longlong, c.c_longlong, *err]
+    lib.kvs_snapshot_next.restype = c.c_longlong
+    lib.kvs_snapshot_next.argtypes = [c.c_void_p, c.c_void_p, c.c_longlong, c.c_longlong, c.POINTER(c.c_longlong),
+                                      *err]
+    lib.kvs_snapshot_end.restype = None
+    lib.kvs_snapshot_end.argtypes = [c.c_void_p]
+    return lib
+
+
+class Native:
+    """A connection of the native part, for one thread (like SqliteStore's connections)."""
 
     ERR = 512
 
@@ -344,22 +360,51 @@ class NativeApply:
         self.lib, self.store = lib, store
         self.err = ctypes.create_string_buffer(self.ERR)
         self.commit_s = ctypes.c_double()
-        self.h = lib.kvs_apply_open(store.path.encode(), UPSERT.encode(), CHECKPOINT_PAGES, self.err, self.ERR)
+        self.h = lib.kvs_native_open(store.path.encode(), UPSERT.encode(), SNAPSHOT.encode(), CHECKPOINT_PAGES,
+                                    self.err, self.ERR)
         if not self.h:
-            raise StoreError(f"cannot open the store {store.path}: {self.err.value.decode(errors='replace')}; "
-                             "check the --data directory")
+            raise StoreError(f"cannot open the store {store.path}: {self._error()}; check the --data directory")
+
+    def _error(self) -> str:
+        return self.err.value.decode(errors="replace")
+
+    def _store_error(self) -> StoreError:
+        return StoreError(why(sqlite3.OperationalError(self._error()), self.store.path))
 
     def apply(self, blob: bytes, durable: bool, gen: int) -> int:
         n = self.lib.kvs_apply(self.h, blob, len(blob), int(durable), gen, ctypes.byref(self.commit_s), self.err,
                                self.ERR)
         self.store._account_disk(self.commit_s.value)
         if n == -1:
-            raise KvsError(self.err.value.decode(errors="replace"))
+            raise KvsError(self._error())
         if n < 0:
-            raise StoreError(why(sqlite3.OperationalError(self.err.value.decode(errors="replace")), self.store.path))
+            raise self._store_error()
         return n
+
+    def snapshot(self, rng: Range, chunk_bytes: int) -> Iterator[tuple[bytes, int]]:
+        cap = chunk_bytes + MAX_RECORD
+        buf = ctypes.create_string_buffer(cap)
+        nrec = ctypes.c_longlong()
+        if self.lib.kvs_snapshot_begin(self.h, rng.lo, rng.hi, self.err, self.ERR) < 0:
+            raise self._store_error()
+        try:
+            while True:
+                n = self.lib.kvs_snapshot_next(self.h, buf, cap, chunk_bytes, ctypes.byref(nrec), self.err, self.ERR)
+                if n == -1:
+                    raise KvsError(self._error())
+                if n < 0:
+                    raise self._store_error()
+                if n == 0:
+                    return
+                yield ctypes.string_at(buf, n), nrec.value
+        finally:
+            self.lib.kvs_snapshot_end(self.h)
 
     def close(self) -> None:
         if self.h:
-            self.lib.kvs_apply_close(self.h)
+            self.lib.kvs_native_close(self.h)
             self.h = None
+
+    def __del__(self) -> None:
+        # a thread that ends (an operation's) drops its thread-local Native: its connection must not leak
+        self.close()
