@@ -749,3 +749,27 @@ def test_threads_that_end_leave_no_native_connections_behind(tmp_path):
     warm = threads(50)
     assert threads(300) - warm < 30      # 300 connections leaked would be 600 descriptors
     s.close()
+
+
+def test_damaged_blobs_are_refused_whole_or_applied_never_crash(st, impl):
+    """Blobs from a peer are parsed in C: truncated, cut and bit-flipped ones either raise KvsError with nothing
+    applied or are records the layout allows; the store stays usable."""
+    rnd = random.Random(77)
+    good = b"".join(pack_record(b"k%d" % i, vkey(b"k%d" % i), b"v" * rnd.randrange(0, 300), i + 1,
+                                PAIR.pack(C1, i)) for i in range(40))
+    refused = 0
+    for trial in range(400):
+        blob = bytearray(good[:rnd.randrange(0, len(good) + 1)])
+        for _ in range(rnd.randrange(0, 6)):
+            if blob:
+                blob[rnd.randrange(len(blob))] = rnd.randrange(256)
+        before = st.db.execute("SELECT count(*) FROM kv").fetchone()[0]
+        try:
+            st.apply([bytes(blob)], gen=None)
+        except KvsError as exc:
+            assert "truncated" in str(exc)
+            assert st.db.execute("SELECT count(*) FROM kv").fetchone()[0] == before   # nothing of it applied
+            refused += 1
+    assert refused > 50
+    st.drop(FULL)
+    assert st.apply([good]) == 40
