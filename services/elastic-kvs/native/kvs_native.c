@@ -60,6 +60,8 @@ static void say(char *err, int errlen, const char *what)
         snprintf(err, errlen, "%s", what);
 }
 
+void kvs_native_close(struct kvs_native *h);
+
 /* `upsert`: the statement store.py builds (parameters ?1 vkey, ?2 key, ?3 value or NULL, ?4 version, ?5 recent,
  * ?6 gen, ?7 whether the record also wins over rows of earlier copy generations); `snapshot`: its range query
  * (?1 lo, ?2 hi; columns k, vkey, value, version, recent). */
@@ -87,9 +89,7 @@ struct kvs_native *kvs_native_open(const char *path, const char *upsert, const c
     return h;
 fail:
     say(err, errlen, h->db ? sqlite3_errmsg(h->db) : "cannot open the database");
-    sqlite3_finalize(h->upsert);
-    sqlite3_close_v2(h->db);
-    free(h);
+    kvs_native_close(h);
     return NULL;
 }
 
