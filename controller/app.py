@@ -17,6 +17,7 @@ connection's pending replies are guarded by locks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -143,12 +144,16 @@ class VfabController(app_manager.OSKenApp):
             if problem not in self.problems:
                 log.warning("revision %d: %s", rnd.revision, problem)
         self.problems = set(rnd.problems)
-        failed = set()
-        for step in rnd.steps:
-            if isinstance(step, engine.Pause):
+        failed: set[int] = set()
+        run: list[engine.Commit] = []
+        for step in [*rnd.steps, None]:
+            if isinstance(step, engine.Commit):
+                run.append(step)
+                continue
+            failed |= self._apply(run, snapshot, rnd.revision)
+            run = []
+            if step is not None:
                 self._pause(step)
-            elif not self._apply(step, snapshot.get(step.dpid), rnd.revision):
-                failed.add(step.dpid)
         self._hold_groups(rnd.held, failed)
         # Reported once every switch has its bundle and (_report_loop) the datapath follows: the reports
         # never delay a cut-over or the next round.
@@ -225,30 +230,49 @@ class VfabController(app_manager.OSKenApp):
             except Exception:  # a bug must not stop reporting for good
                 log.exception("publishing applied revisions failed")
 
-    def _apply(self, step: engine.Commit, seen, rev: int) -> bool:
-        """Bring one switch to ``step.want`` in one bundle; True if it now holds it."""
-        conn = self.conns.get(step.dpid)
-        if conn is None:
-            return False
-        with self.locks[step.dpid]:
-            now = self.installed.get(step.dpid)
-            if now is None:
-                return False
-            plan = step.plan if now is seen else engine.replan(step.want, now)  # re-read meanwhile
-            try:
-                if plan:
-                    t0 = time.monotonic()
-                    conn.commit(plan)
-                    self.verified.discard(step.dpid)
-                    log.info("switch %016x: revision %d: %s in %.1f ms", step.dpid, rev, plan.summary(),
-                             (time.monotonic() - t0) * 1e3)
-                self._set_installed(step.dpid, (step.want.flows, step.want.groups))
-            except OpError as exc:
-                log.error("switch %016x: bundle failed (%s); re-reading its tables", step.dpid, exc)
-                self.installed.pop(step.dpid, None)
-                hub.spawn(self._sync, conn)
-                return False
-        return True
+    def _apply(self, steps: list[engine.Commit], snapshot: dict, rev: int) -> set[int]:
+        """Bring each step's switch to its ``want`` in one bundle; the switches that do not hold it now.
+
+        Between two pauses the order in which switches turn does not matter (engine.plan_round), so every
+        bundle is sent before any answer is awaited: the last switch turns about one round trip after the
+        first, not one round trip per switch after it (a frame entering there moved that much later)."""
+        failed: set[int] = set()
+        sent = []
+        with contextlib.ExitStack() as locked:
+            for step in steps:
+                conn = self.conns.get(step.dpid)
+                if conn is None:
+                    failed.add(step.dpid)
+                    continue
+                locked.enter_context(self.locks[step.dpid])
+                now = self.installed.get(step.dpid)
+                if now is None:
+                    failed.add(step.dpid)
+                    continue
+                # re-read meanwhile: plan against what it holds now
+                plan = step.plan if now is snapshot.get(step.dpid) else engine.replan(step.want, now)
+                try:
+                    sent.append((step, conn, plan, conn.send_bundle(plan) if plan else None, time.monotonic()))
+                except OpError as exc:
+                    self._bundle_failed(conn, exc)
+                    failed.add(step.dpid)
+            for step, conn, plan, bundle, t0 in sent:
+                try:
+                    if bundle is not None:
+                        conn.wait_bundle(bundle)
+                        self.verified.discard(step.dpid)
+                        log.info("switch %016x: revision %d: %s in %.1f ms", step.dpid, rev, plan.summary(),
+                                 (time.monotonic() - t0) * 1e3)
+                    self._set_installed(step.dpid, (step.want.flows, step.want.groups))
+                except OpError as exc:
+                    self._bundle_failed(conn, exc)
+                    failed.add(step.dpid)
+        return failed
+
+    def _bundle_failed(self, conn: OFConn, exc: OpError) -> None:
+        log.error("switch %016x: bundle failed (%s); re-reading its tables", conn.dpid, exc)
+        self.installed.pop(conn.dpid, None)
+        hub.spawn(self._sync, conn)
 
     def _sync(self, conn: OFConn) -> None:
         dpid = conn.dpid

@@ -168,6 +168,18 @@ class OFConn:
         Order inside the bundle: new groups, changed groups, deletes (by cookie,
         then strict), adds (an ADD replaces a flow of the same match), dropped groups.
         """
+        return self.wait_bundle(self.send_bundle(plan))
+
+    def wait_bundle(self, sent: tuple[_Pending, int]) -> int:
+        """Wait for the switch's answer to a bundle :meth:`send_bundle` sent; the number of messages in it."""
+        pending, n = sent
+        self._wait(pending)
+        return n
+
+    def send_bundle(self, plan: Plan) -> tuple[_Pending, int]:
+        """Send ``plan`` as one bundle, ending in its commit request, without waiting for the switch's answer
+        (:meth:`wait_bundle`): bundles to several switches are then in flight at once (the app does that
+        between two pauses, where the order in which switches turn does not matter)."""
         try:
             inner: list[bytes] = [ofmsg.group_mod(g, "add") for g in plan.add_groups]
             inner += [ofmsg.group_mod(g, "modify") for g in plan.mod_groups]
@@ -205,8 +217,7 @@ class OFConn:
             self._finish(pending)
             self.dp.send(ofmsg.bundle_ctrl(bid, ofp.OFPBCT_DISCARD_REQUEST, BUNDLE_FLAGS, first))
             raise OpError(f"bundle {bid} not sent: {exc}") from None
-        self._wait(pending)
-        return n
+        return pending, n
 
     # -- reading the switch ------------------------------------------------------------------
     def _requests(self, build: list, what: str) -> list[list]:

@@ -1,0 +1,111 @@
+"""The controller app's commit steps without a switch: bundles between two pauses are in flight together.
+
+The app is built without os-ken's app manager (only the attributes ``_reconcile`` and ``_apply`` read) and
+each switch is a fake connection that records when a bundle is sent and when its answer is awaited.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from vfab.controller import app as app_mod
+from vfab.controller import engine
+from vfab.controller.ofconn import OpError
+
+
+class FakePlan:
+    def __bool__(self) -> bool:
+        return True
+
+    def summary(self) -> str:
+        return "1 flow added"
+
+
+class FakeConn:
+    def __init__(self, dpid: int, events: list, fail_send: bool = False, fail_wait: bool = False):
+        self.dpid, self.events, self.fail_send, self.fail_wait = dpid, events, fail_send, fail_wait
+
+    def send_bundle(self, plan):
+        if self.fail_send:
+            raise OpError("the connection is closing")
+        self.events.append(("send", self.dpid))
+        return (self.dpid, 1)
+
+    def wait_bundle(self, sent):
+        self.events.append(("wait", self.dpid))
+        if self.fail_wait:
+            raise OpError("bundle 7: OFPBFC_MSG_FAILED")
+        return sent[1]
+
+
+def want(dpid: int):
+    return SimpleNamespace(flows={("flow", dpid): 1}, groups={})
+
+
+def make_app(conns: dict[int, FakeConn], events: list):
+    app = object.__new__(app_mod.VfabController)
+    app.conns = conns
+    app.locks = {d: threading.Lock() for d in conns}
+    app.installed = {d: ({}, {}) for d in conns}
+    app.generation, app.verified = {}, set()
+    app.resynced = []
+    app._sync = app.resynced.append   # hub.spawn(self._sync, conn) after a failed bundle
+    app._pause = lambda step: events.append(("pause", step.seconds))
+    return app
+
+
+def commit(dpid: int) -> engine.Commit:
+    return engine.Commit(dpid, FakePlan(), want(dpid))
+
+
+def test_bundles_to_several_switches_are_sent_before_any_answer_is_awaited():
+    events: list = []
+    app = make_app({d: FakeConn(d, events) for d in (1, 2, 3)}, events)
+    failed = app._apply([commit(2), commit(1), commit(3)], dict(app.installed), 5)
+    assert failed == set()
+    # one round trip for all three, in the engine's order; sequential commits would interleave send/wait
+    assert events == [("send", 2), ("send", 1), ("send", 3), ("wait", 2), ("wait", 1), ("wait", 3)]
+    assert all(app.installed[d] == (want(d).flows, {}) for d in (1, 2, 3))
+    assert all(not lock.locked() for lock in app.locks.values())
+
+
+@pytest.mark.parametrize("where", ["send", "wait"])
+def test_a_failed_bundle_fails_its_switch_alone_and_has_it_read_again(where, monkeypatch):
+    monkeypatch.setattr(app_mod.hub, "spawn", lambda fn, *a: fn(*a))
+    events: list = []
+    conns = {1: FakeConn(1, events), 2: FakeConn(2, events, fail_send=where == "send", fail_wait=where == "wait"),
+             3: FakeConn(3, events)}
+    app = make_app(conns, events)
+    failed = app._apply([commit(1), commit(2), commit(3)], dict(app.installed), 5)
+    assert failed == {2}
+    assert 2 not in app.installed and app.resynced == [conns[2]]
+    assert app.installed[1] == (want(1).flows, {}) and app.installed[3] == (want(3).flows, {})
+    assert all(not lock.locked() for lock in app.locks.values())
+
+
+def test_a_switch_that_went_away_is_failed_and_the_others_turn():
+    events: list = []
+    app = make_app({d: FakeConn(d, events) for d in (1, 3)}, events)   # switch 2 disconnected
+    failed = app._apply([commit(1), commit(2), commit(3)], dict(app.installed), 5)
+    assert failed == {2}
+    assert events == [("send", 1), ("send", 3), ("wait", 1), ("wait", 3)]
+
+
+def test_a_pause_ends_the_group_of_bundles_in_flight(monkeypatch):
+    """A hop-by-hop route's next switch must not turn before the last one's datapath did: the pause waits
+    for the answers of every bundle before it, and the bundles after it are sent only then."""
+    events: list = []
+    app = make_app({d: FakeConn(d, events) for d in (1, 2, 3)}, events)
+    rnd = engine.Round(revision=9, steps=[commit(1), engine.Pause(0.005), commit(2), commit(3)])
+    monkeypatch.setattr(app_mod.engine, "plan_round", lambda *a, **k: rnd)
+    app.mirror_lock, app.hold_lock, app.report_cv = threading.Lock(), threading.Lock(), threading.Condition()
+    app.items, app.revision, app.hold, app.parsed, app.problems, app.to_report = {}, 9, {}, {}, set(), []
+    app.config = SimpleNamespace(settle=0.005)
+    app.reporter = SimpleNamespace(reported={})
+    app._hold_groups = lambda held, failed: None
+    app._reconcile()
+    assert events == [("send", 1), ("wait", 1), ("pause", 0.005), ("send", 2), ("send", 3), ("wait", 2),
+                      ("wait", 3)]
