@@ -175,10 +175,10 @@ class Store(SqliteStore):
         if recent_has(recent, client, reqid):
             return version, False, b""
         if value is None and (row is None or row[0] is None):
-            # Deleting a missing key changes nothing but is remembered, so a retry answers the same.
-            recent = recent_add(recent, client, reqid)
-            if row is not None:
-                self._exec("UPDATE kv SET recent=? WHERE vkey=? AND k=?", (recent, vkey(k), k))
+            # Deleting a missing key changes nothing, and nothing is written: no commit to wait for on the disk,
+            # and the key's memory of recent writes keeps room for real ones.  A retry whose first answer was
+            # lost is served afresh, which is linearizable: nobody saw the first (the mirrors never learned of
+            # it either, so a takeover served it afresh already).
             return version, True, b""
         version += 1
         recent = recent_add(recent, client, reqid)

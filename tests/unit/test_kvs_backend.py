@@ -46,6 +46,20 @@ def test_a_recognised_retry_still_returns_the_record_for_the_mirrors(backend):
     assert backend.counters["retries_recognised"] == 1
 
 
+def test_deleting_a_deleted_or_missing_key_writes_nothing(backend):
+    """A no-op delete leaves the write-ahead log as it was: its batch's commit has nothing to fsync (it
+    cost a 1-client load one disk wait per such delete)."""
+    backend.handle_batch([req(Op.PUT, b"k", b"v", reqid=1)])
+    backend.handle_batch([req(Op.DEL, b"k", reqid=2)])
+    wal = backend.store.path + "-wal"
+    size = os.path.getsize(wal)
+    replies, records = backend.handle_batch([req(Op.DEL, b"k", reqid=3), req(Op.DEL, b"ghost", reqid=4)])
+    assert [proto.parse_reply(r).status for r in replies] == [Status.NOT_FOUND, Status.NOT_FOUND]
+    assert records == [] and os.path.getsize(wal) == size
+    backend.handle_batch([req(Op.PUT, b"k", b"again", reqid=5)])
+    assert os.path.getsize(wal) > size          # a real write does reach it
+
+
 def test_error_replies_carry_the_requests_own_ids(backend):
     bad = proto.REQ.pack(9, 0, 1, CLIENT, 4242) + b"k"        # unknown op, readable ids and key
     replies, records = backend.handle_batch([Request(bad, proto.vkey(b"k"), b"")])
