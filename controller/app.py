@@ -152,7 +152,7 @@ class VfabController(app_manager.OSKenApp):
                 continue
             failed |= self._apply(run, snapshot, rnd.revision)
             run = []
-            if step is not None:
+            if isinstance(step, engine.Pause):
                 self._pause(step)
         self._hold_groups(rnd.held, failed)
         # Reported once every switch has its bundle and (_report_loop) the datapath follows: the reports
@@ -233,8 +233,8 @@ class VfabController(app_manager.OSKenApp):
     def _apply(self, steps: list[engine.Commit], snapshot: dict, rev: int) -> set[int]:
         """Bring each step's switch to its ``want`` in one bundle; the switches that do not hold it now.
 
-        Between two pauses the order in which switches turn does not matter (engine.plan_round), so every
-        bundle is sent before any answer is awaited: the last switch turns about one round trip after the
+        Between two pauses or barriers the order in which switches turn does not matter (engine.plan_round), so
+        every bundle is sent before any answer is awaited: the last switch turns about one round trip after the
         first, not one round trip per switch after it (a frame entering there moved that much later)."""
         failed: set[int] = set()
         sent = []

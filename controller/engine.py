@@ -12,7 +12,10 @@ has read, the flows and groups it holds; it returns a ``Round``:
   switch on the path must not turn before this one's datapath did) if another
   switch follows.  Routes to rx=ovs owners need no pause: the first switch
   rewrites the frame to the owner's MAC, so every frame is consistent on its
-  own (fabric/compiler.py);
+  own (fabric/compiler.py), and the app sends such switches' bundles together;
+  ``Barrier()`` after a switch whose plan changes more than VID routes (the
+  next ones' new routes may lead through what it adds: its bundle is answered
+  before theirs go out);
 - ``reports``: ``Report(dpid, revision, flows, groups)`` for every switch the
   round brings up to date, to publish only after every step ran (reports
   must not delay a cut-over), and only for switches whose commit succeeded;
@@ -67,6 +70,25 @@ class Pause:
     """Before the next switch turns: the last one's datapath must follow its tables (the app waits for a
     revalidation pass where it can ask the switch's daemon, else ``seconds``)."""
     seconds: float
+
+
+@dataclass(frozen=True)
+class Barrier:
+    """The bundles before it must be answered before the next one is sent.  The app sends the bundles between
+    two pauses or barriers together; after a switch whose plan changes more than VID routes (a new owner's host
+    route or port security, a front door) comes a barrier, since the next switches' new routes may lead
+    through what it adds (the order of ``update_order`` then holds commit by commit, as it did when every
+    bundle was awaited)."""
+
+
+ROUTE_KINDS = frozenset((Kind.VID_ROUTE, Kind.VID_MISS))
+
+
+def routes_only(plan: Plan) -> bool:
+    """Whether ``plan`` adds and removes VID routes (and groups) only: a cut-over's plan."""
+    return (all(split_cookie(f.cookie)[0] in ROUTE_KINDS for f in plan.add_flows)
+            and all(split_cookie(f.cookie)[0] in ROUTE_KINDS for f in plan.del_flows)
+            and all(split_cookie(c)[0] in ROUTE_KINDS for c, _mask in plan.del_cookies))
 
 
 @dataclass(frozen=True)
@@ -140,9 +162,13 @@ def _plan_round(items: dict[str, bytes], revision: int, installed: dict[int, Ins
     for i, dpid in enumerate(order):
         plan = plans[dpid]
         out.steps.append(Commit(dpid, plan, out.configs[dpid]))
-        if settle > 0 and i + 1 < len(order) and any(dest_of(f.cookie) is not None
-                                                      and _hop_by_hop(f, out.configs[dpid]) for f in plan.add_flows):
+        if i + 1 == len(order):
+            continue
+        if settle > 0 and any(dest_of(f.cookie) is not None and _hop_by_hop(f, out.configs[dpid])
+                              for f in plan.add_flows):
             out.steps.append(Pause(settle))
+        elif not routes_only(plan):
+            out.steps.append(Barrier())
     for dpid in sorted(plans):
         if reported.get(dpid, -1) < revision:
             want = out.configs[dpid]

@@ -94,12 +94,14 @@ def test_a_switch_that_went_away_is_failed_and_the_others_turn():
     assert events == [("send", 1), ("send", 3), ("wait", 1), ("wait", 3)]
 
 
-def test_a_pause_ends_the_group_of_bundles_in_flight(monkeypatch):
+def test_a_pause_or_a_barrier_ends_the_group_of_bundles_in_flight(monkeypatch):
     """A hop-by-hop route's next switch must not turn before the last one's datapath did: the pause waits
-    for the answers of every bundle before it, and the bundles after it are sent only then."""
+    for the answers of every bundle before it, and the bundles after it are sent only then; a barrier the
+    same, without the pause."""
     events: list = []
-    app = make_app({d: FakeConn(d, events) for d in (1, 2, 3)}, events)
-    rnd = engine.Round(revision=9, steps=[commit(1), engine.Pause(0.005), commit(2), commit(3)])
+    app = make_app({d: FakeConn(d, events) for d in (1, 2, 3, 4, 5)}, events)
+    rnd = engine.Round(revision=9, steps=[commit(1), engine.Pause(0.005), commit(2), commit(3), engine.Barrier(),
+                                          commit(4), commit(5)])
     monkeypatch.setattr(app_mod.engine, "plan_round", lambda *a, **k: rnd)
     app.mirror_lock, app.hold_lock, app.report_cv = threading.Lock(), threading.Lock(), threading.Condition()
     app.items, app.revision, app.hold, app.parsed, app.problems, app.to_report = {}, 9, {}, {}, set(), []
@@ -108,4 +110,4 @@ def test_a_pause_ends_the_group_of_bundles_in_flight(monkeypatch):
     app._hold_groups = lambda held, failed: None
     app._reconcile()
     assert events == [("send", 1), ("wait", 1), ("pause", 0.005), ("send", 2), ("send", 3), ("wait", 2),
-                      ("wait", 3)]
+                      ("wait", 3), ("send", 4), ("send", 5), ("wait", 4), ("wait", 5)]   # a barrier: no pause

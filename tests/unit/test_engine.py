@@ -14,7 +14,7 @@ import re
 import pytest
 
 from vfab.controller import engine
-from vfab.controller.engine import Commit, Pause, Report, plan_round, replan
+from vfab.controller.engine import Barrier, Commit, Pause, Report, plan_round, replan
 from vfab.controller.reconcile import ALL_ONES, diff
 from vfab.fabric.flows import Kind, split_cookie
 from vfab.vid import codec
@@ -63,7 +63,7 @@ def test_fresh_switches_get_everything_and_reports_follow():
         assert not c.plan.del_flows and not c.plan.del_cookies
     assert rnd.reports == [Report(d, 5, len(rnd.configs[d].flows), len(rnd.configs[d].groups)) for d in (S1, S2, S3)]
     # Reports are data for after the steps: never among them.
-    assert all(isinstance(s, (Commit, Pause)) for s in rnd.steps)
+    assert all(isinstance(s, (Commit, Pause, Barrier)) for s in rnd.steps)
 
 
 def test_nothing_to_do_is_no_step_but_still_a_report_once():
@@ -93,6 +93,25 @@ def test_no_pause_when_the_first_switch_decides_the_path():
     held = synced(plan_round(items(rx="ovs"), 5, empty()))
     rnd = plan_round(items(ranges=((0, HALF, "c"), (HALF + 1, codec.KEY_MAX, "c")), rx="ovs"), 6, held, settle=0.005)
     assert len(rnd.commits) == 3 and not any(isinstance(s, Pause) for s in rnd.steps)
+    # ... nor a barrier: the three bundles are in flight together (the app sends all, then awaits all)
+    assert all(isinstance(s, Commit) for s in rnd.steps)
+    assert all(engine.routes_only(c.plan) for c in rnd.commits)
+
+
+def test_a_barrier_follows_a_switch_that_adds_more_than_vid_routes():
+    """A new owner's host route and port security must be in its switch's tables before the other switches
+    send it frames: such a switch's bundle is answered before the next one goes out (as when every bundle was
+    awaited), while a pure cut-over's bundles go together."""
+    held = synced(plan_round(items(rx="ovs"), 5, empty()))
+    # d, a new endpoint on a new host on s3, gets a's half in the same round as it appears
+    more = dict(HOSTS, h33=("02:00:00:00:03:03", S3, 3))
+    new = items(ranges=((0, HALF, "d"), (HALF + 1, codec.KEY_MAX, "c")), hosts=more, rx="ovs")
+    new[schema.endpoint_key("kv", "d")] = schema.Endpoint(service="kv", name="d", mac=more["h33"][0], host="h33",
+                                                          rx="ovs").to_json().encode()
+    rnd = plan_round(new, 6, held, settle=0.005)
+    kinds = [type(s).__name__ for s in rnd.steps]
+    assert rnd.commits[0].dpid == S3 and kinds == ["Commit", "Barrier", "Commit", "Barrier", "Commit"]
+    assert not any(engine.routes_only(c.plan) for c in rnd.commits)   # the new host is routed everywhere
 
 
 def test_pause_only_after_a_switch_whose_vid_routes_changed():
