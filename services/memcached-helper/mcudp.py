@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import select
+import signal
 import socket
 import struct
 import sys
@@ -354,9 +355,15 @@ def cmd_load(args) -> dict:
                 stats["framing"] += 1
             account(ci, now, t, ks, body)
 
+    # SIGTERM ends the load early, as its --duration would: the requests in flight are drained and the
+    # results printed (a test whose steps take as long as the machine lets them stops its load after the last)
+    stopped: list[float] = []
+    signal.signal(signal.SIGTERM, lambda *_: stopped.append(time.monotonic()))
     rr = 0
     while True:
         now = time.monotonic()
+        if stopped:
+            end = min(end, stopped[0])
         if now >= end:
             break
         if interval:
@@ -665,7 +672,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("load", help="many clients' gets, values verified")
     p.add_argument("--server", required=True)
     p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--duration", type=float, default=2.0)
+    p.add_argument("--duration", type=float, default=2.0,
+                   help="s of load (SIGTERM ends it earlier; either way the answers in flight are drained)")
     p.add_argument("--rate", type=float, default=0.0, help="requests/s in total (0: closed loop)")
     p.add_argument("--window", type=int, default=1, help="closed loop: outstanding per client")
     p.add_argument("--keys", type=int, default=1000)
