@@ -22,6 +22,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import parser, write  # noqa: E402
+from vfab.services.elastic_kvs.standard import latency_by_op  # noqa: E402
 from vfab.testbed import kvs  # noqa: E402
 from vfab.testbed.fabric import Testbed  # noqa: E402
 from vfab.testbed.procs import wait_for  # noqa: E402
@@ -61,8 +62,11 @@ def run_elastic(tb: Testbed, clients: int, duration: float, idx: int) -> dict:
                                keys=KEYS, mix=MIX, value_size=VALUE)
     doc = kvs.finish_load(tb, proc, out, wait=duration + 60)
     s = doc["summary"]
+    by_op: dict[str, list[float]] = {}
+    for h in doc["history"]:   # [client, op, key, value, invoke, respond, status, version]
+        by_op.setdefault(h[1], []).append((h[5] - h[4]) * 1e3)
     return {"req_per_s": s["req_per_s"], "median_ms": s["lat_ms"]["median"], "p99_ms": s["lat_ms"]["p99"],
-            "ops": s["ops"], "failed": s["failed"]}
+            "ops": s["ops"], "failed": s["failed"], "by_op": latency_by_op(by_op)}
 
 
 def run_standard(tb: Testbed, ip: str, clients: int, duration: float, idx: int) -> dict:
@@ -78,7 +82,8 @@ def run_standard(tb: Testbed, ip: str, clients: int, duration: float, idx: int) 
     with open(out) as fh:
         r = json.loads(fh.read().strip().splitlines()[-1])
     return {"req_per_s": round(r["req_per_s"], 1), "median_ms": round(r["lat_ms"]["median"] or 0.0, 3),
-            "p99_ms": round(r["lat_ms"]["p99"] or 0.0, 3), "ops": r["ops"], "failed": r["errors"]}
+            "p99_ms": round(r["lat_ms"]["p99"] or 0.0, 3), "ops": r["ops"], "failed": r["errors"],
+            "by_op": r["lat_ms_by_op"]}
 
 
 def main() -> int:
@@ -119,6 +124,12 @@ def main() -> int:
               f"{e['failed']:>6} | {s['req_per_s']:>14.1f} {s['median_ms']:>7.3f} {s['p99_ms']:>7.3f} "
               f"{s['failed']:>6} | {r['ratio_req_per_s'] or float('nan'):>6.3f}")
     print("(latencies in ms; ratio = elastic req/s / standard req/s)")
+    print("median latency by operation, elastic / standard (ms): where a gap at few clients comes from")
+    for r in rows:
+        e, s = r["elastic"]["by_op"], r["standard"]["by_op"]
+        parts = [f"{op} {e[op]['median']:.3f} / {s[op]['median']:.3f}" for op in ("PUT", "GET", "DEL")
+                 if op in e and op in s]
+        print(f"{r['clients']:>7} | " + ", ".join(parts))
     write("kvs_throughput", params, {"points": rows}, args.out)
     failed = sum(r["elastic"]["failed"] + r["standard"]["failed"] for r in rows)
     if failed:

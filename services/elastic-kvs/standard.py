@@ -325,7 +325,8 @@ def load(host: str, port: int, clients: int, duration: float, keys: list[bytes],
     Each request is put/get/delete (weights ``mix``) of a key drawn uniformly from ``keys``,
     pregenerated in memory as in the paper.  NOT_FOUND counts as success; any other status,
     a wrong request id or a broken connection counts as an error and ends that client.
-    ``lat_ms`` holds per-request latencies (None when no request completed).
+    ``lat_ms`` holds the median and p99 of the requests' latencies (None when none completed), ``lat_ms_by_op``
+    the same per operation type, with its count.
     """
     if clients < 1 or duration <= 0 or not keys:
         raise KvsError(f"load needs clients >= 1 (got {clients}), duration > 0 (got {duration}) and some keys")
@@ -337,6 +338,7 @@ def load(host: str, port: int, clients: int, duration: float, keys: list[bytes],
         body = key + value if op is Op.PUT else key
         plan.append((head.size + len(body), int(op), len(key), body))
     sel, lat, stats = selectors.DefaultSelector(), [], {"ops": 0, "errors": 0, "not_found": 0}
+    by_op: dict[str, list[float]] = {}
     for _ in range(clients):
         try:
             sock = socket.create_connection((host, port), timeout=5.0)
@@ -345,12 +347,13 @@ def load(host: str, port: int, clients: int, duration: float, keys: list[bytes],
             raise KvsError(f"load: cannot connect to {host}:{port}: {exc.strerror or exc}") from None
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        # state of one logical client: [client id, request id, plan position, send time, rx buffer]
-        sel.register(sock, selectors.EVENT_READ, [rng.getrandbits(64), 0, rng.randrange(len(plan)), 0.0, bytearray()])
+        # state of one logical client: [client id, request id, plan position, send time, rx buffer, op in flight]
+        sel.register(sock, selectors.EVENT_READ,
+                     [rng.getrandbits(64), 0, rng.randrange(len(plan)), 0.0, bytearray(), 0])
 
     def send_next(sock: socket.socket, st: list) -> None:
         length, op, klen, body = plan[st[2]]
-        st[1], st[2], st[3] = st[1] + 1, (st[2] + 1) % len(plan), time.perf_counter()
+        st[1], st[2], st[3], st[5] = st[1] + 1, (st[2] + 1) % len(plan), time.perf_counter(), op
         try:  # one frame < 1.5 KB in flight: an empty send buffer always takes it whole
             sock.sendall(head.pack(length, op, 0, klen, st[0], st[1]) + body)
         except OSError:
@@ -386,6 +389,7 @@ def load(host: str, port: int, clients: int, duration: float, keys: list[bytes],
                 stats["ops"] += 1
                 stats["not_found"] += rep.status is Status.NOT_FOUND
                 lat.append((done - st[3]) * 1000.0)
+                by_op.setdefault(Op(st[5]).name, []).append(lat[-1])
                 send_next(sock, st)
     elapsed = min(time.perf_counter(), end) - t0
     for skey in list(sel.get_map().values()):
@@ -393,7 +397,17 @@ def load(host: str, port: int, clients: int, duration: float, keys: list[bytes],
     sel.close()
     lat.sort()
     return {**stats, "clients": clients, "elapsed_s": elapsed, "req_per_s": stats["ops"] / elapsed,
-            "lat_ms": {"median": _percentile(lat, 0.5), "p99": _percentile(lat, 0.99)}}
+            "lat_ms": {"median": _percentile(lat, 0.5), "p99": _percentile(lat, 0.99)},
+            "lat_ms_by_op": latency_by_op(by_op)}
+
+
+def latency_by_op(by_op: dict[str, list[float]]) -> dict[str, dict]:
+    """op name -> {"n", "median", "p99"} (ms) of the latencies recorded per operation type."""
+    out = {}
+    for op, ms in sorted(by_op.items()):
+        ms = sorted(ms)
+        out[op] = {"n": len(ms), "median": _percentile(ms, 0.5), "p99": _percentile(ms, 0.99)}
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -165,6 +165,9 @@ def test_load_many_clients(server):
     assert res["req_per_s"] == pytest.approx(res["ops"] / res["elapsed_s"])
     assert 0.9 <= res["elapsed_s"] <= 1.0
     assert 0 < res["lat_ms"]["median"] <= res["lat_ms"]["p99"]
+    by_op = res["lat_ms_by_op"]
+    assert set(by_op) == {"PUT", "GET", "DEL"} and sum(v["n"] for v in by_op.values()) == res["ops"]
+    assert all(0 < v["median"] <= v["p99"] for v in by_op.values())
     assert 0 < res["not_found"] < res["ops"]
     assert server.counters["connections"] == 8
     assert server.counters["requests"] >= res["ops"]
@@ -176,6 +179,7 @@ def test_load_get_only_mix(server, client):
     client.put(b"only", b"x")
     res = standard.load("127.0.0.1", server.port, 2, 0.3, [b"only"], b"", mix=(0, 1, 0))
     assert res["ops"] > 0 and res["errors"] == 0 and res["not_found"] == 0
+    assert list(res["lat_ms_by_op"]) == ["GET"] and res["lat_ms_by_op"]["GET"]["n"] == res["ops"]
     assert client.get(b"only") == b"x"
 
 
