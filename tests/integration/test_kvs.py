@@ -60,8 +60,9 @@ def checked(tb, service: str, loads: list[dict], keys: list[str], preloaded: lis
 
 def test_split_mirror_merge_move_under_load_lose_nothing(testbed, servers):
     servers("kvs1", [("vfh1", "a", "0-0xffffff"), ("vfh4", "b", None), ("vfh5", "c", None)])
-    loads = [kvs.start_load(testbed, h, f"load1-{h}", "kvs1", duration=14, clients=4, keys=300)
-             for h in ("vfh2", "vfh3", "vfh6")]
+    # one load deletes too (put:get:del 1:1:1): deletes must move with their ranges like puts
+    loads = [kvs.start_load(testbed, h, f"load1-{h}", "kvs1", duration=14, clients=4, keys=300, mix=mix)
+             for h, mix in (("vfh2", "1:1:0"), ("vfh3", "1:1:0"), ("vfh6", "1:1:1"))]
     time.sleep(2)
     ops = {
         "split": run_op(testbed, "kvs1", lambda: statectl.split(testbed.registry, "kvs1", HALF, "b")),
@@ -78,7 +79,7 @@ def test_split_mirror_merge_move_under_load_lose_nothing(testbed, servers):
     assert recs == [(Range(0, 0x7FFFFF), "b", ["c"]), (HALF, "b", [])], recs
     report = checked(testbed, "kvs1", docs, [f"k{i}" for i in range(300)])
     assert report["ops"] > 3000, report["ops"]
-    assert report["acked_puts"] > 1000
+    assert report["acked_puts"] > 1000 and report["acked_dels"] > 100, (report["acked_puts"], report["acked_dels"])
     assert not report["failed"], f"{len(report['failed'])} requests failed, e.g. {report['failed'][:5]}"
     assert not report["violations"], "\n".join(report["violations"][:10])
 
@@ -133,13 +134,14 @@ def test_mirror_takes_over_when_the_owner_dies(testbed, servers):
     op = run_op(testbed, "kvs-mirror", lambda: statectl.mirror(testbed.registry, "kvs-mirror", "a", "c"))
     assert op.phase == "done", op
     assert [r.mirrors for r, _ in testbed.registry.ranges("kvs-mirror")] == [["c"]]
-    load, out = kvs.start_load(testbed, "vfh2", "load-mirror", "kvs-mirror", duration=12, clients=4, keys=300)
+    load, out = kvs.start_load(testbed, "vfh2", "load-mirror", "kvs-mirror", duration=12, clients=4, keys=300,
+                               mix="1:1:1")   # the mirror must hold every acknowledged delete too
     time.sleep(3)
     testbed.sup.kill9(procs[0])
     wait_for(lambda: owners(testbed, "kvs-mirror") == [(Range(0, 0xFFFFFF), "c")], 15, "c to take over")
     doc = kvs.finish_load(testbed, load, out)
     report = checked(testbed, "kvs-mirror", [doc], [f"k{i}" for i in range(300)])
-    assert report["acked_puts"] > 300
+    assert report["acked_puts"] > 300 and report["acked_dels"] > 300, (report["acked_puts"], report["acked_dels"])
     assert not report["violations"], "\n".join(report["violations"][:10])
     assert not report["failed"], f"{len(report['failed'])} requests failed, e.g. {report['failed'][:5]}"
 
