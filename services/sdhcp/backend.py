@@ -97,6 +97,9 @@ class SdhcpBackend:
     # Group commit (the state loop): under the loop, a batch's commit does not wait for the disk; the loop
     # keeps its ACKs, commits the next batches the port holds, and one fsync once the port is drained covers them.
     group_commit = True
+    # An OFFER (a batch of DISCOVERs and INFORMs needs no disk) leaves at once, not behind earlier batches'
+    # fsync: it promises nothing a crash could take back (the ACK to the client's REQUEST does, and waits).
+    ordered_replies = False
     defer_sync = False        # set by the loop; alone (tests, tools) every durable commit fsyncs itself
     batch_unsynced = False    # the last batch committed durable-needing writes without an fsync
 

@@ -72,7 +72,7 @@ class Replication:
         for key in [k for k in need if k[0] == self.name]:
             del need[key]
         if not need:
-            if unsynced or self.disk_wait:   # group commit: wait for the disk, in order
+            if unsynced or (self.disk_wait and self.ordered_replies):   # group commit: wait for the disk, in order
                 self._wait_disk(out, unsynced)
                 return
             if self.inflights:   # earlier batches wait for their peers: these replies leave after theirs
