@@ -31,9 +31,7 @@ Rules a backend keeps (the loop's safety rests on them):
   batch wrote something that must be durable before its replies leave; the
   loop keeps those replies, reads and commits whatever else the port holds,
   and once the port is drained (or a reply has waited 2 ms) calls ``sync``
-  once for all of them before they leave.  ``sync`` runs on a thread of its
-  own (the loop serves on meanwhile), so it must not touch what
-  ``handle_batch`` does: an fsync of the store's files is what it is for.
+  once for all of them before they leave.
   Replies leave in the order their batches were served unless the backend
   sets ``ordered_replies = False``: then a batch that needed no disk answers
   at once, ahead of earlier batches still waiting for theirs; only for

@@ -49,7 +49,6 @@ from vfab.vid.registry import Registry, schema
 from vfab.vid.state import machine
 from vfab.vid.state.backend import Backend, BackendError, BadRequest, Refusal, Request
 from vfab.vid.state.faillog import FailureLog
-from vfab.vid.state.groupsync import DiskSyncer
 from vfab.vid.state.housekeeper import Housekeeper
 from vfab.vid.state.lease import EndpointLease
 from vfab.vid.state.sched import RunDelay
@@ -141,16 +140,13 @@ class EndpointLoop(PeerSide, Replication):
         # Group commit (a backend that asks for it): a batch commits without waiting for the disk and its
         # replies wait here, in order, while the loop goes on reading and committing whatever the port holds;
         # once the port is drained (or a reply has waited GROUP_HOLD) one fsync makes them all durable and
-        # they go.  (batch number, needs the disk, [(frame, vk, payload, wrote)]).  The fsync runs on a thread
-        # of its own (groupsync.py): the loop serves on meanwhile.  A backend whose replies that needed no
-        # disk promise nothing a crash could take back (sdhcp's OFFERs) sets ``ordered_replies = False``:
-        # those leave at once instead of queueing behind earlier batches' fsync.
+        # they go.  (batch number, needs the disk, [(frame, vk, payload, wrote)]).
         self.group_commit = bool(getattr(backend, "group_commit", False))
         if self.group_commit:
             backend.defer_sync = True
+        # A backend whose replies that needed no disk promise nothing a crash could take back (sdhcp's OFFERs)
+        # sets ``ordered_replies = False``: those leave at once instead of queueing behind earlier batches' fsync.
         self.ordered_replies = bool(getattr(backend, "ordered_replies", True))
-        self.syncer: DiskSyncer | None = None   # started by serve (group commit only)
-        self._drained = False    # the last batch emptied the port
         self.pipeline = 1 if self.group_commit else PIPELINE
         self.disk_wait: collections.deque = collections.deque()
         self.batch_seq = 0       # batches that went through group commit, numbered
@@ -271,8 +267,6 @@ class EndpointLoop(PeerSide, Replication):
         idle.register(self.port.fileno(), zmq.POLLIN)
         self._pollers = (idle, busy)
         self._run_delay = RunDelay()   # this thread's: where a long pass's time went
-        if self.group_commit:
-            self.syncer = DiskSyncer(self.backend.sync, self._wake, self.name)
         log.info("%s: serving %s on %s (ctl %s, lease %x)", self.name, self.service.name, self.port.iface, self.ctl,
                  self.lease.id)
         q_end = self._queued()
@@ -288,8 +282,6 @@ class EndpointLoop(PeerSide, Replication):
                 timeout = min(timeout, max(0.0, self.inflights[0].deadline - time.monotonic()))
             if self.chunks:
                 timeout = 0.0
-            if self.unsynced_since and self.syncer is not None and not self.syncer.busy:   # an fsync to begin
-                timeout = min(timeout, GROUP_HOLD)
             events = dict((idle if serving else busy).poll(timeout * 1000))
             if self._wakefd in events:
                 try:
@@ -299,8 +291,6 @@ class EndpointLoop(PeerSide, Replication):
             t0, c0, q0, d0 = time.perf_counter(), time.thread_time(), self._queued(), self._disk()
             if q0 - q_end > STALL and events:
                 self._woke_late(q0 - q_end)
-            if self.syncer is not None and self.syncer.done:
-                self._synced()
             if self.router in events:
                 self._serve_ctl()
             for sock in [s for s in self.dealers.values() if s in events]:
@@ -317,15 +307,11 @@ class EndpointLoop(PeerSide, Replication):
             t3 = time.perf_counter()
             if self._may_batch():
                 self._batch()
-            if self.unsynced_since:
-                self._group_sync()
             t4 = time.perf_counter()
             q_end = self._queued()
             if t4 - t0 > STALL:
                 self._stalled(t4 - t0, {"control": t1 - t0, "chunk": t2 - t1, "calls": t3 - t2, "batch": t4 - t3},
                               time.thread_time() - c0, q_end - q0, self._disk() - d0)
-        if self.syncer is not None:
-            self.syncer.stop()
         if self.disk_wait:
             self._sync_now()   # stopping: what committed and waits for the disk is answered, not dropped
 
@@ -426,7 +412,8 @@ class EndpointLoop(PeerSide, Replication):
             frames.append((got[0], 0))
         if frames:
             self._handle(frames)
-        self._drained = drained
+        if self.unsynced_since and (drained or time.monotonic() - self.unsynced_since >= GROUP_HOLD):
+            self._sync_now()
 
     def _role(self, vk: int, hops: int) -> str:
         for inc in self.incoming.values():
@@ -532,54 +519,25 @@ class EndpointLoop(PeerSide, Replication):
             for frame, vk, payload, _ in out:
                 self._reply(frame, vk, payload)
 
-    def _group_sync(self) -> None:
-        """Start the group fsync of every batch committed so far, once the port is drained or the oldest
-        reply has waited GROUP_HOLD, unless one runs (those batches are then covered by the next, started as
-        soon as it ends)."""
-        if self.syncer is None:   # not serving (a test driving the loop by hand)
-            self._sync_now()
-            return
-        if self.syncer.busy or not (self._drained or time.monotonic() - self.unsynced_since >= GROUP_HOLD):
-            return
-        self.unsynced_since = 0.0
-        self.counters["group_syncs"] += 1
-        self.syncer.start(self.batch_seq)
-
-    def _synced(self) -> None:
-        """(loop thread) The syncer's fsyncs ended: send the replies they covered, or answer them UNAVAILABLE."""
-        for upto, error, took in self.syncer.take():
-            self._sync_result(upto, error, took)
-
     def _sync_now(self) -> str:
         """Make every committed batch durable here and now, and send what waited for it; '' or the error
-        (then what waited for the disk is answered UNAVAILABLE: the clients retry).  For the paths that
-        cannot go on before the disk holds everything (writes about to be replicated, stopping)."""
+        (then what waited for the disk is answered UNAVAILABLE: the clients retry)."""
         upto, self.unsynced_since = self.batch_seq, 0.0
         self.counters["group_syncs"] += 1
         t0 = time.monotonic()
         try:
             self.backend.sync()
         except BackendError as exc:
-            return self._sync_result(upto, str(exc), 0.0)
-        return self._sync_result(upto, "", time.monotonic() - t0)
-
-    def _sync_result(self, upto: int, error: str, took: float) -> str:
-        if error:
-            self.sync_failures.failed(self.name, error)
+            self.sync_failures.failed(self.name, exc)
             self.counters["sync_failed"] += 1
             while self.disk_wait and self.disk_wait[0][0] <= upto:
-                self._unsynced_replies(self.disk_wait.popleft()[2], error)
-            return error
-        self._count_wait("sync", took)
+                self._unsynced_replies(self.disk_wait.popleft()[2], str(exc))
+            return str(exc)
+        self._count_wait("sync", time.monotonic() - t0)
         if self.sync_failures.failing:
             self.sync_failures.succeeded(self.name)
         self._release_synced(upto)
         return ""
-
-    def _wake(self) -> None:
-        """(the syncer's thread) Wake the loop; never once close() began (the fd may be closed, its number reused)."""
-        if not self._stopping.is_set():
-            os.eventfd_write(self._wakefd, 1)
 
     def _reply(self, frame: Frame, vk: int | None, payload: bytes | None) -> None:
         if payload is None:
@@ -717,8 +675,6 @@ class EndpointLoop(PeerSide, Replication):
     # -- the end --------------------------------------------------------------------------------------------------
     def close(self) -> None:
         self._stopping.set()
-        if self.syncer is not None:
-            self.syncer.stop()
         if self.op is not None:
             self.op.cancel.set()
         self.watcher.stop()
