@@ -42,8 +42,9 @@ dropped at its port (just below the door, 399, cookie kind SPOOF, counted),
 else the service's replies (memcached's, a helper's) would go to whoever owns
 that address: UDP reflection, memcached's multi-gets an amplifier.  A host
 registered without addresses (DHCP clients) is not source-guarded.  (A DHCP server's answer to a relay,
-67 → 67, looks like a relay's request and is not guarded: relays are
-trusted by configuration.)  Where the key sits in
+67 → 67, looks like a relay's request: the dhcp4 door takes it into the
+service like every datagram to port 67 from a host port, and the shard drops
+it as the wrong op, so a tenant's answers reach no relay either.)  Where the key sits in
 the MAC comes from the codec: the prefix layout's key is the MAC's low 24 bits,
 the suffix layout's bits 16..39; both layouts work.
 

@@ -370,6 +370,30 @@ def test_a_rogue_dhcp_server_reaches_no_client(testbed, dh):
     assert cl["udhcpc"].addrs() == [addrs["udhcpc"]]
 
 
+def test_a_rogue_servers_answers_to_a_relay_reach_no_relay(testbed, dh):
+    """A tenant answers as a DHCP server to a relay (BOOTREPLY, 67 -> 67, to the relay's MAC and broadcast):
+    the dhcp4 door takes every datagram to port 67 from a host port into the service (as it would a relay's
+    request), so none reaches the would-be relay; the shard owning the sender's key drops them as the wrong
+    op and counts them."""
+    host, mac_s = CLIENTS["udhcpc"]
+    rogue = codec.mac_to_int(mac_s).to_bytes(6, "big")
+    relay_host, relay_s = CLIENTS["dhclient"]
+    relay = codec.mac_to_int(relay_s).to_bytes(6, "big")
+    before = counters(testbed, "s1")                      # the owner of the sender's key (0x200002)
+    answers = []
+    for i, dst in enumerate([relay, b"\xff" * 6] * 10):
+        msg = Message(op=2, xid=0x6000 + i, chaddr=bytes([2, 0x77, 0, 0, 0, i]), yiaddr=IPv4Address("192.168.77.98"),
+                      giaddr=IPv4Address("192.168.77.3"),
+                      options={Opt.MSG_TYPE: bytes([MessageType.ACK]), Opt.SERVER_ID: IPv4Address("192.168.77.66").packed,
+                               Opt.LEASE_TIME: (3600).to_bytes(4, "big")})
+        answers.append(ipudp.Datagram(dst, rogue, IPv4Address("192.168.77.66"), IPv4Address("192.168.77.3"),
+                                      67, 67, msg.serialize()).serialize())
+    got = frames_seen(testbed, host, answers, relay_host)
+    assert got == 0, f"{got} of the rogue server's {len(answers)} answers to a relay reached the relay's host"
+    wait_for(lambda: counters(testbed, "s1").get("wrong_op", 0) >= before.get("wrong_op", 0) + len(answers), WAIT,
+             f"s1 to drop the {len(answers)} answers as the wrong op")
+
+
 def test_a_dhcp_hosts_leased_address_is_its_only_way_through_a_source_guarded_door(testbed, dh):
     """A host whose address comes from DHCP cannot be registered with it, so a tenant there could send
     requests to a udp door (memcached's) from another client's address and have the answers reflected to
