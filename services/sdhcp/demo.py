@@ -15,7 +15,11 @@ ISC dhclient and dhcpcd processes, each in a namespace of its own behind vfh3 (a
 4. **Checks, from the clients' side**: every client holds a lease, no address was ever held by two
    clients (from their event logs), no client's address changed or was taken away (the leases survived
    the split and the kill), each namespace's kernel holds its client's address, and the killed shard's
-   clients renewed after the kill.  Exit status 1 if a check fails.
+   clients renewed after the kill.
+5. **The clients leave**: every client process stops; with no renewals coming the shards go idle and the
+   balancer merges them back by itself (both halves below ``merge_rate`` for a whole lease time, two
+   renewal periods, so renewal waves never let it merge while clients are there): one shard then owns
+   every key and holds every client's lease record.  Exit status 1 if a check fails.
 
 Between the steps it prints ``vfab ranges``, ``vfab sdhcp status`` (shards, pool use, leases, rates) and
 ``vfab balancer status`` as an operator would see them.
@@ -79,12 +83,16 @@ class Plan:
         While the clients arrive s1 serves about 2 requests per client (DISCOVER, REQUEST) over ``arrive``
         s; afterwards each client renews once per lease/2, and since they all arrived within ``arrive`` s
         the renewals come in waves of about total/arrive per s.  ``split_rate`` sits between the two
-        (1.4 x the wave), ``split_keys`` (the paper's table limit) backs it up at 3/4 of the clients, so
-        one split happens during the burst and none afterwards; merges need both halves nearly idle."""
+        (1.4 x the wave), so one split happens during the burst and none afterwards.  No ``split_keys``:
+        the clients' lease records stay after they leave, and the balancer never merges two ranges holding
+        more than half of that limit (they would split again at once), so a key limit under the number of
+        clients would forbid the merge at the end.  Merges need both halves nearly idle for a whole lease
+        time: two renewal periods, so a wave of renewals always breaks the calm while clients are there,
+        and the shards merge only once they have left."""
         wave = self.total / self.arrive
         return {"period": 0.5, "stale_after": 3, "min_interval": 1, "op_dwell": 3, "split_window": 1.0,
-                "split_rate": round(1.4 * wave, 1), "split_keys": int(0.75 * self.total),
-                "merge_rate": round(0.1 * wave, 1), "merge_window": 30}
+                "split_rate": round(1.4 * wave, 1), "split_keys": 0,
+                "merge_rate": round(0.1 * wave, 1), "merge_window": float(self.lease)}
 
 
 def client_macs(plan: Plan, seed: int = 9) -> tuple[list[bytes], list[str]]:
@@ -349,6 +357,45 @@ class Demo:
         say()
         self.tables("balancer")
 
+    def leave_and_merge(self) -> None:
+        p, farm = self.plan, self.farm
+        window = p.balancer()["merge_window"]
+        say()
+        say(f"5. [{self.clock()}] the clients leave: every client process stops; the shards go idle and the "
+            f"balancer merges them back (below {p.balancer()['merge_rate']:g} requests/s for {window:g} s)")
+        farm.stop_all()
+        seen = len(self.decisions())
+        t0 = time.monotonic()
+
+        def merged() -> bool:
+            ds = self.decisions()
+            return len({o for _, _, o, _ in self.owners()}) == 1 and bool(ds) and ds[-1]["action"] == "merge" \
+                and ds[-1].get("result") == "done"
+        next_line = t0
+        while time.monotonic() < t0 + window + 30 and not merged():
+            ds = self.decisions()
+            for d in ds[seen:]:
+                say(f"  balancer: {d['action']} {', '.join(f'{lo:#08x}-{hi:#08x}' for lo, hi in d['ranges'])} "
+                    f"{d.get('owner', '')} -> {d.get('peer', '')}: {d['reason']}")
+            seen = len(ds)
+            if time.monotonic() >= next_line:
+                say(self.line(t0))
+                next_line += 2.0
+            time.sleep(0.2)
+        for d in self.decisions()[seen:]:
+            say(f"  balancer: {d['action']} {', '.join(f'{lo:#08x}-{hi:#08x}' for lo, hi in d['ranges'])} "
+                f"{d.get('owner', '')} -> {d.get('peer', '')}: {d['reason']} ({d.get('result', '')})")
+        owners = sorted({o for _, _, o, _ in self.owners()})
+        self.check(merged(), f"the balancer merged the idle shards by itself, {time.monotonic() - t0:.1f} s after "
+                             f"the clients left: " + (f"{owners[0]} owns every key" if len(owners) == 1
+                                                                 else f"{', '.join(owners)} still share the keys"))
+        if len(owners) == 1:
+            held = statectl.command(self.reg, SVC, owners[0], "STATS", {}).body["sdhcp"]["clients"]
+            self.check(held >= p.total, f"{owners[0]} holds every client's lease record after the merge "
+                                        f"({held} for {p.total} clients)")
+        say()
+        self.tables("ranges", "balancer")
+
     def _first_bound(self, i: int) -> int:
         evs = self.farm.events(i)
         return next((j for j, (ev, _, _) in enumerate(evs) if ev == "bound"), len(evs))
@@ -376,6 +423,7 @@ def run(args: argparse.Namespace) -> int:
         demo.burst()
         demo.mirror_and_kill()
         demo.verify()
+        demo.leave_and_merge()
     finally:
         say(f"tearing down ({time.monotonic() - t0:.0f} s) ...")
         demo.close()

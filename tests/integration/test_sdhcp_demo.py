@@ -25,9 +25,10 @@ def test_demo_smoke_runs_every_step_and_passes_its_checks():
     out = res.stdout + res.stderr
     print(out[:600], "\n...\n", out[-5000:])   # the head says how long the fabric took (another run's lock)
     assert res.returncode == 0, out[-6000:]
-    for step in ("1. [", "2. [", "3. [", "4. [", "[ok] the balancer split the hot shard by itself",
+    for step in ("1. [", "2. [", "3. [", "4. [", "5. [", "[ok] the balancer split the hot shard by itself",
                  "renewed at m after the kill", "[ok] every client holds a lease: 22/22",
                  "[ok] no address was ever held by two clients", "[ok] leases survived", "offers/acks/naks per s",
-                 "balancer decisions: dhd", "all checks passed"):
+                 "balancer decisions: dhd", "[ok] the balancer merged the idle shards by itself",
+                 "holds every client's lease record after the merge", "all checks passed"):
         assert step in out, step
     assert "FAILED" not in out and "Traceback" not in out
