@@ -167,6 +167,15 @@ class Demo:
         got = self.reg.get(schema.balancer_key(SVC))
         return schema.BalancerStatus.from_json(got[0]).decisions if got else []
 
+    def say_decisions(self, seen: int, result: bool = False) -> int:
+        """Print the balancer's decisions after the first ``seen`` (with their results if asked); how many now."""
+        ds = self.decisions()
+        for d in ds[seen:]:
+            say(f"  balancer: {d['action']} {', '.join(f'{lo:#08x}-{hi:#08x}' for lo, hi in d['ranges'])} "
+                f"{d.get('owner', '')} -> {d.get('peer', '')}: {d['reason']}"
+                + (f" ({d.get('result', '')})" if result else ""))
+        return len(ds)
+
     def key(self, i: int) -> int:
         return int.from_bytes(self.farm.macs[i], "big") & codec.KEY_MAX
 
@@ -231,11 +240,7 @@ class Demo:
             return len(farm.addresses()) == p.total and (not ds or ds[-1].get("result") not in ("requested",
                                                                                                  "running"))
         while time.monotonic() < deadline:
-            ds = self.decisions()
-            for d in ds[seen:]:
-                say(f"  balancer: {d['action']} {', '.join(f'{lo:#08x}-{hi:#08x}' for lo, hi in d['ranges'])} "
-                    f"{d.get('owner', '')} -> {d.get('peer', '')}: {d['reason']}")
-            seen = len(ds)
+            seen = self.say_decisions(seen)
             say(self.line(t0))
             if settled() and time.monotonic() - t0 > p.arrive + 3:
                 break
@@ -358,12 +363,12 @@ class Demo:
         self.tables("balancer")
 
     def leave_and_merge(self) -> None:
-        p, farm = self.plan, self.farm
-        window = p.balancer()["merge_window"]
+        p, sets = self.plan, self.plan.balancer()
+        window = sets["merge_window"]
         say()
         say(f"5. [{self.clock()}] the clients leave: every client process stops; the shards go idle and the "
-            f"balancer merges them back (below {p.balancer()['merge_rate']:g} requests/s for {window:g} s)")
-        farm.stop_all()
+            f"balancer merges them back (below {sets['merge_rate']:g} requests/s for {window:g} s)")
+        self.farm.stop_all()
         seen = len(self.decisions())
         t0 = time.monotonic()
 
@@ -373,18 +378,12 @@ class Demo:
                 and ds[-1].get("result") == "done"
         next_line = t0
         while time.monotonic() < t0 + window + 30 and not merged():
-            ds = self.decisions()
-            for d in ds[seen:]:
-                say(f"  balancer: {d['action']} {', '.join(f'{lo:#08x}-{hi:#08x}' for lo, hi in d['ranges'])} "
-                    f"{d.get('owner', '')} -> {d.get('peer', '')}: {d['reason']}")
-            seen = len(ds)
+            seen = self.say_decisions(seen)
             if time.monotonic() >= next_line:
                 say(self.line(t0))
                 next_line += 2.0
             time.sleep(0.2)
-        for d in self.decisions()[seen:]:
-            say(f"  balancer: {d['action']} {', '.join(f'{lo:#08x}-{hi:#08x}' for lo, hi in d['ranges'])} "
-                f"{d.get('owner', '')} -> {d.get('peer', '')}: {d['reason']} ({d.get('result', '')})")
+        self.say_decisions(seen, result=True)
         owners = sorted({o for _, _, o, _ in self.owners()})
         self.check(merged(), f"the balancer merged the idle shards by itself, {time.monotonic() - t0:.1f} s after "
                              f"the clients left: " + (f"{owners[0]} owns every key" if len(owners) == 1
