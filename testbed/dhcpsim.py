@@ -23,6 +23,7 @@ no address.
 
 from __future__ import annotations
 
+import itertools
 import select
 import socket
 import time
@@ -92,6 +93,7 @@ class SimClients:
         self.broadcast_mac = broadcast_mac or (lambda mac: BCAST_MAC)
         self.clients = [Client(mac, 0x5E000000 + i) for i, mac in enumerate(macs)]
         self._by_xid = {c.xid: c for c in self.clients}
+        self._xids = itertools.count(0x5E000000 + len(macs))
         with netns(netns_path):
             self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ipudp.ETH_P_IP))
         self.sock.bind((self.iface, 0))
@@ -237,6 +239,10 @@ class SimClients:
         seconds to its ACK (None: none within ``timeout``).  A real client's next try may be many seconds
         away (ISC dhclient: 10 s, or its lease's end): this asks whether the first one is answered."""
         live = [c for c in self.clients if c.ip is not None and (macs is None or c.mac in macs)]
+        for c in live:   # a transaction of its own: an answer to an earlier request still queued is not its answer
+            del self._by_xid[c.xid]
+            c.xid = next(self._xids) & 0xFFFFFFFF
+            self._by_xid[c.xid] = c
         t0 = time.monotonic()
         for c in live:
             c.sent_at = t0
