@@ -31,7 +31,6 @@ setup(
     package_dir=PACKAGE_DIR,
     install_requires=[
         "os-ken>=4.0",
-        "etcd3gw>=2.4",
         "pyzmq>=25",
         "click>=8.1",
         "rich>=13",

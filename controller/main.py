@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     logging.basicConfig(level=logging.DEBUG if cfg.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for noisy in ("os_ken", "urllib3", "etcd3gw"):
+    for noisy in ("os_ken",):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from os_ken.lib import hub
 

@@ -4,6 +4,6 @@ __version__ = "0.1.0"
 
 import warnings
 
-# etcd3gw pulls in futurist, which imports eventlet and warns at import time;
-# vfab only uses eventlet inside the os-ken controller.
+# os-ken imports eventlet, which warns at import time; vfab only uses eventlet
+# inside the os-ken controller.
 warnings.filterwarnings("ignore", message=r"\s*Eventlet is deprecated")

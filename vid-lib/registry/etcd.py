@@ -1,4 +1,4 @@
-"""The registry: vfab's view of etcd (v3 API through its JSON gateway, etcd3gw).
+"""The registry: vfab's view of etcd (its v3 API through the JSON gateway every member serves).
 
 Every write that changes a range is one etcd transaction comparing the
 mod-revisions (hence epochs) of all ranges it touches, so two operators can
@@ -8,15 +8,16 @@ never both win.  Key names come from ``schema`` only.
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import logging
+import os
+import select
+import socket
 import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
-
-import etcd3gw
-import requests
 
 from vfab.vid.registry import schema
 from vfab.vid.codec import KEY_MAX, SERVICE_MAX, Layout
@@ -42,6 +43,64 @@ def _prefix_end(prefix: str) -> str:
     return _b64(bytes(raw))
 
 
+class _Gateway:
+    """POSTs to etcd's JSON gateway over HTTP/1.1 keep-alive connections, one per thread.
+
+    A request costs one round trip and a JSON encode/decode (about half of what a ``requests`` session
+    spent on top of etcd's own work).  A connection the member closed meanwhile is noticed before it is
+    used again (it reads as ready); a request that fails once sent is never repeated here, because a
+    transaction may have been applied: the caller is told and decides.
+    """
+
+    HEADERS = {"Content-Type": "application/json"}
+
+    def __init__(self, host: str, port: int, timeout: float):
+        self.host, self.port, self.timeout = host, port, timeout
+        self._local = threading.local()
+
+    def connect(self, timeout: float | None) -> http.client.HTTPConnection:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        conn.connect()
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
+
+    def _conn(self) -> http.client.HTTPConnection:
+        local = self._local
+        conn = getattr(local, "conn", None)
+        if conn is not None and (local.pid != os.getpid() or conn.sock is None
+                                 or select.select([conn.sock], [], [], 0)[0]):
+            conn.close()   # closed by the member (EOF reads as ready), or inherited across a fork
+            conn = None
+        if conn is None:
+            conn = local.conn = self.connect(self.timeout)
+            local.pid = os.getpid()
+        return conn
+
+    def post(self, path: str, body: dict) -> tuple[int, bytes]:
+        """(HTTP status, body); OSError and http.client.HTTPException pass through."""
+        try:
+            conn = self._conn()
+            conn.request("POST", path, json.dumps(body, separators=(",", ":")), self.HEADERS)
+            resp = conn.getresponse()
+            data = resp.read()
+        except BaseException:
+            conn = getattr(self._local, "conn", None)
+            if conn is not None:
+                conn.close()
+                self._local.conn = None
+            raise
+        if resp.will_close:
+            self._local.conn.close()
+            self._local.conn = None
+        return resp.status, data
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+
 @dataclass
 class Event:
     key: str
@@ -58,21 +117,25 @@ class Registry:
             raise RegistryError(f"etcd endpoint {endpoint!r} is malformed: write HOST:PORT, e.g. {DEFAULT_ENDPOINT}")
         self.endpoint = endpoint
         self.timeout = timeout
-        self._client = etcd3gw.client(host=host, port=int(port), timeout=timeout, api_path="/v3/")
+        self._gw = _Gateway(host, int(port), timeout)
         self._keepalives: list[threading.Event] = []
 
     # -- raw access -------------------------------------------------------
+    def _unreachable(self, exc: BaseException, what: str = "") -> RegistryError:
+        return RegistryError(f"etcd at {self.endpoint} is unreachable ({exc.__class__.__name__}){what}: start it "
+                             "with 'vfab up' or point --etcd at a running member")
+
     def _post(self, path: str, body: dict) -> dict:
         try:
-            resp = self._client.session.post(self._client.get_url(path), json=body, timeout=self.timeout)
-        except requests.RequestException as exc:
-            raise RegistryError(
-                f"etcd at {self.endpoint} is unreachable ({exc.__class__.__name__}): start it with "
-                "'vfab up' or point --etcd at a running member"
-            ) from None
-        if resp.status_code != 200:
-            raise RegistryError(f"etcd at {self.endpoint} answered {resp.status_code}: {resp.text[:200]}")
-        return resp.json()
+            status, data = self._gw.post("/v3" + path, body)
+        except (OSError, http.client.HTTPException) as exc:
+            raise self._unreachable(exc) from None
+        if status != 200:
+            raise RegistryError(f"etcd at {self.endpoint} answered {status}: {data[:200].decode(errors='replace')}")
+        try:
+            return json.loads(data)
+        except ValueError:
+            raise RegistryError(f"etcd at {self.endpoint} answered with what is not JSON: {data[:200]!r}") from None
 
     def get_prefix(self, prefix: str = schema.ROOT) -> tuple[int, dict[str, tuple[bytes, int]]]:
         """(revision, {key: (value, mod_revision)}) under a prefix, consistently."""
@@ -145,20 +208,28 @@ class Registry:
         """
         body = {"create_request": {"key": _b64(prefix), "range_end": _prefix_end(prefix),
                                    "start_revision": start_revision}}
-        try:
-            resp = self._client.session.post(self._client.get_url("/watch"), json=body, stream=True,
-                                             timeout=(self.timeout, idle))
-        except requests.RequestException as exc:
-            raise RegistryError(f"etcd at {self.endpoint} is unreachable ({exc.__class__.__name__}): cannot "
-                                "watch; start it with 'vfab up' or point --etcd at a running member") from None
-        if resp.status_code != 200:
-            resp.close()
-            raise RegistryError(f"etcd at {self.endpoint} refused a watch: {resp.status_code} {resp.text[:200]}")
+        conn = None
+        try:   # a connection of its own: the stream holds it until cancelled
+            conn = self._gw.connect(self.timeout)
+            conn.request("POST", "/v3/watch", json.dumps(body), _Gateway.HEADERS)
+            resp = conn.getresponse()
+        except (OSError, http.client.HTTPException) as exc:
+            if conn is not None:
+                conn.close()
+            raise self._unreachable(exc, ": cannot watch") from None
+        if resp.status != 200:
+            text = resp.read(200).decode(errors="replace")
+            conn.close()
+            raise RegistryError(f"etcd at {self.endpoint} refused a watch: {resp.status} {text}")
+        conn.sock.settimeout(idle)   # None: wait for events as long as it takes
         stopped = threading.Event()
 
         def gen() -> Iterator[list[Event]]:
             try:
-                for line in resp.iter_lines(chunk_size=None):
+                while True:
+                    line = resp.readline()
+                    if not line:
+                        return   # the member ended the stream: the consumer watches again
                     if not line.strip():
                         continue
                     msg = json.loads(line)
@@ -176,15 +247,18 @@ class Registry:
                         batch.append(Event(_unb64(kv["key"]).decode(), value, int(kv["mod_revision"])))
                     if batch:
                         yield batch
-            except (requests.RequestException, OSError, AttributeError, ValueError) as exc:
-                if idle is not None and "timed out" in str(exc).lower():
+            except TimeoutError:
+                if idle is not None:
                     return  # no event for `idle` s: the consumer watches again from its next revision
+                raise RegistryError(f"etcd watch on {prefix} broke: TimeoutError") from None
+            except (OSError, http.client.HTTPException, AttributeError, ValueError) as exc:
                 if not stopped.is_set():  # not our own cancel(): the stream broke
                     raise RegistryError(f"etcd watch on {prefix} broke: {exc.__class__.__name__}") from None
 
         def cancel() -> None:
             stopped.set()
             resp.close()
+            conn.close()
 
         return gen(), cancel
 
@@ -268,6 +342,7 @@ class Registry:
     def close(self) -> None:
         for stop in self._keepalives:
             stop.set()
+        self._gw.close()
 
     # -- services ---------------------------------------------------------
     def services(self) -> list[schema.Service]:
