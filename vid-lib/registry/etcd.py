@@ -77,21 +77,18 @@ class _Gateway:
         return conn
 
     def post(self, path: str, body: dict) -> tuple[int, bytes]:
-        """(HTTP status, body); OSError and http.client.HTTPException pass through."""
+        """(HTTP status, body); OSError and http.client.HTTPException pass through.  After a failure the
+        connection is dropped: an answer that comes late must not be read as the next request's."""
         try:
             conn = self._conn()
             conn.request("POST", path, json.dumps(body, separators=(",", ":")), self.HEADERS)
             resp = conn.getresponse()
             data = resp.read()
         except BaseException:
-            conn = getattr(self._local, "conn", None)
-            if conn is not None:
-                conn.close()
-                self._local.conn = None
+            self.close()
             raise
         if resp.will_close:
-            self._local.conn.close()
-            self._local.conn = None
+            self.close()
         return resp.status, data
 
     def close(self) -> None:
