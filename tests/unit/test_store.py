@@ -450,3 +450,40 @@ def test_follow_reads_then_follows_and_reads_again_after_etcd_came_back(tmp_path
         stop.set()
         reg.close()
         etcd.stop()
+
+
+def test_an_answer_that_came_too_late_is_not_read_as_the_next_ones(tmp_path):
+    """The registry keeps one HTTP connection per thread: a request that timed out (etcd SIGSTOPped) drops
+    it, and a connection with unread data is not reused, so the late answer to that request is never taken
+    for the answer to the next one; the registry works again as soon as etcd does."""
+    import os
+    import signal
+    import time
+
+    from vfab.testbed.etcd import LocalEtcd, free_port
+
+    etcd = LocalEtcd(tmp_path / "etcd", free_port(), free_port())
+    etcd.start(timeout=20)
+    reg = Registry(etcd.endpoint, timeout=0.5)
+    other = Registry(etcd.endpoint)
+    try:
+        reg.put("/t/x", "1")
+        os.kill(etcd.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(RegistryError, match="unreachable"):
+                reg.get("/t/x")                                # its answer ("1") comes after SIGCONT
+        finally:
+            os.kill(etcd.pid, signal.SIGCONT)
+        other.put("/t/x", "2")
+        got, deadline = None, time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                got = reg.get("/t/x")
+                break
+            except RegistryError:
+                time.sleep(0.05)
+        assert got is not None and got[0] == b"2", got
+    finally:
+        reg.close()
+        other.close()
+        etcd.stop()
