@@ -20,6 +20,7 @@ the tests, and (through :func:`apply_decision` / :func:`apply_helpers`) the bala
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -54,6 +55,21 @@ def read_stats(path: str) -> dict[str, int]:
     except FileNotFoundError:
         return {}
     return out
+
+
+def read_stats_after(path: str, t_ns: int, timeout: float = 1.0) -> dict[str, int]:
+    """The stats file as mc-helper wrote it after ``t_ns`` (``time.time_ns()``): the file is rewritten every
+    ``--stats-ms``, so one read right after some traffic may miss its last counts.  Waits for a newer file
+    up to ``timeout`` s (a helper that stopped writing: the file as it is then)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if os.stat(path).st_mtime_ns > t_ns:
+                break
+        except FileNotFoundError:
+            pass
+        time.sleep(0.005)
+    return read_stats(path)
 
 
 def summary(stats: dict) -> dict:

@@ -35,8 +35,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 
+from vfab.services.memcached_helper import control
 from vfab.testbed.procs import Proc, Supervisor, wait_for
 
 SVC_IP = "10.77.0.1"
@@ -315,11 +317,12 @@ class HelperTopo:
         return f"{PROXY_IP}:{PROXY_PORT}"
 
     def stats(self, index: int = 0) -> dict[str, int]:
-        try:
-            with open(self.stats_paths[index]) as fh:
-                return {k: int(v) for k, v in (line.split() for line in fh if line.strip())}
-        except FileNotFoundError:
-            return {}
+        """Helper ``index``'s counters as of this call: while it runs, a stats file it wrote after the call
+        (the file is rewritten every 50 ms, so a read right after some traffic could miss its last counts)."""
+        proc = self.helpers[index]
+        if proc is not None and proc.alive():
+            return control.read_stats_after(self.stats_paths[index], time.time_ns())
+        return control.read_stats(self.stats_paths[index])
 
     def wait_stats(self, pred, timeout: float, what: str, index: int = 0) -> dict[str, int]:
         box: dict = {}
