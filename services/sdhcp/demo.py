@@ -83,14 +83,16 @@ class Plan:
         While the clients arrive s1 serves about 2 requests per client (DISCOVER, REQUEST) over ``arrive``
         s; afterwards each client renews once per lease/2, and since they all arrived within ``arrive`` s
         the renewals come in waves of about total/arrive per s.  ``split_rate`` sits between the two
-        (1.4 x the wave), so one split happens during the burst and none afterwards.  No ``split_keys``:
+        (1.4 x the wave), so one split happens during the burst and none afterwards; one period over it is
+        enough (``split_window`` = ``period``): the burst's peak lasts about a second, and with two periods
+        required its rate fell below the trigger before the second one now and then.  No ``split_keys``:
         the clients' lease records stay after they leave, and the balancer never merges two ranges holding
         more than half of that limit (they would split again at once), so a key limit under the number of
         clients would forbid the merge at the end.  Merges need both halves nearly idle for a whole lease
         time: two renewal periods, so a wave of renewals always breaks the calm while clients are there,
         and the shards merge only once they have left."""
         wave = self.total / self.arrive
-        return {"period": 0.5, "stale_after": 3, "min_interval": 1, "op_dwell": 3, "split_window": 1.0,
+        return {"period": 0.5, "stale_after": 3, "min_interval": 1, "op_dwell": 3, "split_window": 0.5,
                 "split_rate": round(1.4 * wave, 1), "split_keys": 0,
                 "merge_rate": round(0.1 * wave, 1), "merge_window": float(self.lease)}
 
