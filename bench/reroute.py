@@ -59,6 +59,7 @@ SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
 THIRD = (codec.KEY_MAX + 1) // 3
 R = Range(0, THIRD - 1)           # compiles to several masked flows, like a real range
 REST = Range(THIRD, codec.KEY_MAX)
+GOAL_MEDIAN_MS, GOAL_P99_MS = 10.0, 25.0   # issue 7: etcd write -> first packet at the new owner
 SWITCH_WAIT = 2.0                 # a cut-over that has not reached every client by then is a failure
 SENT_RING = 65536                  # send times kept per client port (~30 s at one frame per 0.5 ms)
 SEQ_AT = 14 + 8                   # offset of the vfab header's seq field in a frame
@@ -468,11 +469,19 @@ def main() -> int:
           f"p99 {bc.get('p99_ms')} ms over {bc.get('n')}")
     overall = ms_stats(col(samples, "first"))
     results["overall_first"] = overall
-    results["goal_20ms_median_met"] = bool(overall.get("n")) and overall["median_ms"] < 20.0
+    # issue 7's goal for a re-route: median <= 10 ms, p99 <= 25 ms, from just before the etcd write
+    results["goal"] = {"median_ms": GOAL_MEDIAN_MS, "p99_ms": GOAL_P99_MS}
+    results["goal_median_met"] = bool(overall.get("n")) and overall["median_ms"] <= GOAL_MEDIAN_MS
+    results["goal_p99_met"] = bool(overall.get("n")) and overall["p99_ms"] <= GOAL_P99_MS
+    # the part after the etcd transaction returned (controller, bundles, datapath): where etcd's own tail is not
+    after = ms_stats([r["first"] - r["etcd"] for r in samples if r.get("first") is not None and r.get("etcd") is not None])
+    results["after_etcd_first"] = after
     results["traffic"] = {"sent": sent, "received": received, "lost": len(lost), "duplicated": dups,
                           "no_kernel_stamp": no_stamp, "seconds": round(elapsed, 1), "lost_frames": lost[:50]}
     print(f"all cut-overs: first packet median {overall.get('median_ms')} ms, p99 {overall.get('p99_ms')} ms "
-          f"(goal: median < 20 ms: {'met' if results['goal_20ms_median_met'] else 'NOT met'}); "
+          f"(goal: median <= {GOAL_MEDIAN_MS:g} ms: {'met' if results['goal_median_met'] else 'NOT met'}, p99 <= "
+          f"{GOAL_P99_MS:g} ms: {'met' if results['goal_p99_met'] else 'NOT met'}); after the etcd transaction "
+          f"returned: median {after.get('median_ms')} ms, p99 {after.get('p99_ms')} ms; "
           f"frames sent {sent}, received {received}, lost {len(lost)}, duplicated {dups}")
     for item in lost[:10]:
         print(f"  lost: {item}")
