@@ -1,4 +1,4 @@
-"""elastic-KVS on real OVS + os-ken + etcd in Mininet: state ops under load, crashes, takeover, bad input.
+"""elastic-KVS on real OVS + os-ken + etcd in Mininet: state ops under load, crashes, takeover, bad input, racing operators.
 
 Topology line,2,3: vfh1-3 on vfbs1, vfh4-6 on vfbs2.  Servers on vfh1, vfh4, vfh5
 (one service per test, stopped at its end), load clients on vfh2, vfh3, vfh6.
@@ -222,3 +222,66 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(testbed, serve
         assert cli.get(b"keep") == b"v1"
         ops = kvs.pipeline(cli, [(Op.PUT, f"x{i}".encode(), b"y") for i in range(200)])
         assert all(p.reply is not None and p.reply.status is Status.OK for p in ops)
+
+
+def test_operators_racing_on_one_range_lose_nothing_and_end_with_one_owner(testbed, servers):
+    """Two operators at once, three times, under load: the same split to two peers; a split to b while the
+    upper half's owner moves (b to c, or c to b); a merge back while the lower half's owner moves.  Each operation either ends done or is refused
+    or fails saying why; afterwards every key has one owner and no acknowledged write is lost."""
+    service = "kvs-race"
+    servers(service, [("vfh1", "a", "0-0xffffff"), ("vfh4", "b", None), ("vfh5", "c", None)])
+    n = 2000
+    assert kvs.preload(testbed, "vfh3", service, n, value_size=256) == n
+    load, out = kvs.start_load(testbed, "vfh2", "load-race", service, duration=22, clients=4, keys=n, mix="1:1:1")
+    time.sleep(1)
+    reg = testbed.registry
+
+    def race(*starts) -> list[tuple[str, str]]:
+        """Start every operation at the same instant from its own thread (its own etcd client); (outcome,
+        detail) of each: 'done', 'failed: <error>', or 'refused: <error>'."""
+        go = threading.Barrier(len(starts))
+        out: list = [None] * len(starts)
+
+        def one(i: int, start) -> None:
+            r = Registry(reg.endpoint)
+            try:
+                go.wait(5)
+                try:
+                    started = start(r)
+                except (StateError, VidError) as exc:
+                    out[i] = ("refused", str(exc))
+                    return
+                op = statectl.wait(r, service, started.op, timeout=60)
+                out[i] = ("done", "") if op.phase == "done" else ("failed", op.error)
+            finally:
+                r.close()
+        threads = [threading.Thread(target=one, args=(i, s), daemon=True) for i, s in enumerate(starts)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert all(o is not None for o in out), out
+        for outcome, detail in out:
+            assert outcome == "done" or detail.strip(), out   # a refusal or failure says why
+        return out + [("ranges after", str(owners(testbed, service)))]
+
+    seen = [race(lambda r: statectl.split(r, service, HALF, "b"), lambda r: statectl.split(r, service, HALF, "c"))]
+    # the upper half's owner (b or c) moves everything it has while a splits a quarter to b: b is both a
+    # split's peer and a move's source, or the peer of two operations at once
+    upper = owners(testbed, service)[-1][1]
+    seen.append(race(lambda r: statectl.split(r, service, Range(0x400000, 0x7FFFFF), "b"),
+                     lambda r: statectl.move(r, service, upper, "c" if upper == "b" else "b")))
+    low_owner = next(o for rng, o in owners(testbed, service) if 0 in rng)
+    seen.append(race(lambda r: statectl.merge(r, service, HALF, low_owner),
+                     lambda r: statectl.move(r, service, low_owner, "b" if low_owner != "b" else "a")))
+    assert any(o == "done" for race_ in seen for o, _ in race_), seen
+    recs = owners(testbed, service)
+    # one owner per key: the ranges tile the key space without overlap
+    assert recs[0][0].lo == 0 and recs[-1][0].hi == 0xFFFFFF, recs
+    assert all(a[0].hi + 1 == b[0].lo for a, b in zip(recs, recs[1:])), recs
+    assert all(o in ("a", "b", "c") for _, o in recs), recs
+    doc = kvs.finish_load(testbed, load, out)
+    report = checked(testbed, service, [doc], [f"k{i}" for i in range(n)], preloaded=[f"k{i}" for i in range(n)])
+    assert report["acked_puts"] > 500, report["acked_puts"]
+    assert not report["violations"], "\n".join(report["violations"][:10])
+    assert not report["failed"], f"{len(report['failed'])} requests failed, e.g. {report['failed'][:5]}; races: {seen}"
