@@ -17,7 +17,7 @@ import pytest
 
 from vfab.services.elastic_kvs import proto
 from vfab.services.elastic_kvs.proto import Op, Status
-from vfab.testbed import kvs
+from vfab.testbed import history, kvs
 from vfab.testbed.procs import wait_for
 from vfab.vid import codec
 from vfab.vid.frame import Frame, FrameType
@@ -286,3 +286,44 @@ def test_peer_disk_full_fails_the_split_by_name_and_leaves_no_copy(testbed, serv
     os.unlink(filler)
     db = os.path.join(disk, "b.sqlite")
     wait_for(lambda: keys_in(db, HALF) == 0, 20, "b to drop its partial copy", interval=0.5)
+
+
+def test_controller_frozen_through_a_split_and_a_merge_under_load(testbed, servers):
+    """SIGSTOP of the controller (past OVS's inactivity probe) for a split, the merge back and a split again,
+    under load: the switches keep the old routes, an endpoint forwards what it no longer owns, every operation
+    ends done, no acknowledged write is lost and no request fails; after SIGCONT the controller applies the
+    ranges by itself."""
+    service = "kvs-ctlstop"
+    servers(service, [("vfh1", "a", "0-0xffffff"), ("vfh4", "b", None)])
+    n = 1500
+    assert kvs.preload(testbed, "vfh3", service, n, value_size=256) == n
+    load, out = kvs.start_load(testbed, "vfh2", "load-ctlstop", service, duration=16, clients=4, keys=n,
+                               mix="1:1:1")
+    time.sleep(1)
+    pid = testbed.controller.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        split = statectl.wait(testbed.registry, service, statectl.split(testbed.registry, service, HALF, "b").op,
+                              timeout=60)
+        time.sleep(6)   # b owns the upper half in etcd; every switch still sends it to a
+        merge = statectl.wait(testbed.registry, service, statectl.merge(testbed.registry, service, HALF, "a").op,
+                              timeout=60)
+        split2 = statectl.wait(testbed.registry, service, statectl.split(testbed.registry, service, HALF, "b").op,
+                               timeout=60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert (split.phase, merge.phase, split2.phase) == ("done", "done", "done"), (split, merge, split2)
+    forwarded = {name: statectl.command(testbed.registry, service, name, "STATS", {}).body["counters"].get(
+        "forwarded", 0) for name in ("a", "b")}
+    assert forwarded["a"] > 0, forwarded   # the switches still sent b's half to a: a forwarded it
+    t0 = time.monotonic()
+    testbed.wait_revision(testbed.registry.state_revision(), timeout=30)   # the switches route HALF to b again
+    caught_up = time.monotonic() - t0
+    doc = kvs.finish_load(testbed, load, out)
+    keys = [f"k{i}" for i in range(n)]
+    rows = [[-1, "PUT", k, k, 0.0, 0.0, "OK", 1] for k in keys] + doc["history"]
+    report = history.check(rows, kvs.read_back(testbed, "vfh6", service, keys), time.monotonic())
+    print(f"\ncontroller frozen through a split, a merge and a split: caught up {caught_up:.2f} s after SIGCONT")
+    assert report["acked_puts"] > 300, report["acked_puts"]
+    assert not report["violations"], "\n".join(report["violations"][:10])
+    assert not report["failed"], f"{len(report['failed'])} requests failed, e.g. {report['failed'][:5]}"
