@@ -135,6 +135,7 @@ def status(c, as_json: bool) -> None:
         eps = reg.endpoints(s.name)
         loads = load_by_range(reg, s.name)
         live_helpers = helper_control.live_helpers(reg, s.name)
+        held = [h for h, _, _ in reg.holds(s.name)[0].ranges()]   # helpers set by hand ('vfab helpers on|off')
         services.append({"name": s.name, "id": s.id, "ranges": len(rs),
                          "unassigned": sum(1 for r in rs if not r.owner),
                          "endpoints": [e.name for e in eps],
@@ -143,6 +144,7 @@ def status(c, as_json: bool) -> None:
                          # per range: the owner's report (keys, req/s; null without one); state operations
                          "range_map": [{"lo": r.lo, "hi": r.hi, "owner": r.owner, "mirrors": list(r.mirrors),
                                         "helpers": [h if h in live_helpers else f"{h} (DEAD)" for h in r.helpers],
+                                        "helpers_held": any(h.overlaps(r.range) for h in held),
                                         "state": r.state, "epoch": r.epoch,
                                         "keys": load[0] if (load := range_load(loads, r)) else None,
                                         "req_s": load[1] if load else None} for r in rs],
@@ -174,7 +176,7 @@ def status(c, as_json: bool) -> None:
     for s in services:
         c.console.print(table(f"{s['name']}: ranges", ["lo", "hi", "owner", "mirrors", "helpers", "keys", "req/s"],
                               [[f"{r['lo']:#08x}", f"{r['hi']:#08x}", r["owner"] or "-", ",".join(r["mirrors"]) or "-",
-                                ", ".join(r["helpers"]) or "-",
+                                (", ".join(r["helpers"]) or "-") + (" (held by hand)" if r["helpers_held"] else ""),
                                 "-" if r["keys"] is None else r["keys"], fmt_rate(r["req_s"])]
                                for r in s["range_map"]]))
         if s["ops"]:

@@ -4,12 +4,14 @@
 the share of the range's clients it gives)
 and every helper with what its agent last reported from mc-helper's stats (S, T, batches, keys per
 batch); ``vfab helpers on|off SERVICE [RANGE]`` writes ``RangeRec.helpers`` like an operator (or the
-balancer) would, through ``vfab.services.memcached_helper.control``.
+balancer) would, through ``vfab.services.memcached_helper.control``, and holds the range (the balancer leaves
+it alone) until ``vfab helpers auto SERVICE [RANGE]``.
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 import click
 
@@ -37,6 +39,10 @@ def helpers() -> None:
     (bucket weights from the range record: the balancer's ∝ spare capacity,
     or --weight; one client always hashes to one helper while the set is
     stable) with no change on the client; a helper that dies leaves the group.
+
+    'on' and 'off' by hand are an override: the balancer leaves the range's
+    helpers as set until 'vfab helpers auto SERVICE [RANGE]' hands the range
+    back to it (--no-hold: a one-off change it may reverse).
     """
 
 
@@ -44,6 +50,18 @@ def _fmt_helpers(r: dict) -> str:
     total = sum(h["weight"] for h in r["helpers"])
     return ", ".join(f"{h['name']}" + (f" w{h['weight']} ({100 * h['weight'] / total:.0f}%)" if h["live"] else " (DEAD)")
                      for h in r["helpers"]) or "-"
+
+
+def _fmt_held(held: list) -> str:
+    """Who sets a range's helpers: the balancer, or an operator's 'on'/'off' since when (the held parts named
+    when only some of the range is held)."""
+    if not held:
+        return "balancer"
+    out = []
+    for h in held:
+        part = f" {h['lo']:#08x}-{h['hi']:#08x}" if len(held) > 1 else ""
+        out.append(f"hand: {h['what']} at {time.strftime('%H:%M:%S', time.localtime(h['at']))}{part}")
+    return "; ".join(out)
 
 
 def _n(v, fmt="{}") -> str:
@@ -62,9 +80,9 @@ def status(c, service: str, as_json: bool) -> None:
         click.echo(json.dumps(rep, indent=1))
         return
     c.console.print(table(f"{service}: ranges and helpers (bucket weight, share of the range's clients)",
-                          ["lo", "hi", "owner", "helpers", "served by", "epoch"],
+                          ["lo", "hi", "owner", "helpers", "served by", "epoch", "set by"],
                           [[f"{r['lo']:#08x}", f"{r['hi']:#08x}", r["owner"] or "-", _fmt_helpers(r), r["path"],
-                            r["epoch"]] for r in rep["ranges"]]))
+                            r["epoch"], _fmt_held(r["held"])] for r in rep["ranges"]]))
     rows = []
     for h in rep["helpers"]:
         hist = " ".join(f"{k}:{v}" for k, v in sorted(h.get("hist", {}).items(), key=lambda kv: int(kv[0])))
@@ -107,6 +125,8 @@ def _common(fn):
         click.option("--wait/--no-wait", default=True, show_default=True,
                      help="Wait until every switch has applied the change."),
         click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds to wait."),
+        click.option("--hold/--no-hold", default=True, show_default=True,
+                     help="Hold RANGE: the balancer leaves its helpers as set until 'vfab helpers auto'."),
         pass_ctx, errors,
     ]):
         fn = dec(fn)
@@ -129,12 +149,14 @@ def _weights(values: tuple[str, ...]) -> dict[str, int]:
 @click.option("--weight", "weights", multiple=True, metavar="NAME=WEIGHT",
               help="Bucket weight of a helper (1..65535, repeatable; others weigh 100): its share of the clients "
                    "is its weight over the sum.")
-def on(c, service: str, keys, names: tuple[str, ...], wait: bool, timeout: float, weights: tuple[str, ...]) -> None:
+def on(c, service: str, keys, names: tuple[str, ...], wait: bool, timeout: float, hold: bool,
+       weights: tuple[str, ...]) -> None:
     """Send RANGE of SERVICE (default: all its ranges) through helpers (default: every live helper).
 
     The range's helpers (and weights) are replaced by the ones given; each
     range is one epoch-checked transaction (another writer makes it fail, not
-    vanish).
+    vanish). The range is then held: the balancer leaves its helpers on until
+    'vfab helpers auto'.
 
     Example: vfab helpers on mc --helper h1 --helper h2 --weight h1=60 --weight h2=30
     """
@@ -144,17 +166,52 @@ def on(c, service: str, keys, names: tuple[str, ...], wait: bool, timeout: float
                                    f"vfab.services.memcached_helper.agent helper --service {service} ...'")
     _apply(c, service, control.set_helpers(c.registry, service, keys, chosen, weights=_weights(weights)), wait,
            timeout)
+    _hold(c, service, keys, "on", hold)
 
 
 @helpers.command("off")
 @_common
-def off(c, service: str, keys, names: tuple[str, ...], wait: bool, timeout: float) -> None:
+def off(c, service: str, keys, names: tuple[str, ...], wait: bool, timeout: float, hold: bool) -> None:
     """Take helpers out of RANGE of SERVICE (default: all ranges; --helper: only those, dead ones too).
+
+    The range is then held: the balancer does not switch its helpers on
+    again, even in a burst, until 'vfab helpers auto'.
 
     Example: vfab helpers off mc
     """
     _apply(c, service, control.set_helpers(c.registry, service, keys, None, remove=list(names) or None),
            wait, timeout)
+    _hold(c, service, keys, "off", hold)
+
+
+def _hold(c, service: str, keys, what: str, hold: bool) -> None:
+    where = str(keys) if keys else "every range"
+    if not hold:
+        click.echo(f"{service} {where}: not held (--no-hold): the balancer may change its helpers again")
+        return
+    control.hold(c.registry, service, keys, what)
+    click.echo(f"{service} {where}: held ({what} by hand): the balancer leaves its helpers alone until "
+               f"'vfab helpers auto {service}{' ' + str(keys) if keys else ''}'")
+
+
+@helpers.command("auto")
+@click.argument("service", type=NameType("service"))
+@click.argument("keys", metavar="[RANGE]", type=RANGE, required=False)
+@pass_ctx
+@errors
+def auto(c, service: str, keys) -> None:
+    """Hand RANGE of SERVICE (default: every held range) back to the balancer.
+
+    Undoes the hold that 'vfab helpers on|off' by hand put on it; the
+    helpers stay as they are until the balancer decides otherwise.
+
+    Example: vfab helpers auto mc
+    """
+    freed = control.release(c.registry, service, keys)
+    if not freed:
+        click.echo(f"{service}: {'no part of ' + str(keys) if keys else 'no range'} was held: nothing to hand back")
+        return
+    click.echo(f"{service}: {', '.join(map(str, freed))} back to the balancer")
 
 
 COMMANDS = [helpers]

@@ -62,6 +62,10 @@ sample restarts it too — no decisions on old data); minimum dwell times (``min
 a range changed by any decision (or seen with a new epoch) is left alone for ``op_dwell`` s; at most one
 decision per service per ``min_interval`` s; and nothing touches a range while a state operation on it
 (or on its owner) runs.
+
+**An operator's word stands.**  A range an operator switched helpers on or off for by hand (``vfab helpers
+on|off``, which holds it: ``RangeObs.held``) keeps its helpers as set, in a burst or in calm, until ``vfab
+helpers auto`` hands it back; its owner's other ranges are still balanced.
 """
 
 from __future__ import annotations
@@ -197,6 +201,7 @@ class RangeObs:
     rate: float | None = None   # requests/s (the owner's load report, else packets/s at the switches)
     keys: int | None = None
     busy: bool = False          # a state operation on it (or by its owner) is running
+    held: bool = False          # an operator set its helpers by hand ('vfab helpers on|off'): never touched here
 
     @property
     def width(self) -> int:
@@ -411,7 +416,7 @@ class Balancer:
         live = obs.helpers
         # off: the whole owner at once, once calm long enough and on long enough
         if helped and calm >= cfg.calm_window and now - st.on_at >= cfg.min_on:
-            todo = [r for r in helped if not r.busy and r.state == "active"]
+            todo = [r for r in helped if not r.busy and not r.held and r.state == "active"]
             if todo:
                 if cfg.rate_on > 0:
                     why = (f"{ep.served:.0f} requests/s < {cfg.rate_off:g} for {calm:.1f} s (predicted direct "
@@ -428,7 +433,7 @@ class Balancer:
         if grow >= cfg.burst_window and len(in_use) < min(cfg.max_helpers, len(live)):
             want = len(in_use) + 1
             names, weights = self._pick(live, want, prefer=in_use)
-            todo = [r for r in helped if not r.busy and r.state == "active"]
+            todo = [r for r in helped if not r.busy and not r.held and r.state == "active"]
             if todo and set(names) != set(in_use):
                 return Decision("helpers_on", obs.name, tuple((r.lo, r.hi) for r in todo),
                                 f"helpers {','.join(in_use)} drop requests for {grow:.1f} s: adding one",
@@ -436,7 +441,7 @@ class Balancer:
         # on: hot long enough, not within min_off of the last off
         if hot < cfg.burst_window or now - st.off_at < cfg.min_off or not live:
             return None, seen
-        plain = [r for r in ranges if not r.helpers and not r.busy and r.state == "active"]
+        plain = [r for r in ranges if not r.helpers and not r.busy and not r.held and r.state == "active"]
         if not plain:
             return None, seen
         chosen = self._choose_ranges(plain, lam, cores, direct_s or per_req or 0.0, helped)

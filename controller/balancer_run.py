@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 
 from vfab.controller.balancer import (Balancer, BalancerConfig, Decision, EndpointObs, HelperObs, RangeObs,
                                       ServiceObs)
+from vfab.vid.codec import KEY_MAX
 from vfab.vid.errors import RegistryError, StateError, VfabError
 from vfab.vid.netns import netns
 from vfab.vid.ranges import Range
@@ -263,6 +264,11 @@ class Runner:
         except RegistryError as exc:
             problems.append(f"load reports: {exc}")
         pps = self.switch_rates(svc.id, now, problems)
+        try:
+            held = [h for h, _, _ in reg.holds(name)[0].ranges()]
+        except RegistryError as exc:   # unreadable: hold everything rather than overrule an operator
+            problems.append(f"helper holds: {exc}")
+            held = [Range(0, KEY_MAX)]
         robs = []
         for r in ranges:
             got = loads.get((r.owner, r.lo))
@@ -270,7 +276,8 @@ class Runner:
             busy = r.state == "moving" or r.owner in busy_eps or any(b.overlaps(r.range) for b in busy_ranges)
             robs.append(RangeObs(r.lo, r.hi, r.owner if r.state != "unassigned" else "", epoch=r.epoch,
                                  helpers=tuple(r.helpers), mirrors=tuple(r.mirrors), state=r.state, rate=rate,
-                                 keys=got[0] if got else None, busy=busy))
+                                 keys=got[0] if got else None, busy=busy,
+                                 held=any(h.overlaps(r.range) for h in held)))
         return ranges, eps, tuple(robs), busy_eps
 
     def switch_rates(self, sid: int, now: float, problems: list[str]) -> dict[int, float]:

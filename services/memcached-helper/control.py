@@ -16,6 +16,11 @@ the tests, and (through :func:`apply_decision` / :func:`apply_helpers`) the bala
   ``schema.WEIGHT_DEFAULT``): the balancer writes them ∝ each helper's spare capacity, ``vfab helpers on
   --weight NAME=W`` by hand; the compiler puts them on the select group's buckets, so a helper's share of
   the range's clients is its weight over the sum (in OVS's hash slots: 16 or more per group).
+- **Holds**: ``vfab helpers on|off`` by hand also marks its range held (``schema.Holds``,
+  ``/vfab/v1/holds/<service>``), and the balancer then leaves that range's helpers alone, whatever the
+  load, until ``vfab helpers auto`` releases it (:func:`hold`, :func:`release`).  Without it, the balancer
+  reversed an operator's choice as soon as its own windows held again: an 'off' in a burst after
+  ``burst_window`` (2 s by default), an 'on' in calm after ``calm_window`` (5 s).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from vfab.vid.codec import KEY_MAX
 from vfab.vid.errors import Conflict, NotFound, VidError
 from vfab.vid.ranges import Range
 from vfab.vid.registry import Registry, schema
@@ -194,6 +200,58 @@ def set_helpers(reg: Registry, service: str, rng: Range | None, helpers: list[st
     return changes
 
 
+# -- holds: helpers set by hand stay as set ---------------------------------------------------------------
+FULL = Range(0, KEY_MAX)
+
+
+def _write_holds(reg: Registry, service: str, change, retries: int = 5) -> list:
+    """Read the service's holds, ``change(rows) -> (new rows, result)``, write them back compared with what was
+    read (another operator's write in between: read again); the result."""
+    reg.service(service)   # NotFound names the service
+    key = schema.holds_key(service)
+    for _ in range(retries + 1):
+        cur, mod = reg.holds(service)
+        rows, result = change([list(r) for r in cur.holds])
+        rows.sort()
+        if rows == cur.holds:
+            return result
+        if rows:
+            ok, _ = reg.txn([reg.cmp_mod(key, mod)], {key: schema.Holds(rows).to_json()})
+        else:
+            ok, _ = reg.txn([reg.cmp_mod(key, mod)], {}, [key])
+        if ok:
+            return result
+        time.sleep(0.02)
+    raise Conflict(f"the helper holds of {service!r} kept changing under this write: try again")
+
+
+def _cut(rows: list, rng: Range) -> list:
+    """Rows less ``rng`` (a row partly inside keeps its parts outside)."""
+    out = []
+    for lo, hi, what, at in rows:
+        out += [[p.lo, p.hi, what, at] for p in Range(lo, hi).subtract(rng)]
+    return out
+
+
+def hold(reg: Registry, service: str, rng: Range | None, what: str, at: float | None = None) -> None:
+    """Mark ``rng`` (None: the whole key space) of ``service`` as set by hand (``what``: "on" or "off"): the
+    balancer leaves its helpers alone until :func:`release`."""
+    rng = rng or FULL
+    stamp = time.time() if at is None else at
+    schema.Holds([[rng.lo, rng.hi, what, stamp]])   # checks what and the range, before anything is written
+    _write_holds(reg, service, lambda rows: (_cut(rows, rng) + [[rng.lo, rng.hi, what, stamp]], None))
+
+
+def release(reg: Registry, service: str, rng: Range | None) -> list[Range]:
+    """Hand ``rng`` (None: every held range) of ``service`` back to the balancer; the parts that were held."""
+    rng = rng or FULL
+
+    def change(rows: list) -> tuple[list, list[Range]]:
+        freed = [Range(max(lo, rng.lo), min(hi, rng.hi)) for lo, hi, _, _ in rows if Range(lo, hi).overlaps(rng)]
+        return _cut(rows, rng), freed
+    return _write_holds(reg, service, change)
+
+
 def apply_decision(reg: Registry, decision: dict) -> list[Change]:
     """The hook for the balancer: apply ``{"service": S, "range": [lo, hi] | "LO-HI" | None, "helpers": [...]}``.
 
@@ -234,10 +292,12 @@ def report(reg: Registry, service: str) -> dict:
     st = statuses(reg, service)
     now = time.time()
     ranges, named = [], set()
+    holds = reg.holds(service)[0].ranges()
     for r, _ in reg.ranges(service):
         named.update(r.helpers)
         live = [h for h in r.helpers if h in eps and h in st]
-        ranges.append({"lo": r.lo, "hi": r.hi, "owner": r.owner, "epoch": r.epoch,
+        held = [{"lo": h.lo, "hi": h.hi, "what": what, "at": at} for h, what, at in holds if h.overlaps(r.range)]
+        ranges.append({"lo": r.lo, "hi": r.hi, "owner": r.owner, "epoch": r.epoch, "held": held,
                        "helpers": [{"name": h, "live": h in live, "weight": r.weight(h) if h in live else 0}
                                    for h in r.helpers],
                        "path": "helpers" if live else ("owner" if r.owner else "none")})
@@ -251,4 +311,5 @@ def report(reg: Registry, service: str) -> dict:
                         "age_s": round(now - rec.at, 1) if rec else None,
                         "ranges": sum(1 for r in ranges if any(h["name"] == name for h in r["helpers"])),
                         **(summary(rec.stats) if rec else {})})
-    return {"service": service, "ranges": ranges, "helpers": helpers}
+    return {"service": service, "ranges": ranges, "helpers": helpers,
+            "holds": [{"lo": h.lo, "hi": h.hi, "what": what, "at": at} for h, what, at in holds]}

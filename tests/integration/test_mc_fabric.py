@@ -153,8 +153,10 @@ def test_helpers_switch_in_and_out_under_load(testbed, mc):
     # a client's set then get (and get then set) take effect in order, through the helpers
     assert order["violations"] == 0 and order["missing"] == 0 and order["checked"] > 0, order
     assert order["sources"] == [mc.addr]
-    assert "h1" in status and "live" in status
+    assert "h1" in status and "live" in status and "hand: on at" in status, status
     assert all(not r.helpers for r, _ in testbed.registry.ranges(SVC))
+    out = cli_ok(testbed, "helpers", "auto", SVC)         # the operator's 'off' held the ranges: handed back
+    assert "back to the balancer" in out and not testbed.registry.holds(SVC)[0].holds, out
 
 
 def test_controller_and_etcd_killed_while_helpers_carry_the_load(testbed, mc):
@@ -322,6 +324,7 @@ def test_bucket_weights_reach_ovs(testbed, mc):
     while any(group_weights(b) for b in testbed.switches) and time.monotonic() < wait_for_groups:
         time.sleep(0.05)
     assert not any(group_weights(b) for b in testbed.switches), "a group outlived its range's helpers"
+    cli_ok(testbed, "helpers", "auto", SVC)
 
 
 # The balancer's settings for this testbed (controller/balancer.py, "Or by the helpee's request rate"): the
@@ -338,6 +341,7 @@ def test_balancer_switches_helpers_by_itself(testbed, mc):
     reg = testbed.registry
     ranges = reg.ranges(SVC)
     assert ranges and all(not r.helpers for r, _ in ranges)
+    assert not reg.holds(SVC)[0].holds, "an earlier test left a hold: the balancer would leave the ranges alone"
     bal = mc.start_balancer(BALANCER)
     try:
         calm = [mc.client(h, "load", "--clients", "8", "--rate", "150", "--duration", "14", "--keys", str(KEYS),
@@ -394,6 +398,38 @@ def test_balancer_switches_helpers_by_itself(testbed, mc):
     assert t_off_seen > 0 and sum(delta(after[n], end[n], "rx_get") for n in HELPERS) < \
         sum(delta(end[n], mid[n], "rx_get") for n in HELPERS)
     assert ordered["violations"] == 0 and ordered["missing"] == 0 and ordered["checked"] > 0, ordered
+
+
+def test_an_operators_hold_stands_against_the_balancer(testbed, mc):
+    """'vfab helpers off' by hand holds the ranges: a burst that turns helpers on within ~1 s otherwise
+    (the test above) leaves them off for as long as the hold lasts; 'vfab helpers auto' hands the ranges back
+    and the balancer then switches the helpers on by itself, in the same burst."""
+    reg = testbed.registry
+    out = cli_ok(testbed, "helpers", "off", SVC)
+    assert "held (off by hand)" in out, out
+    bal = mc.start_balancer(BALANCER)
+    try:
+        burst = loads(mc, 7.0, 3000)
+        time.sleep(3.0)
+        assert mc.decisions() == [], f"the balancer overruled the operator's hold: {mc.decisions()}"
+        assert all(not r.helpers for r, _ in reg.ranges(SVC))
+        t_auto = time.time()
+        out = cli_ok(testbed, "helpers", "auto", SVC)
+        assert "back to the balancer" in out, out
+        wait = time.monotonic() + 3
+        while not any(d["action"] == "helpers_on" for d in mc.decisions()) and time.monotonic() < wait:
+            time.sleep(0.02)
+        on = next((d for d in mc.decisions() if d["action"] == "helpers_on"), None)
+        assert on is not None, f"no helpers_on within 3 s of 'auto' in a burst: {mc.balancer_view()}"
+        res = [topo.finish(p, 60) for p in burst]
+    finally:
+        testbed.sup.stop(bal)
+    print(f"\nhold: no decision in 3 s of burst; after 'auto', helpers on in {on['at'] - t_auto:.2f} s")
+    assert "Traceback" not in open(bal.logpath).read()
+    for r in res:
+        assert r["wrong"] == 0 and r["framing"] == 0 and r["lost"] == 0, r
+    cli_ok(testbed, "helpers", "off", SVC, "--no-hold")   # the balancer is gone: back to direct, no hold
+    assert all(not r.helpers for r, _ in reg.ranges(SVC)) and not reg.holds(SVC)[0].holds
 
 
 def test_helper_killed_under_load(testbed, mc):

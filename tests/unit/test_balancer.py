@@ -26,14 +26,15 @@ S_US = 4.4   # memcached CPU µs per UDP get, measured here (TESTBED-NOTES.md)
 
 # -- helpee (memcached) observations -------------------------------------------------------------------
 def mc(rate: float, helped: bool = False, ranges=None, helpers=("h1", "h2"), cores: float = 1.0,
-       helper_drops: float = 0.0, busy=(), rates=None, epoch: int = 1) -> ServiceObs:
+       helper_drops: float = 0.0, busy=(), rates=None, epoch: int = 1, held=()) -> ServiceObs:
     """memcached ``m`` owning ``ranges``, sent ``rate`` gets/s (the switches count them); it serves what its
     cores allow; with helpers on, its CPU per get is 6x lower."""
     ranges = ranges or [(0, KEY_MAX)]
     per_req = S_US / 1e6 / (6.0 if helped else 1.0)
     served = min(rate, cores / per_req)
     rs = tuple(RangeObs(lo, hi, "m", epoch=epoch, helpers=("h1",) if helped else (),
-                        rate=(rates[i] if rates else rate / len(ranges)), busy=(lo, hi) in busy)
+                        rate=(rates[i] if rates else rate / len(ranges)), busy=(lo, hi) in busy,
+                        held=(lo, hi) in held)
                for i, (lo, hi) in enumerate(ranges))
     return ServiceObs("mc", ranges=rs, endpoints={"m": EndpointObs("m", cpu=served * per_req, served=served, cores=cores)},
                       helpers={h: HelperObs(h, rate=0.0, drops=helper_drops) for h in helpers})
@@ -279,6 +280,20 @@ def test_no_helper_decision_on_a_busy_range():
     two = [(0, HALF - 1), (HALF, KEY_MAX)]
     got = play(Balancer(CFG), 0, lambda t: mc(HOT, ranges=two, busy=[(0, HALF - 1)]), 3)
     assert [d.ranges for d in got] == [((HALF, KEY_MAX),)]
+
+
+def test_a_range_held_by_an_operator_keeps_its_helpers_as_set():
+    """'vfab helpers off' by hand in a burst, 'on' by hand in calm: the balancer overrules neither, for as long
+    as the hold lasts, and still balances the owner's other ranges."""
+    assert play(Balancer(CFG), 0, lambda t: mc(HOT, held=[(0, KEY_MAX)]), 30) == []
+    assert play(Balancer(CFG), 0, lambda t: mc(CALM, helped=True, held=[(0, KEY_MAX)]), 60) == []
+    two = [(0, HALF - 1), (HALF, KEY_MAX)]
+    got = play(Balancer(CFG), 0, lambda t: mc(HOT, ranges=two, held=[(0, HALF - 1)]), 3)
+    assert [(d.action, d.ranges) for d in got] == [("helpers_on", ((HALF, KEY_MAX),))]
+    # released (no longer held): the burst turns them on
+    bal = Balancer(CFG)
+    assert play(bal, 0, lambda t: mc(HOT, held=[(0, KEY_MAX)]), 10) == []
+    assert [d.action for d in play(bal, 10, lambda t: mc(HOT), 5)] == ["helpers_on"]
 
 
 def test_decisions_are_rate_limited_per_service():
@@ -548,8 +563,15 @@ def test_runner_observes_etcd_applies_helpers_and_publishes(registry):
     assert rates == {0: 1500.0, HALF: 450.0}          # (2000 + 1000) / 2 s and (600 + 300) / 2 s
     assert set(obs.helpers) == {"h1", "h2"}           # h9 has no endpoint: not live
     assert obs.spares == () and obs.stateful is False
+    assert {r.held for r in obs.ranges} == {False}
+    from vfab.services.memcached_helper import control
+    control.hold(registry, "mc", Range(HALF, HALF + 5), "off")   # an operator's hold on part of the upper range
+    run.etcd_view.clear()
+    assert {r.lo: r.held for r in run.observe(run.services[0], clock["t"], []).ranges} == {0: False, HALF: True}
+    control.release(registry, "mc", None)
     clock["t"] = 1010.0                                # the counters are now stale: no rates
     assert {r.rate for r in run.observe(run.services[0], clock["t"], []).ranges} == {None}
+    assert {r.held for r in run.observe(run.services[0], clock["t"], []).ranges} == {False}
 
     # a decision applied: helpers written in one epoch-checked txn each, status published
     epochs = {r.lo: r.epoch for r, _ in registry.ranges("mc")}

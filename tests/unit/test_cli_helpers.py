@@ -151,3 +151,49 @@ def test_weights_by_hand_and_from_the_balancer(run, registry, mc):
     assert rev > 0 and registry.ranges("mc")[0][0].weights == {"h1": 9}
     control.apply_decision(registry, {"service": "mc", "helpers": []})
     assert registry.ranges("mc")[0][0].weights == {} and "weights" not in registry.ranges("mc")[0][0].to_json()
+
+
+def holds(reg) -> list:
+    return [(h.lo, h.hi, what) for h, what, _ in reg.holds("mc")[0].ranges()]
+
+
+def test_on_and_off_by_hand_hold_the_range_until_auto(run, registry, mc):
+    res = run("helpers", "on", "mc", "0-0x7fffff", "--no-wait")
+    assert res.exit_code == 0 and "held (on by hand)" in res.output and "vfab helpers auto mc" in res.output, \
+        res.output
+    assert holds(registry) == [(0, 0x7FFFFF, "on")]
+    res = run("helpers", "mc")
+    assert res.exit_code == 0 and "hand: on at" in res.output and "balancer" in res.output, res.output
+    res = run("status")
+    assert res.exit_code == 0 and "h1, h2 (held by hand)" in res.output, res.output
+    # 'off' of the whole service replaces the part it covers; a split of the range under a hold keeps it
+    res = run("helpers", "off", "mc", "--no-wait")
+    assert res.exit_code == 0 and holds(registry) == [(0, 0xFFFFFF, "off")], res.output
+    registry.assign("mc", Range(0x800000, 0xFFFFFF), "mc0")
+    assert holds(registry) == [(0, 0xFFFFFF, "off")]
+    assert [r["held"][0]["what"] for r in control.report(registry, "mc")["ranges"]] == ["off", "off"]
+    # auto for part of it, then for the rest
+    res = run("helpers", "auto", "mc", "0x400000-0x7fffff")
+    assert res.exit_code == 0 and "0x400000-0x7fffff back to the balancer" in res.output, res.output
+    assert holds(registry) == [(0, 0x3FFFFF, "off"), (0x800000, 0xFFFFFF, "off")]
+    res = run("helpers", "auto", "mc")
+    assert res.exit_code == 0 and "back to the balancer" in res.output and holds(registry) == [], res.output
+    assert registry.get(schema.holds_key("mc")) is None             # no empty record left behind
+    res = run("helpers", "auto", "mc")
+    assert res.exit_code == 0 and "no range was held" in res.output
+    res = run("helpers", "on", "mc", "--no-wait", "--no-hold")
+    assert res.exit_code == 0 and "not held" in res.output and holds(registry) == [], res.output
+    res = run("helpers", "auto", "nosuch")
+    assert res.exit_code == 1 and "does not exist" in res.output
+    control.hold(registry, "mc", None, "on")
+    assert holds(registry) == [(0, 0xFFFFFF, "on")]
+    registry.delete_service("mc")                                   # its holds go with it
+    assert registry.get(schema.holds_key("mc")) is None
+
+
+def test_a_malformed_hold_record_is_refused_by_name(registry, mc):
+    with pytest.raises(Exception, match="out of order or outside the key space"):
+        schema.Holds([[5, 1, "on", 0.0]])
+    with pytest.raises(Exception, match="what='maybe'"):
+        control.hold(registry, "mc", Range(0, 1), "maybe")
+    assert holds(registry) == []

@@ -378,7 +378,8 @@ def test_status_shows_load_and_ops(run, reported):
     assert res.exit_code == 0, res.output
     svc = [s for s in json.loads(res.stdout)["services"] if s["name"] == "kv"][0]
     assert svc["ranges"] == 2 and svc["endpoints"] == ["s1", "s2"]  # the old fields stay
-    assert svc["range_map"][0] == {"lo": 0, "hi": 0x7FFFFF, "owner": "s1", "mirrors": [], "helpers": [], "state": "active",
+    assert svc["range_map"][0] == {"lo": 0, "hi": 0x7FFFFF, "owner": "s1", "mirrors": [], "helpers": [],
+                                   "helpers_held": False, "state": "active",
                                    "epoch": svc["range_map"][0]["epoch"], "keys": 4242, "req_s": 123.25}
     assert svc["range_map"][1]["keys"] is None and svc["range_map"][1]["req_s"] is None
     ops = {o["source"]: o for o in svc["ops"]}

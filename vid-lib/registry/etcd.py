@@ -395,6 +395,7 @@ class Registry:
         svc = self.service(name)
         self.delete_prefix(schema.range_prefix(name))
         self.delete_prefix(schema.endpoint_prefix(name))
+        self.delete(schema.holds_key(name))
         self.delete(schema.service_id_key(svc.id))
         self.delete(schema.service_key(name))
 
@@ -558,6 +559,13 @@ class Registry:
         if not kvs:
             return None, rev
         return schema.OpRec.from_json(_unb64(kvs[0].get("value", "")), schema.op_key(service, op_id)), rev
+
+    def holds(self, service: str) -> tuple[schema.Holds, int]:
+        """(the service's helper holds, the record's mod revision: 0 when there is none)."""
+        got = self.get(schema.holds_key(service))
+        if got is None:
+            return schema.Holds(), 0
+        return schema.Holds.from_json(got[0], schema.holds_key(service)), got[1]
 
     def loads(self, service: str) -> dict[str, schema.Load]:
         _, items = self.get_prefix(schema.load_prefix(service))

@@ -21,6 +21,8 @@
     /vfab/v1/balancer/<service>            BalancerStatus {at, runner, decisions, view, problems}  by the balancer
     /vfab/v1/helpers/<service>/<endpoint>  HelperStatus {at, serves, pid, stats}  leased by a PostMan helper's
                                                      agent (the endpoint's lease): the endpoint is a helper
+    /vfab/v1/holds/<service>               Holds     {holds: [[lo, hi, what, at]]}  ranges whose helpers an
+                                                     operator set by hand: the balancer leaves them alone
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def link_key(dpid: int, port: int) -> str:
 
 MISS_KEY = f"{ROOT}config/miss"
 FOLDERS = ("services", "service-ids", "endpoints", "ranges", "hosts", "bindings", "switches", "links", "config",
-           "applied", "counters", "ops", "load", "balancer", "helpers")
+           "applied", "counters", "ops", "load", "balancer", "helpers", "holds")
 
 
 def op_key(service: str, op_id: str) -> str:
@@ -134,6 +136,10 @@ def helper_prefix(service: str) -> str:
 
 def helper_key(service: str, endpoint: str) -> str:
     return f"{ROOT}helpers/{service}/{endpoint}"
+
+
+def holds_key(service: str) -> str:
+    return f"{ROOT}holds/{service}"
 
 
 def applied_key(dpid: int) -> str:
@@ -501,9 +507,42 @@ class HelperStatus(Record):
         _need("helper", "stats", self.stats, dict)
 
 
+HOLD_WHAT = ("on", "off")
+
+
+@dataclass
+class Holds(Record):
+    """Ranges of a service whose helpers an operator set by hand ('vfab helpers on|off'): the balancer leaves
+    their helpers alone until 'vfab helpers auto' hands them back.  ``holds``: disjoint [lo, hi, what, at]
+    rows by lo, ``what`` the command ("on" or "off"), ``at`` when (unix s).  Kept apart from the range
+    records, so a hold outlives the splits, merges and re-routes of the ranges under it."""
+
+    KIND: ClassVar[str] = "holds"
+    holds: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _need("holds", "holds", self.holds, list)
+        last = -1
+        for row in self.holds:
+            if not (isinstance(row, list) and len(row) == 4):
+                raise VidError(f"hold {row!r} is not [lo, hi, what, at]")
+            lo, hi, what, at = row
+            for name, v in (("lo", lo), ("hi", hi)):
+                _need("hold", name, v, int)
+            if not last < lo <= hi <= KEY_MAX:
+                raise VidError(f"hold [{lo}, {hi}] is out of order or outside the key space 0..{KEY_MAX:#x}")
+            if what not in HOLD_WHAT:
+                raise VidError(f"hold what={what!r}: one of {', '.join(HOLD_WHAT)}")
+            _need("hold", "at", at, (int, float))
+            last = hi
+
+    def ranges(self) -> list[tuple[Range, str, float]]:
+        return [(Range(lo, hi), what, at) for lo, hi, what, at in self.holds]
+
+
 # Folders that never change what the controller compiles (its own reports, endpoints' ops and load, the
 # balancer's status: its decisions reach the switches through the ranges it writes).
-PASSIVE = ("applied", "counters", "ops", "load", "balancer", "helpers")
+PASSIVE = ("applied", "counters", "ops", "load", "balancer", "helpers", "holds")
 
 
 def parse_key(key: str) -> tuple[str, list[str]] | None:
