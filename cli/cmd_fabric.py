@@ -16,7 +16,9 @@ from vfab.cli.common import STATE_DIR, STATE_FILE, errors, pass_ctx, read_state,
 from vfab.services.memcached_helper import control as helper_control
 from vfab.testbed.net import TopoSpec
 from vfab.vid.registry import schema
+from vfab.vid.codec import KEY_MAX
 from vfab.vid.errors import RegistryError
+from vfab.vid.ranges import Range
 
 
 def _alive(pid: int) -> bool:
@@ -135,7 +137,10 @@ def status(c, as_json: bool) -> None:
         eps = reg.endpoints(s.name)
         loads = load_by_range(reg, s.name)
         live_helpers = helper_control.live_helpers(reg, s.name)
-        held = [h for h, _, _ in reg.holds(s.name)[0].ranges()]   # helpers set by hand ('vfab helpers on|off')
+        try:   # helpers set by hand ('vfab helpers on|off'); unreadable: the balancer holds every range
+            held = [h for h, _, _ in reg.holds(s.name)[0].ranges()]
+        except RegistryError:
+            held = [Range(0, KEY_MAX)]
         services.append({"name": s.name, "id": s.id, "ranges": len(rs),
                          "unassigned": sum(1 for r in rs if not r.owner),
                          "endpoints": [e.name for e in eps],

@@ -93,6 +93,8 @@ def status(c, service: str, as_json: bool) -> None:
     c.console.print(table(f"{service}: helpers", ["name", "state", "host", "ranges", "S B", "T µs", "batches",
                                                   "keys/batch", "gets", "drops", "conns", "keys/batch histogram",
                                                   "age s"], rows))
+    if rep["holds_error"]:
+        click.echo(f"helper holds: {rep['holds_error']}", err=True)
     if not rep["helpers"]:
         click.echo(f"no helper of {service} is up: start one with 'python -m vfab.services.memcached_helper.agent "
                    f"helper --service {service} --name NAME --iface IFACE ...'")

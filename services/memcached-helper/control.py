@@ -25,14 +25,17 @@ the tests, and (through :func:`apply_decision` / :func:`apply_helpers`) the bala
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
 
 from vfab.vid.codec import KEY_MAX
-from vfab.vid.errors import Conflict, NotFound, VidError
+from vfab.vid.errors import Conflict, NotFound, RegistryError, VidError
 from vfab.vid.ranges import Range
 from vfab.vid.registry import Registry, schema
+
+log = logging.getLogger("vfab.helpers")
 
 # Numbers of mc-helper's stats file worth showing per helper (the file has many more, per lcore/connection).
 SHOWN = ("uptime_ms", "conns", "conns_up", "rx_dgrams", "rx_get", "rx_gets", "rx_keys", "rx_pass", "b_cmds",
@@ -243,7 +246,25 @@ def hold(reg: Registry, service: str, rng: Range | None, what: str, at: float | 
 
 
 def release(reg: Registry, service: str, rng: Range | None) -> list[Range]:
-    """Hand ``rng`` (None: every held range) of ``service`` back to the balancer; the parts that were held."""
+    """Hand ``rng`` (None: every held range) of ``service`` back to the balancer; the parts that were held.
+
+    A record that cannot be read (written by something else) holds every range for the balancer; releasing
+    every range deletes it, releasing part of it is refused with what to do."""
+    if rng is None:
+        try:
+            reg.holds(service)
+        except RegistryError as exc:
+            if reg.get(schema.holds_key(service)) is None:
+                raise
+            reg.delete(schema.holds_key(service))
+            log.warning("%s: deleted an unreadable helper hold record (%s)", service, exc)
+            return [FULL]
+    else:
+        try:
+            reg.holds(service)
+        except RegistryError as exc:
+            raise HelperError(f"{exc}: the balancer holds every range of {service!r} meanwhile; "
+                              f"'vfab helpers auto {service}' (no RANGE) deletes the record") from None
     rng = rng or FULL
 
     def change(rows: list) -> tuple[list, list[Range]]:
@@ -292,7 +313,10 @@ def report(reg: Registry, service: str) -> dict:
     st = statuses(reg, service)
     now = time.time()
     ranges, named = [], set()
-    holds = reg.holds(service)[0].ranges()
+    try:
+        holds, holds_error = reg.holds(service)[0].ranges(), ""
+    except RegistryError as exc:   # shown, not fatal: the balancer holds every range meanwhile
+        holds, holds_error = [(FULL, "?", 0.0)], f"{exc}: 'vfab helpers auto {service}' deletes it"
     for r, _ in reg.ranges(service):
         named.update(r.helpers)
         live = [h for h in r.helpers if h in eps and h in st]
@@ -311,5 +335,5 @@ def report(reg: Registry, service: str) -> dict:
                         "age_s": round(now - rec.at, 1) if rec else None,
                         "ranges": sum(1 for r in ranges if any(h["name"] == name for h in r["helpers"])),
                         **(summary(rec.stats) if rec else {})})
-    return {"service": service, "ranges": ranges, "helpers": helpers,
+    return {"service": service, "ranges": ranges, "helpers": helpers, "holds_error": holds_error,
             "holds": [{"lo": h.lo, "hi": h.hi, "what": what, "at": at} for h, what, at in holds]}

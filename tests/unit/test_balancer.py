@@ -568,6 +568,11 @@ def test_runner_observes_etcd_applies_helpers_and_publishes(registry):
     control.hold(registry, "mc", Range(HALF, HALF + 5), "off")   # an operator's hold on part of the upper range
     run.etcd_view.clear()
     assert {r.lo: r.held for r in run.observe(run.services[0], clock["t"], []).ranges} == {0: False, HALF: True}
+    registry.put(sch.holds_key("mc"), "not json")            # unreadable: every range held, and said
+    run.etcd_view.clear()
+    problems: list = []
+    assert {r.held for r in run.observe(run.services[0], clock["t"], problems).ranges} == {True}
+    assert any("helper holds" in p for p in problems), problems
     control.release(registry, "mc", None)
     clock["t"] = 1010.0                                # the counters are now stale: no rates
     assert {r.rate for r in run.observe(run.services[0], clock["t"], []).ranges} == {None}

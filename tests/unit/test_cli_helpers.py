@@ -191,9 +191,20 @@ def test_on_and_off_by_hand_hold_the_range_until_auto(run, registry, mc):
     assert registry.get(schema.holds_key("mc")) is None
 
 
-def test_a_malformed_hold_record_is_refused_by_name(registry, mc):
+def test_a_malformed_hold_record_is_refused_by_name(run, registry, mc):
     with pytest.raises(Exception, match="out of order or outside the key space"):
         schema.Holds([[5, 1, "on", 0.0]])
     with pytest.raises(Exception, match="what='maybe'"):
         control.hold(registry, "mc", Range(0, 1), "maybe")
     assert holds(registry) == []
+    # a record something else wrote: shown, everything held meanwhile, and 'auto' (all of it) deletes it
+    registry.put(schema.holds_key("mc"), '{"holds": [[1, 0, "on", 0]]}')
+    res = run("helpers", "mc")
+    assert res.exit_code == 0 and "is invalid" in res.output and "vfab helpers auto mc" in res.output, res.output
+    res = run("status")
+    assert res.exit_code == 0 and "(held by hand)" in res.output, res.output
+    res = run("helpers", "auto", "mc", "0-0xff")
+    assert res.exit_code != 0 and "(no RANGE) deletes the record" in res.output, res.output
+    res = run("helpers", "auto", "mc")
+    assert res.exit_code == 0 and "back to the balancer" in res.output, res.output
+    assert registry.get(schema.holds_key("mc")) is None
