@@ -248,23 +248,20 @@ def hold(reg: Registry, service: str, rng: Range | None, what: str, at: float | 
 def release(reg: Registry, service: str, rng: Range | None) -> list[Range]:
     """Hand ``rng`` (None: every held range) of ``service`` back to the balancer; the parts that were held.
 
-    A record that cannot be read (written by something else) holds every range for the balancer; releasing
-    every range deletes it, releasing part of it is refused with what to do."""
-    if rng is None:
-        try:
-            reg.holds(service)
-        except RegistryError as exc:
-            if reg.get(schema.holds_key(service)) is None:
-                raise
-            reg.delete(schema.holds_key(service))
-            log.warning("%s: deleted an unreadable helper hold record (%s)", service, exc)
-            return [FULL]
-    else:
-        try:
-            reg.holds(service)
-        except RegistryError as exc:
+    A record that cannot be parsed (written by something else) holds every range for the balancer; releasing
+    every range deletes it, releasing part of it is refused with what to do.  etcd's own errors pass through."""
+    key = schema.holds_key(service)
+    got = reg.get(key)
+    try:
+        if got is not None:
+            schema.Holds.from_json(got[0], key)
+    except RegistryError as exc:
+        if rng is not None:
             raise HelperError(f"{exc}: the balancer holds every range of {service!r} meanwhile; "
                               f"'vfab helpers auto {service}' (no RANGE) deletes the record") from None
+        reg.delete(key)
+        log.warning("%s: deleted an unreadable helper hold record (%s)", service, exc)
+        return [FULL]
     rng = rng or FULL
 
     def change(rows: list) -> tuple[list, list[Range]]:

@@ -412,7 +412,8 @@ def test_an_operators_hold_stands_against_the_balancer(testbed, mc):
         burst = loads(mc, 7.0, 3000)
         time.sleep(3.0)
         assert mc.decisions() == [], f"the balancer overruled the operator's hold: {mc.decisions()}"
-        assert all(not r.helpers for r, _ in reg.ranges(SVC))
+        held = reg.ranges(SVC)
+        assert held and all(not r.helpers for r, _ in held), held
         t_auto = time.time()
         out = cli_ok(testbed, "helpers", "auto", SVC)
         assert "back to the balancer" in out, out
@@ -429,7 +430,8 @@ def test_an_operators_hold_stands_against_the_balancer(testbed, mc):
     for r in res:
         assert r["wrong"] == 0 and r["framing"] == 0 and r["lost"] == 0, r
     cli_ok(testbed, "helpers", "off", SVC, "--no-hold")   # the balancer is gone: back to direct, no hold
-    assert all(not r.helpers for r, _ in reg.ranges(SVC)) and not reg.holds(SVC)[0].holds
+    after = reg.ranges(SVC)
+    assert after and all(not r.helpers for r, _ in after) and not reg.holds(SVC)[0].holds, after
 
 
 def test_helper_killed_under_load(testbed, mc):

@@ -208,3 +208,15 @@ def test_a_malformed_hold_record_is_refused_by_name(run, registry, mc):
     res = run("helpers", "auto", "mc")
     assert res.exit_code == 0 and "back to the balancer" in res.output, res.output
     assert registry.get(schema.holds_key("mc")) is None
+
+
+def test_releasing_holds_with_etcd_away_says_etcd_not_the_record():
+    from vfab.vid.errors import RegistryError
+    from vfab.vid.registry import Registry
+    dead = Registry("127.0.0.1:9")
+    try:
+        with pytest.raises(RegistryError, match="unreachable") as got:
+            control.release(dead, "mc", Range(0, 0xFF))
+        assert not isinstance(got.value, control.HelperError) and "deletes the record" not in str(got.value)
+    finally:
+        dead.close()
