@@ -37,6 +37,7 @@ from vfab.vid.registry import Registry, schema
 
 log = logging.getLogger("vfab.controller")
 BINDING_LAG = 1.0   # s a binding may outlive its lease's end before a round removes its flows
+RETIRED_S = 10.0    # s a deleted group's id is not given to a new group (engine.place_groups ``avoid``)
 
 _config: ControllerConfig | None = None
 
@@ -71,6 +72,10 @@ class VfabController(app_manager.OSKenApp):
         self.next_change: float | None = None   # when the next binding in force ends (unix s)
         self.to_report: list = []           # (Report, committed at), published by _report_loop
         self.hold: dict[int, set[int]] = {}  # groups kept until the datapath followed the round that unused them
+        # endpoint key -> (its last record, until when it lingers): records etcd deleted (lease expired or revoked)
+        # whose ranges still reach them while nobody else serves them (engine.plan_round ``lingering``)
+        self.departed: dict[str, tuple[bytes, float]] = {}
+        self.retired: dict[int, dict[int, float]] = {}   # dpid -> {group id: when a round may have deleted it}
         self.hold_lock = threading.Lock()
         self.report_cv = threading.Condition()
         self.threads = [hub.spawn(self._watch_loop), hub.spawn(self._reconcile_loop),
@@ -80,7 +85,10 @@ class VfabController(app_manager.OSKenApp):
     def _watch_loop(self) -> None:
         def reset(items: dict, rev: int) -> None:
             with self.mirror_lock:
-                self.items = {k: v for k, (v, _) in items.items()}
+                fresh = {k: v for k, (v, _) in items.items()}
+                for key in [k for k in self.items if k not in fresh]:
+                    self._departed(key, self.items[key])
+                self.items = fresh
                 self.revision = rev
             log.info("etcd %s: loaded %d keys at revision %d", self.registry.endpoint, len(items), rev)
             self.dirty.set()
@@ -92,9 +100,12 @@ class VfabController(app_manager.OSKenApp):
             with self.mirror_lock:  # os-ken's hub runs real threads: the batch goes in whole
                 for ev in batch:
                     if ev.value is None:
-                        self.items.pop(ev.key, None)
+                        gone = self.items.pop(ev.key, None)
+                        if gone is not None:
+                            self._departed(ev.key, gone)
                     else:
                         self.items[ev.key] = ev.value
+                        self.departed.pop(ev.key, None)
                     self.revision = max(self.revision, ev.revision)
                     parsed = schema.parse_key(ev.key)
                     if not (parsed and parsed[0] in schema.PASSIVE):
@@ -108,6 +119,19 @@ class VfabController(app_manager.OSKenApp):
         # Reloaded whenever the watch ends (etcd restarted): never resumed from a revision it may not have.
         self.registry.follow(schema.ROOT, reset, apply, threading.Event(), resume=False, errors=(Exception,),
                              on_error=failed)
+
+    def _departed(self, key: str, value: bytes) -> None:
+        """(mirror lock held) ``key`` left etcd: an endpoint's record lingers ``config.linger`` s (engine)."""
+        parsed = schema.parse_key(key)
+        if parsed and parsed[0] == "endpoints" and self.config.linger > 0:
+            self.departed[key] = (value, time.time() + self.config.linger)
+
+    def _lingering(self, now: float) -> tuple[dict[str, bytes], float | None]:
+        """(mirror lock held) The endpoint records that linger now, and when the first of them stops."""
+        for key in [k for k, (_, until) in self.departed.items() if until <= now]:
+            del self.departed[key]
+        ends = [until for _, until in self.departed.values()]
+        return {k: v for k, (v, _) in self.departed.items()}, (min(ends) if ends else None)
 
     # -- reconcile --------------------------------------------------------
     def _reconcile_loop(self) -> None:
@@ -126,13 +150,20 @@ class VfabController(app_manager.OSKenApp):
         """One round: plan with the engine, commit step by step, then report."""
         t0 = time.monotonic()
         snapshot = dict(self.installed)
+        now = time.time()
         with self.mirror_lock:
             items, revision = dict(self.items), self.revision
+            lingering, linger_end = self._lingering(now)
         with self.hold_lock:
             hold = {d: set(g) for d, g in self.hold.items() if g}
+            for gids in self.retired.values():
+                for gid in [g for g, t in gids.items() if now - t > RETIRED_S]:
+                    del gids[gid]
+            retired = {d: set(g) for d, g in self.retired.items() if g}
         rnd = engine.plan_round(items, revision, snapshot, settle=self.config.settle,
-                                reported=dict(self.reporter.reported), cache=self.parsed, hold=hold, now=time.time())
-        self.next_change = rnd.next_change
+                                reported=dict(self.reporter.reported), cache=self.parsed, hold=hold, now=now,
+                                lingering=lingering, retired=retired)
+        self.next_change = min((t for t in (rnd.next_change, linger_end) if t is not None), default=None)
         if rnd.error:
             log.error("compile failed at revision %d (%s); keeping the switches as they are",
                       rnd.revision, rnd.error)
@@ -207,6 +238,7 @@ class VfabController(app_manager.OSKenApp):
         with self.hold_lock:
             for dpid, gids in groups.items():
                 self.hold.get(dpid, set()).difference_update(gids)
+                self.retired.setdefault(dpid, {}).update(dict.fromkeys(gids, time.time()))
         log.debug("released held groups after %.1f ms", (time.monotonic() - t0) * 1e3)
         self.dirty.set()
 

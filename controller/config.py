@@ -33,6 +33,8 @@ class ControllerConfig:
     verbose: bool = False              # debug logging
     group_hold_ms: float = 200.0       # how long a group no flow uses any more is kept when the datapath cannot be
                                        # asked (else: until a revalidation pass followed; engine.place_groups)
+    linger: float = 2.0                # seconds a range's frames still reach its owner after etcd deleted the
+                                       # owner's endpoint record, while nobody else serves the range (0: never)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -63,6 +65,9 @@ class ControllerConfig:
             raise ConfigError(f"audit_polls {self.audit_polls} is out of range: 1..100000 counter polls")
         if not 0 <= self.group_hold_ms <= 60000:
             raise ConfigError(f"group_hold_ms {self.group_hold_ms} ms is out of range: 0..60000 ms")
+        if not 0 <= self.linger <= 60:
+            raise ConfigError(f"linger {self.linger} s is out of range: 0..60 s (longer than the endpoints' keep-alive "
+                              "period, so that a machine paused past their leases loses no frame; 2 s by default)")
         if not 1 <= self.bundle_timeout <= 3600:
             raise ConfigError(f"bundle_timeout {self.bundle_timeout} s is out of range: 1..3600 s")
 

@@ -117,21 +117,26 @@ class Round:
 
 def plan_round(items: dict[str, bytes], revision: int, installed: dict[int, Installed], *,
                settle: float = 0.005, reported: dict[int, int] | None = None, cache: dict | None = None,
-               hold: dict[int, set[int]] | None = None, now: float | None = None) -> Round:
+               hold: dict[int, set[int]] | None = None, now: float | None = None,
+               lingering: dict[str, bytes] | None = None, retired: dict[int, set[int]] | None = None) -> Round:
     """One reconcile round.  ``reported``: dpid → revision already published (no report again);
     ``cache``: records parsed in earlier rounds (``FabricState.from_items``), kept by the caller;
     ``hold``: dpid → group ids to keep although no flow uses them (the datapath may still send frames
     into them: the app holds a round's ``held`` groups until a revalidation pass has followed it);
-    ``now``: unix s, for the bindings' ends (``Round.next_change`` says when the next one ends)."""
+    ``now``: unix s, for the bindings' ends (``Round.next_change`` says when the next one ends);
+    ``lingering``: endpoint records etcd deleted moments ago (key → last bytes; ``FabricState.lingering``);
+    ``retired``: dpid → ids of groups deleted moments ago, which a new group must not take (``place_groups``)."""
     with gc_paused():  # the heap holds every installed flow: full collections mid-round cost more than the round
-        return _plan_round(items, revision, installed, settle, reported or {}, cache, hold or {}, now)
+        return _plan_round(items, revision, installed, settle, reported or {}, cache, hold or {}, now, lingering,
+                           retired or {})
 
 
 def _plan_round(items: dict[str, bytes], revision: int, installed: dict[int, Installed], settle: float,
-                reported: dict[int, int], cache: dict | None, hold: dict[int, set[int]], now: float | None) -> Round:
+                reported: dict[int, int], cache: dict | None, hold: dict[int, set[int]], now: float | None,
+                lingering: dict[str, bytes] | None = None, retired: dict[int, set[int]] | None = None) -> Round:
     out = Round(revision)
     try:
-        st = FabricState.from_items(items, cache)
+        st = FabricState.from_items(items, cache, lingering)
         dpids = sorted(st.switches)
         links = [(lk.dpid, lk.port, lk.peer_dpid, lk.peer_port) for lk in st.links]
         hops = next_hops(dpids, links)
@@ -153,7 +158,8 @@ def _plan_round(items: dict[str, bytes], revision: int, installed: dict[int, Ins
     for dpid in sorted(installed):
         if dpid not in out.configs:
             continue
-        want, kept = place_groups(out.configs[dpid], *installed[dpid], hold=hold.get(dpid, ()))
+        want, kept = place_groups(out.configs[dpid], *installed[dpid], hold=hold.get(dpid, ()),
+                                  avoid=(retired or {}).get(dpid, ()))
         out.configs[dpid] = want
         if kept:
             out.held[dpid] = kept
@@ -187,10 +193,14 @@ def _group_refs(flows: dict) -> dict:
     return out
 
 
-def place_groups(want: SwitchConfig, flows: dict, groups: dict, hold=()) -> tuple[SwitchConfig, tuple[int, ...]]:
+def place_groups(want: SwitchConfig, flows: dict, groups: dict, hold=(),
+                 avoid=()) -> tuple[SwitchConfig, tuple[int, ...]]:
     """``want`` with stable group ids and the groups that must outlive their flows by a round; and those.
 
-    ``flows``/``groups``: what the switch holds.  Pure; ``want`` is not modified (a new config if needed).
+    ``flows``/``groups``: what the switch holds; ``avoid``: ids a new group must not take (groups deleted
+    moments ago: the datapath may still hold recirculation state made for the old group under that id, and
+    flows it turned into drops while the id was free, which a new group under it would meet: 1-2 frames lost
+    when helpers came back at once after going).  Pure; ``want`` is not modified (a new config if needed).
     Costs one pass over the flows of a switch that holds or wants groups, nothing for the others.
     """
     if not want.groups and not groups:
@@ -209,7 +219,7 @@ def place_groups(want: SwitchConfig, flows: dict, groups: dict, hold=()) -> tupl
                     mapping[gid] = h
                     taken.add(h)
                     break
-        fresh = (i for i in itertools.count(GROUP_BASE) if i not in groups and i not in taken)
+        fresh = (i for i in itertools.count(GROUP_BASE) if i not in groups and i not in taken and i not in avoid)
         for gid in sorted(want.groups):   # new groups: ids the switch does not hold (a held one may linger)
             if gid not in mapping:
                 mapping[gid] = next(fresh)

@@ -34,6 +34,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[ControllerConfig, bool]
                     help=f"seconds to wait for a revalidation pass (default {d.datapath_timeout})")
     ap.add_argument("--ovs-rundir", help=f"the local ovs-vswitchd's run directory (default {d.ovs_rundir})")
     ap.add_argument("--audit-polls", type=int, help=f"counter polls between full-table audits (default {d.audit_polls})")
+    ap.add_argument("--linger", type=float,
+                    help=f"seconds a range's frames still reach its owner after etcd deleted the owner's endpoint "
+                         f"record (its lease expired or was revoked), while nobody else serves the range: a machine "
+                         f"paused past the endpoints' leases gets them all expired at once, and each registers "
+                         f"again within its keep-alive period; 0 = route away at once (default {d.linger})")
     ap.add_argument("--bundle-timeout", type=float,
                     help=f"seconds to wait for a bundle commit or a table dump (default {d.bundle_timeout})")
     ap.add_argument("-v", "--verbose", action="store_true", default=None, help="debug logging")
@@ -50,7 +55,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ControllerConfig, bool]
         cfg = cfg.merged(etcd=args.etcd, listen=args.listen, port=args.port, poll=args.poll,
                          settle_ms=args.settle_ms, audit_polls=args.audit_polls,
                          datapath_wait=args.datapath_wait, datapath_timeout=args.datapath_timeout,
-                         ovs_rundir=args.ovs_rundir,
+                         ovs_rundir=args.ovs_rundir, linger=args.linger,
                          bundle_timeout=args.bundle_timeout, verbose=args.verbose)
     except ConfigError as exc:
         ap.error(str(exc))

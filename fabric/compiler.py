@@ -136,8 +136,10 @@ def _compile(st: FabricState, hops: dict[tuple[int, int], int] | None, problems:
     trunks = {(lk.dpid, lk.port) for lk in st.links}
     out = {d: SwitchConfig(d) for d in dpids}
 
-    def live(service: str, name: str):
+    def live(service: str, name: str, linger: bool = False):
         ep = st.endpoints.get((service, name))
+        if ep is None and linger:
+            ep = st.lingering.get((service, name))
         host = st.hosts.get(ep.mac) if ep else None
         return (ep, host) if host else None
 
@@ -191,7 +193,9 @@ def _compile(st: FabricState, hops: dict[tuple[int, int], int] | None, problems:
         # the moment it takes the range over, before its route reaches the switches).
         every_key = block(0, 0)
         serving: set[tuple[int, int]] = set()   # (dpid, port) of the hosts carrying a live endpoint of it
-        for (s_name, _), ep in sorted(st.endpoints.items()):
+        # A lingering endpoint (etcd deleted its record moments ago, see FabricState) may still answer: what
+        # it holds was sent to it while it was live.
+        for (s_name, _), ep in sorted({**st.lingering, **st.endpoints}.items()):
             host = st.hosts.get(ep.mac) if s_name == sname else None
             if host is not None:
                 serving.add((host.dpid, host.port))
@@ -203,7 +207,10 @@ def _compile(st: FabricState, hops: dict[tuple[int, int], int] | None, problems:
                 continue
             cookie = make_cookie(Kind.VID_ROUTE, svc.id, rec.lo, rec.epoch)
             blocks = [block(v, m) for v, m in to_masks(Range(rec.lo, rec.hi))]
-            owner = live(sname, rec.owner)
+            # The owner lingers (its frames still reach it while nobody else serves the range: a machine paused
+            # past the endpoints' leases gets them all expired at once, and each registers again within its
+            # keep-alive period); helpers and mirrors do not: the others take over their frames at once.
+            owner = live(sname, rec.owner, linger=True)
             helpers = [h for h in (live(sname, n) for n in rec.helpers) if h]
             mirrors = [m for m in (live(sname, n) for n in rec.mirrors) if m]
             dst_matches = None
@@ -252,7 +259,7 @@ def route_destinations(st: FabricState) -> dict[tuple[int, int], int]:
     out = {}
     for sname, svc in st.services.items():
         for rec in st.ranges.get(sname, []):
-            ep = st.endpoints.get((sname, rec.owner)) if rec.owner else None
+            ep = (st.endpoints.get((sname, rec.owner)) or st.lingering.get((sname, rec.owner))) if rec.owner else None
             host = st.hosts.get(ep.mac) if ep else None
             if host:
                 out[(svc.id, rec.lo)] = host.dpid

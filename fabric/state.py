@@ -19,6 +19,9 @@ log = logging.getLogger("vfab.state")
 class FabricState:
     services: dict = field(default_factory=dict)    # name -> Service
     endpoints: dict = field(default_factory=dict)   # (service, name) -> Endpoint
+    # (service, name) -> Endpoint whose record etcd deleted moments ago (its lease expired or was revoked) and
+    # that has not come back: its ranges still reach it where nobody else serves them (the controller's linger)
+    lingering: dict = field(default_factory=dict)
     ranges: dict = field(default_factory=dict)      # service -> [RangeRec] sorted by lo
     hosts: dict = field(default_factory=dict)       # mac -> Host
     bindings: dict = field(default_factory=dict)    # mac -> Binding (an sdhcp lease of a dhcp host)
@@ -28,11 +31,23 @@ class FabricState:
     problems: list = field(default_factory=list)
 
     @classmethod
-    def from_items(cls, items: dict[str, bytes], cache: dict | None = None) -> "FabricState":
+    def from_items(cls, items: dict[str, bytes], cache: dict | None = None,
+                   lingering: dict[str, bytes] | None = None) -> "FabricState":
         """Parse the ``/vfab/v1/`` items.  ``cache``: a dict the caller keeps between calls (key → (bytes,
         record)); a record whose bytes did not change is not parsed again.  It is pruned to the keys seen.
-        Records are shared between the states built from one cache: treat them as read-only."""
+        Records are shared between the states built from one cache: treat them as read-only.
+        ``lingering``: endpoint key → the last bytes of an endpoint record etcd deleted moments ago (see the
+        field); one that is in ``items`` again, or does not parse, is left out."""
         st = cls()
+        for key, value in sorted((lingering or {}).items()):
+            parsed = schema.parse_key(key)
+            if key in items or parsed is None or parsed[0] != "endpoints":
+                continue
+            try:
+                rec = schema.RECORDS["endpoints"].from_json(value, key)
+            except RegistryError:
+                continue
+            st.lingering[(rec.service, rec.name)] = rec
         seen: dict = {}
         for key, value in sorted(items.items()):
             parsed = schema.parse_key(key)

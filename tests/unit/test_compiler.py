@@ -458,3 +458,63 @@ def test_next_hops_may_be_handed_in():
     cut = compile_fabric(st, hops={})
     assert not any(("output", 10) in f.actions for f in cut[S1].flows.values())
     assert any(("output", 10) in f.actions for f in compile_fabric(st)[S1].flows.values())
+
+
+# -- endpoints whose record etcd deleted moments ago (the controller's linger) ---------------------------------
+def test_a_lingering_owner_still_gets_its_range_and_may_answer_but_a_lingering_helper_gets_no_bucket():
+    """etcd expired e1's lease (a machine paused past it expires every lease at once): its record is gone, but
+    while it lingers its range still reaches it (nobody else serves it) and its host may still answer from the
+    service's VIDs.  A lingering helper gets no bucket: the live ones (or the owner) take its frames at once."""
+    endpoints = dict(ENDPOINTS, e4=("h3", "ovs"), e5=("h4", "ovs"))
+    ranges = [schema.RangeRec(lo=0, hi=0x3FFFFF, owner="e1", helpers=["e4", "e5"], epoch=1),
+              *[schema.RangeRec(lo=lo, hi=hi, owner=o, epoch=1, state="active" if o else "unassigned")
+                for lo, hi, o in RANGES[1:]]]
+    items = make_items(ranges=ranges, endpoints=endpoints)
+    gone = {k: items.pop(k) for k in (schema.endpoint_key("echo", "e1"), schema.endpoint_key("echo", "e4"))}
+    vid = codec.encode(SID, 0x1234).value
+
+    # Without the linger (before): e1's range reaches only e5 now; had e5 gone too, nothing at all.
+    st = FabricState.from_items(items)
+    fab = FakeFabric(compile_fabric(st), TRUNK)
+    assert all(fab.inject(S1, 7, 0x020000001000 + i, vid, ETH_TYPE)[0][:2] == (S2, 2) for i in range(16))
+
+    st = FabricState.from_items(items, lingering=gone)
+    assert set(st.lingering) == {("echo", "e1"), ("echo", "e4")} and ("echo", "e1") not in st.endpoints
+    cfg = compile_fabric(st)
+    fab = FakeFabric(cfg, TRUNK)
+    # e4 lingers but gets no bucket: one live helper left, so no group at all
+    assert all(fab.inject(S1, 7, 0x020000001000 + i, vid, ETH_TYPE)[0][:2] == (S2, 2) for i in range(16))
+    assert not any(g.type == "select" for c in cfg.values() for g in c.groups.values())
+
+    # every helper gone: the lingering owner gets the range (before, these frames were dropped)
+    items.pop(schema.endpoint_key("echo", "e5"))
+    st = FabricState.from_items(items, lingering=gone)
+    fab = FakeFabric(compile_fabric(st), TRUNK)
+    assert send(fab, "h3", vid) == [(S1, 2, mac_i("h2"))]
+    assert send(fab, "h2", mac_i("h1"), src=vid) == [(S1, 1, mac_i("h1"))]   # it may answer from the VID
+    assert fab.drop_count() == 0
+    st = FabricState.from_items(items)
+    fab = FakeFabric(compile_fabric(st), TRUNK)
+    assert send(fab, "h3", vid) == [] and send(fab, "h2", mac_i("h1"), src=vid) == []
+
+
+def test_a_lingering_record_yields_to_a_live_one_and_to_a_new_owner():
+    """Lingering never overrides etcd: the record back (a new registration, perhaps elsewhere) wins, and a range
+    handed to another owner goes there; a lingering record that does not parse is left out."""
+    items = make_items()
+    key = schema.endpoint_key("echo", "e1")
+    old = items[key]
+    moved = dict(ENDPOINTS, e1=("h1", "ovs"))
+    items = make_items(endpoints=moved)                      # e1 registered again, at h1
+    st = FabricState.from_items(items, lingering={key: old})
+    assert st.lingering == {} and st.endpoints[("echo", "e1")].host == "h1"
+    fab = FakeFabric(compile_fabric(st), TRUNK)
+    assert send(fab, "h3", codec.encode(SID, 0x1234).value) == [(S1, 1, mac_i("h1"))]
+
+    ranges = [(0x000000, 0x3FFFFF, "e3"), *RANGES[1:]]         # its range went to e3 meanwhile
+    items = make_items(ranges=ranges)
+    items.pop(key)
+    st = FabricState.from_items(items, lingering={key: old, schema.endpoint_key("echo", "bad"): b"{"})
+    assert set(st.lingering) == {("echo", "e1")}
+    fab = FakeFabric(compile_fabric(st), TRUNK)
+    assert send(fab, "h1", codec.encode(SID, 0x1234).value) == [(S2, 2, mac_i("h4"))]

@@ -105,9 +105,29 @@ def test_a_pause_or_a_barrier_ends_the_group_of_bundles_in_flight(monkeypatch):
     monkeypatch.setattr(app_mod.engine, "plan_round", lambda *a, **k: rnd)
     app.mirror_lock, app.hold_lock, app.report_cv = threading.Lock(), threading.Lock(), threading.Condition()
     app.items, app.revision, app.hold, app.parsed, app.problems, app.to_report = {}, 9, {}, {}, set(), []
+    app.departed, app.retired = {}, {}
     app.config = SimpleNamespace(settle=0.005)
     app.reporter = SimpleNamespace(reported={})
     app._hold_groups = lambda held, failed: None
     app._reconcile()
     assert events == [("send", 1), ("wait", 1), ("pause", 0.005), ("send", 2), ("send", 3), ("wait", 2),
                       ("wait", 3), ("send", 4), ("send", 5), ("wait", 4), ("wait", 5)]   # a barrier: no pause
+
+
+def test_a_deleted_endpoint_record_lingers_for_the_configured_time_then_goes():
+    """Only endpoint records linger (a range's or a helper status's deletion does not), for ``config.linger``
+    seconds; the next round after that ends is asked for (the earliest end)."""
+    from vfab.vid.registry import schema
+
+    app = object.__new__(app_mod.VfabController)
+    app.config, app.departed = SimpleNamespace(linger=2.0), {}
+    ep, rng = schema.endpoint_key("mc", "h1"), schema.range_key("mc", 0)
+    t0 = app_mod.time.time()
+    app._departed(ep, b"{ep}")
+    app._departed(rng, b"{range}")
+    lingering, end = app._lingering(t0)
+    assert lingering == {ep: b"{ep}"} and t0 + 1.9 < end <= app_mod.time.time() + 2.0
+    assert app._lingering(end + 0.01) == ({}, None) and app.departed == {}
+    app.config = SimpleNamespace(linger=0.0)
+    app._departed(ep, b"{ep}")
+    assert app.departed == {}

@@ -259,7 +259,8 @@ def test_config_is_validated_like_the_records():
                       ({"port": 70000}, "1..65535"),
                       ({"poll": 0}, "0.05..3600"),
                       ({"settle_ms": -1}, "0..1000 ms"),
-                      ({"bundle_timeout": 0}, "1..3600")]:
+                      ({"bundle_timeout": 0}, "1..3600"),
+                      ({"linger": 61}, "linger 61 s is out of range: 0..60 s")]:
         with pytest.raises(ConfigError, match=re.escape(says)):
             ControllerConfig.from_dict(bad)
     with pytest.raises(ConfigError, match="not JSON"):
@@ -281,8 +282,9 @@ def test_command_line_and_config_file(tmp_path, capsys):
     from vfab.controller.config import ControllerConfig
 
     assert cfg == ControllerConfig(poll=1.0)
-    main(["--check", "--audit-polls", "3"])
-    assert '"audit_polls": 3' in capsys.readouterr().out
+    main(["--check", "--audit-polls", "3", "--linger", "0.5"])
+    out = capsys.readouterr().out
+    assert '"audit_polls": 3' in out and '"linger": 0.5' in out
     for argv, says in ([["--port", "0"], "OpenFlow port 0 is out of range"],
                        [["--config", str(tmp_path / "nope.json")], "cannot read"]):
         with pytest.raises(SystemExit) as exc:
@@ -359,6 +361,25 @@ def test_helpers_on_adds_the_group_with_the_flows_that_use_it():
     for c in on.commits:
         assert [g.group_id for g in c.plan.add_groups] == sorted(groups_used(c.want)) and not c.plan.del_groups
         assert on.held == {}
+
+
+def test_a_group_that_comes_back_moments_after_it_went_takes_a_new_id():
+    """Helpers off (the group goes a round later), then on again at once (a machine paused past every lease:
+    the helpers' records go and come back within a second): the new group must not take the id just freed,
+    or it meets what the datapath still holds for the old one (recirculations, flows turned into drops)."""
+    on = plan_round(helped(), 5, empty())
+    gids = {d: groups_used(c) for d, c in on.configs.items()}
+    off = plan_round(helped(helpers_lo=(), epochs=(3, 2)), 6, synced(on))
+    gone = plan_round(helped(helpers_lo=(), epochs=(3, 2)), 7, synced(off))
+    assert all(c.plan.del_groups == sorted(gids[c.dpid]) for c in gone.commits)
+    after = synced(gone)
+    again = plan_round(helped(epochs=(4, 2)), 8, after, retired=gids)
+    for c in again.commits:
+        added = [g.group_id for g in c.plan.add_groups]
+        assert len(added) == 1 and added[0] not in gids[c.dpid], (added, gids[c.dpid])
+    # without the app's memory of the deleted ids, the lowest free id is taken again (what it guards against)
+    reused = plan_round(helped(epochs=(4, 2)), 8, after)
+    assert all([g.group_id for g in c.plan.add_groups] == sorted(gids[c.dpid]) for c in reused.commits)
 
 
 def test_group_ids_stay_put_when_another_range_leaves_its_group():

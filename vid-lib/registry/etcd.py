@@ -149,6 +149,11 @@ class Registry:
             return None
         return _unb64(kvs[0].get("value", "")), int(kvs[0]["mod_revision"])
 
+    def lease_of(self, key: str) -> int | None:
+        """The lease ``key`` is attached to (None: no such key, or none)."""
+        kvs = self._post("/kv/range", {"key": _b64(key)}).get("kvs", [])
+        return int(kvs[0].get("lease", 0)) or None if kvs else None
+
     def get_many(self, keys: list[str]) -> tuple[int, dict[str, tuple[bytes, int]]]:
         """(revision, {key: (value, mod_revision)}) of ``keys`` read at one revision (one transaction; at most
         etcd's --max-txn-ops keys, 128 by default); keys that do not exist are left out."""
