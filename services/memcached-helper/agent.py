@@ -177,7 +177,8 @@ class Agent:
             self.spawn()
             self.wait_ready(self.args.ready_timeout)
             self.announce()
-            print(f"ready pid={self.child.pid}", flush=True)
+            stats = getattr(self, "stats_path", None)
+            print(f"ready pid={self.child.pid}" + (f" stats={stats}" if stats else ""), flush=True)
             log.info("%s %s: announced (%s), %s pid %d", self.role, self.args.name, self.server.port.mac_str,
                      self.role, self.child.pid)
             while not self.stop.wait(self.args.poll):

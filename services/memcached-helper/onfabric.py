@@ -77,10 +77,11 @@ class McFabric:
             text = open(out, errors="replace").read()
             return text if "ready pid=" in text else None
         text = wait_for(ready, 40, f"{role} {name} on {host} ready")
-        pid = int(text.split("ready pid=")[1].split()[0])
+        words = dict(w.split("=", 1) for w in text.split("ready ", 1)[1].split("\n")[0].split() if "=" in w)
+        pid = int(words["pid"])
         # The agent's child (memcached / mc-helper) is stopped by the agent; tracked too, in case both die.
         tb.track(pid, f"{role}:{name}")
-        return Running(name, host, proc, pid)
+        return Running(name, host, proc, pid, words.get("stats", ""))
 
     def start_memcached(self, name: str = "mc0", threads: int = 1, extra: tuple[str, ...] = ()) -> Running:
         self.memcached = self._agent("memcached", name, self.host, ["--listen", "--threads", str(threads)],
@@ -90,15 +91,19 @@ class McFabric:
 
     def start_helper(self, name: str, host: str, lcores: str = "1", extra: tuple[str, ...] = (),
                      stats_ms: int | None = None) -> Running:
-        """``stats_ms``: mc-helper's stats file period (the agent's default 100 ms; 10 is its floor)."""
-        stats = os.path.join(self.tb.workdir, f"{name}.stats")
-        opts = ["--lcores", lcores, "--stats-file", stats, "--file-prefix", f"vfmh{name}"]
+        """``stats_ms``: mc-helper's stats file period (the agent's default 100 ms; 10 is its floor).
+
+        The stats file is the agent's own (under /run, a tmpfs, removed when the agent stops), as in production:
+        in the testbed's directory on disk, renaming it waited for the disk's journal at times (> 1 s while etcd
+        restarted), and the agent, seeing it stand still, withdrew a helper that was running."""
+        opts = ["--lcores", lcores, "--file-prefix", f"vfmh{name}"]
         if stats_ms is not None:
             opts += ["--stats-ms", str(stats_ms)]
         if self.binary:
             opts += ["--binary", self.binary]
         run = self._agent("helper", name, host, opts, list(extra))
-        run.stats_file = stats
+        if not run.stats_file:
+            raise RuntimeError(f"agent {name} did not say where its stats file is (ready line without stats=)")
         self.helpers[name] = run
         return run
 
@@ -106,6 +111,8 @@ class McFabric:
         rc = self.tb.sup.stop(run.agent, grace=15)
         self.tb.untrack(run.pid)
         self.helpers.pop(run.name, None)
+        if run.stats_file and os.path.exists(run.stats_file):   # its agent was killed: it could not remove it
+            os.unlink(run.stats_file)
         return rc
 
     def kill_helper(self, name: str) -> float:
