@@ -317,8 +317,10 @@ class HelperAgent(Agent):
 
     def cleanup(self) -> None:
         shutil.rmtree(f"/var/run/dpdk/{self.prefix}", ignore_errors=True)
-        if not self.args.stats_file and os.path.exists(self.stats_path):
-            os.unlink(self.stats_path)
+        if not self.args.stats_file:   # its file, and the one mc-helper writes it through (left by a kill -9)
+            for path in (self.stats_path, f"{self.stats_path}.tmp"):
+                if os.path.exists(path):
+                    os.unlink(path)
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
