@@ -37,11 +37,13 @@ How the helper sits on the host (why it works on the fabric):
 
 Liveness: the agent is mc-helper's parent.  When mc-helper exits (``kill -9`` included) the agent revokes
 the lease at once: endpoint and status vanish, the controller drops the helper's bucket, and its clients
-hash to the remaining helpers (or the owner) with no reconnect; the agent exits 1.  When its stats file
-stops advancing (``--stale`` s: SIGSTOP, a hung lcore, a starved host) the lease is revoked the same way,
-but the agent stays: once the file advances again it announces the helper again (a new lease), and the
-switches give it its bucket back.  If the agent itself dies, mc-helper gets SIGTERM (parent-death signal) and the lease expires
-after ``--ttl`` s.  SIGTERM/SIGINT: the lease goes first (clients leave the helper), then the child stops.
+hash to the remaining helpers (or the owner) with no reconnect; the agent exits 1.  When it makes no
+progress for ``--stale`` s — its stats file not written (SIGSTOP, a starved host) or, though written, the
+lcores' loop counter in it standing still (hung lcores: the file's writer is a thread of its own) — the
+lease is revoked the same way, but the agent stays: once both move again it announces the helper again
+(a new lease), and the switches give it its bucket back.  (The counter is the sum over lcores: one hung
+lcore of several is not seen.)  If the agent itself dies, mc-helper gets SIGTERM (parent-death signal) and
+the lease expires after ``--ttl`` s.  SIGTERM/SIGINT: the lease goes first (clients leave the helper), then the child stops.
 """
 
 from __future__ import annotations
@@ -291,7 +293,10 @@ class HelperAgent(Agent):
     def tick(self) -> str | None:
         now = time.monotonic()
         st = control.read_stats(self.stats_path)
-        if st.get("uptime_ms") != self.last_stats.get("uptime_ms"):
+        written = st.get("uptime_ms") != self.last_stats.get("uptime_ms")
+        # The file is written by mc-helper's stats thread, which goes on if its lcores hang: progress is the
+        # lcores' loop counter moving too (it moves when idle as well, at least once per --idle-us).
+        if written and st.get("loops") != self.last_stats.get("loops"):
             self.last_change = now
             self.last_stats = st
             if self.server is None:   # it stalled and was withdrawn: it lives again
@@ -304,8 +309,9 @@ class HelperAgent(Agent):
                 return None
         elif now - self.last_change > self.args.stale and self.server is not None:
             self.stalled_at = self.last_change
-            self.withdraw(f"its stats file {self.stats_path} has not changed for {now - self.last_change:.1f} s; "
-                          "announced again once it does")
+            what = (f"its lcores' loop counter (in {self.stats_path}) has not changed" if written else
+                    f"its stats file {self.stats_path} has not changed")
+            self.withdraw(f"{what} for {now - self.last_change:.1f} s; announced again once it does")
             return None
         if self.server is not None and now - self.last_publish >= self.args.period:
             try:
@@ -358,8 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--stats-ms", type=int, default=100, help="stats file period in ms (default 100)")
     h.add_argument("--period", type=float, default=1.0, help="s between status records in etcd (default 1)")
     h.add_argument("--stale", type=float, default=1.0,
-                   help="withdraw the helper while its stats file has not changed for this many s (default 1: "
-                        "10 stats periods); it is announced again once the file advances")
+                   help="withdraw the helper while its stats file, or the lcores' loop counter in it, has not "
+                        "changed for this many s (default 1: 10 stats periods); it is announced again once both "
+                        "advance")
     h.add_argument("--file-prefix", default=None, help="DPDK --file-prefix (default vfmh-NAME-PID)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
