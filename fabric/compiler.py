@@ -137,9 +137,7 @@ def _compile(st: FabricState, hops: dict[tuple[int, int], int] | None, problems:
     out = {d: SwitchConfig(d) for d in dpids}
 
     def live(service: str, name: str, linger: bool = False):
-        ep = st.endpoints.get((service, name))
-        if ep is None and linger:
-            ep = st.lingering.get((service, name))
+        ep = st.owner_endpoint(service, name) if linger else st.endpoints.get((service, name))
         host = st.hosts.get(ep.mac) if ep else None
         return (ep, host) if host else None
 
@@ -259,7 +257,7 @@ def route_destinations(st: FabricState) -> dict[tuple[int, int], int]:
     out = {}
     for sname, svc in st.services.items():
         for rec in st.ranges.get(sname, []):
-            ep = (st.endpoints.get((sname, rec.owner)) or st.lingering.get((sname, rec.owner))) if rec.owner else None
+            ep = st.owner_endpoint(sname, rec.owner) if rec.owner else None
             host = st.hosts.get(ep.mac) if ep else None
             if host:
                 out[(svc.id, rec.lo)] = host.dpid

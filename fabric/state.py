@@ -30,6 +30,11 @@ class FabricState:
     miss: str = "drop"
     problems: list = field(default_factory=list)
 
+    def owner_endpoint(self, service: str, name: str):
+        """The endpoint ``name`` of ``service`` for routing its ranges as their owner: its live record, else the
+        record of it that lingers (None if neither)."""
+        return self.endpoints.get((service, name)) or self.lingering.get((service, name))
+
     @classmethod
     def from_items(cls, items: dict[str, bytes], cache: dict | None = None,
                    lingering: dict[str, bytes] | None = None) -> "FabricState":
