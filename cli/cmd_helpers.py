@@ -17,6 +17,7 @@ import click
 
 from vfab.cli.common import RANGE, NameType, errors, pass_ctx, table
 from vfab.services.memcached_helper import control
+from vfab.vid.errors import RegistryError
 from vfab.vid.registry import schema
 
 
@@ -191,7 +192,13 @@ def _hold(c, service: str, keys, what: str, hold: bool) -> None:
     if not hold:
         click.echo(f"{service} {where}: not held (--no-hold): the balancer may change its helpers again")
         return
-    control.hold(c.registry, service, keys, what)
+    try:
+        control.hold(c.registry, service, keys, what)
+    except RegistryError as exc:
+        raise click.ClickException(
+            f"{service} {where}: the helpers were set as shown above, but holding them failed: {exc}; "
+            f"the balancer may change them again: run this command again once etcd answers (it is "
+            f"idempotent), or 'vfab helpers {service}' to see where things stand") from None
     click.echo(f"{service} {where}: held ({what} by hand): the balancer leaves its helpers alone until "
                f"'vfab helpers auto {service}{' ' + str(keys) if keys else ''}'")
 

@@ -191,6 +191,20 @@ def test_on_and_off_by_hand_hold_the_range_until_auto(run, registry, mc):
     assert registry.get(schema.holds_key("mc")) is None
 
 
+def test_a_hold_that_fails_after_the_helpers_were_set_says_they_were(run, registry, mc, monkeypatch):
+    from vfab.vid.errors import RegistryError
+
+    def etcd_gone(*args, **kwargs):
+        raise RegistryError("etcd at 127.0.0.1:2379 is unreachable")
+    monkeypatch.setattr(control, "hold", etcd_gone)
+    res = run("helpers", "on", "mc", "--no-wait")
+    assert res.exit_code == 1, res.output
+    assert "helpers - -> h1,h2" in res.output and "the helpers were set as shown above" in res.output, res.output
+    assert "holding them failed: etcd at 127.0.0.1:2379 is unreachable" in res.output, res.output
+    assert "run this command again" in res.output and "Traceback" not in res.output, res.output
+    assert [h for _, _, _, h in ranges(registry)] == [["h1", "h2"]]
+
+
 def test_a_malformed_hold_record_is_refused_by_name(run, registry, mc):
     with pytest.raises(Exception, match="out of order or outside the key space"):
         schema.Holds([[5, 1, "on", 0.0]])
