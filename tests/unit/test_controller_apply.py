@@ -131,3 +131,28 @@ def test_a_deleted_endpoint_record_lingers_for_the_configured_time_then_goes():
     app.config = SimpleNamespace(linger=0.0)
     app._departed(ep, b"{ep}")
     assert app.departed == {}
+
+
+def test_an_endpoint_gone_across_an_etcd_reload_lingers_too():
+    """The watch's reload (etcd restarted, the watch lost): an endpoint record missing from the reloaded items
+    lingers like one deleted by an event; one that is back, or any other record gone, does not."""
+    from vfab.vid.registry import schema
+
+    gone, back, rng = (schema.endpoint_key("mc", "mc0"), schema.endpoint_key("mc", "h1"),
+                       schema.range_key("mc", 0))
+
+    class Registry:
+        endpoint = "etcd-under-test"
+
+        def follow(self, prefix, reset, apply, stop, **kwargs):
+            reset({back: (b"{h1}", 7)}, 7)                         # mc0 and the range vanished meanwhile
+
+    app = object.__new__(app_mod.VfabController)
+    app.config, app.departed, app.registry = SimpleNamespace(linger=2.0), {}, Registry()
+    app.mirror_lock, app.dirty = threading.Lock(), threading.Event()
+    app.items, app.revision = {gone: b"{mc0}", back: b"{h1}", rng: b"{range}"}, 5
+    app._watch_loop()
+    assert app.items == {back: b"{h1}"} and app.revision == 7 and app.dirty.is_set()
+    assert list(app.departed) == [gone] and app.departed[gone][0] == b"{mc0}"
+    lingering, _ = app._lingering(app_mod.time.time())
+    assert lingering == {gone: b"{mc0}"}
