@@ -33,7 +33,7 @@ from vfab.vid import codec
 from vfab.vid.registry import schema
 from vfab.vid.codec import Layout
 from vfab.vid.errors import TransportError
-from vfab.vid.frame import Frame, FrameType
+from vfab.vid.frame import Frame, FrameType, pack
 from vfab.vid.ranges import Range, to_masks
 from vfab.vid.registry import Registry
 from vfab.vid.state.lease import EndpointLease
@@ -304,9 +304,8 @@ class Client:
             self._buffers.pop(number, None)
 
     def _send(self, dst: bytes, channel: int, seq: int, data: bytes, priority: int) -> None:
-        frame = Frame(dst=dst, src=self.port.mac, type=FrameType.REQUEST, payload=bytes(data),
-                      channel=channel, seq=seq, priority=priority)
-        if not self.port.send(frame):
+        # dst is codec.packed's and src the port's own: 6 bytes each, no Frame to build and check
+        if not self.port.send(pack(dst, self.port.mac, FrameType.REQUEST, data, channel, seq, priority)):
             log.debug("client: request %d/%d dropped by the local queue", channel, seq)
 
     def _pump(self, timeout: float | None) -> Reply | None:

@@ -34,6 +34,7 @@ ETH_TYPE = 0x88B5
 VERSION = 1
 ETH_HDR = struct.Struct("!6s6sH")
 HDR = struct.Struct("!BBBBHHII")
+WIRE_HDR = struct.Struct("!6s6sHBBBBHHII")   # both in one
 ETH_LEN = ETH_HDR.size
 HDR_LEN = HDR.size
 MIN_LEN = ETH_LEN + HDR_LEN
@@ -63,34 +64,36 @@ class Frame:
     version: int = VERSION
 
     def serialize(self) -> bytes:
-        if len(self.payload) > MAX_PAYLOAD:
-            raise FrameError(
-                f"payload of {len(self.payload)} B is too large: the limit is {MAX_PAYLOAD} B "
-                "(one Ethernet frame); split it into several frames"
-            )
         for name, mac in (("dst", self.dst), ("src", self.src)):
             # struct's "6s" would silently pad or truncate a MAC of the wrong size.
             if not isinstance(mac, (bytes, bytearray)) or len(mac) != 6:
                 raise FrameError(f"{name} MAC {mac!r} is not 6 packed bytes: use codec's Vid.packed")
-        if not 0 <= self.priority <= FLAG_PRIO_MASK:
-            raise FrameError(f"priority {self.priority} is out of range: use 0..7")
-        flags = self.priority | (FLAG_ACK if self.ack is not None else 0)
-        return (
-            ETH_HDR.pack(self.dst, self.src, ETH_TYPE)
-            + HDR.pack(self.version, int(self.type), flags, 0, self.channel & 0xFFFF,
-                       len(self.payload), self.seq & 0xFFFFFFFF, (self.ack or 0) & 0xFFFFFFFF)
-            + self.payload
-        )
+        return pack(self.dst, self.src, self.type, self.payload, self.channel, self.seq, self.priority, self.ack,
+                    self.version)
+
+
+def pack(dst: bytes, src: bytes, ftype: int, payload: bytes, channel: int = 0, seq: int = 0, priority: int = 0,
+         ack: int | None = None, version: int = VERSION) -> bytes:
+    """The wire bytes of a frame, without building a :class:`Frame`: for a sender whose MACs are already 6
+    packed bytes (``codec.packed``, a port's own, a received frame's); ``Frame.serialize`` checks them first.
+    The payload's size and the priority are checked here."""
+    if len(payload) > MAX_PAYLOAD:
+        raise FrameError(f"payload of {len(payload)} B is too large: the limit is {MAX_PAYLOAD} B "
+                         "(one Ethernet frame); split it into several frames")
+    if not 0 <= priority <= FLAG_PRIO_MASK:
+        raise FrameError(f"priority {priority} is out of range: use 0..7")
+    flags = priority | (FLAG_ACK if ack is not None else 0)
+    return WIRE_HDR.pack(dst, src, ETH_TYPE, version, ftype, flags, 0, channel & 0xFFFF, len(payload),
+                         seq & 0xFFFFFFFF, (ack or 0) & 0xFFFFFFFF) + payload
 
 
 def parse(data: bytes) -> Frame:
     """Parse one frame; FrameError says what is wrong. Never raises anything else."""
     if len(data) < MIN_LEN:
         raise FrameError(f"truncated frame: {len(data)} B, a vfab frame is at least {MIN_LEN} B")
-    dst, src, eth_type = ETH_HDR.unpack_from(data, 0)
+    dst, src, eth_type, version, ftype, flags, reserved, channel, length, seq, ack = WIRE_HDR.unpack_from(data, 0)
     if eth_type != ETH_TYPE:
         raise FrameError(f"not a vfab frame: EtherType {eth_type:#06x}, expected {ETH_TYPE:#06x}")
-    version, ftype, flags, reserved, channel, length, seq, ack = HDR.unpack_from(data, ETH_LEN)
     if version != VERSION:
         raise FrameError(f"unsupported vfab version {version}: this receiver speaks {VERSION}")
     if reserved or flags & FLAG_RESERVED:
@@ -104,6 +107,6 @@ def parse(data: bytes) -> Frame:
         raise FrameError(
             f"wrong length: header says {length} B of payload, frame carries {len(data) - MIN_LEN} B"
         )
-    return Frame(dst=bytes(dst), src=bytes(src), type=ftype, payload=bytes(data[MIN_LEN:end]),
+    return Frame(dst=dst, src=src, type=ftype, payload=bytes(data[MIN_LEN:end]),
                  channel=channel, seq=seq, ack=ack if flags & FLAG_ACK else None,
                  priority=flags & FLAG_PRIO_MASK, version=version)

@@ -70,6 +70,8 @@ class KvsClient:
         proto.check_key(key)
         if op is Op.PUT:
             proto.check_value(value)
+        elif value:
+            raise KvsError(f"{Op(op).name} carries no value")
         reqid = self._reqid()
         while reqid in self.inflight:
             reqid = self._reqid()
@@ -86,8 +88,8 @@ class KvsClient:
         return self._ids.pop() or 1
 
     def _send(self, p: Pending) -> None:
-        req = proto.Request(p.op, self.client_id, p.reqid, p.key, p.value)
-        self.api.send_request(p.vk, req.serialize())
+        # submit checked the key and the value
+        self.api.send_request(p.vk, proto.pack_request(p.op, self.client_id, p.reqid, p.key, p.value))
         p.attempts += 1
         p.deadline = time.monotonic() + self.timeout * min(2 ** (p.attempts - 1), 4)
         self.counters["sent"] += 1

@@ -23,6 +23,7 @@ say (no schedstat).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -56,44 +57,64 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def drive(client: KvsClient, n: int, duration: float, keys: list[bytes], mix: tuple[int, int, int],
           value_size: int, seed: int | None = None, waits: list | None = None) -> list[tuple]:
-    """Run the load; the history, and into ``waits`` each entry's client-side run-queue delay (ms)."""
+    """Run the load; the history, and into ``waits`` each entry's client-side run-queue delay (ms).
+
+    The loop between a reply and the next request is this process's share of every operation's latency, so
+    it does only what it must: the run-queue delay is read once per batch of replies (the same reading ends
+    those operations and starts the ones issued after them, within microseconds) and a history entry is
+    the finished operation's fields as they are, turned into plain values after the run."""
     rng = random.Random(seed)
     delay = RunDelay()
     ops = [Op.PUT] * mix[0] + [Op.GET] * mix[1] + [Op.DEL] * mix[2]
-    history: list[tuple] = []
+    done_ops: list[tuple] = []
     counts = [0] * n
+    pad = b"." * value_size
+    submit, choice, monotonic = client.submit, rng.choice, time.monotonic
 
-    def issue(c: int) -> None:
-        op = rng.choice(ops)
-        key = rng.choice(keys)
+    def issue(c: int, at_delay: float) -> None:
+        op = choice(ops)
         value = b""
         if op is Op.PUT:
             counts[c] += 1
             tag = f"c{client.client_id % 100000}_{c}_{counts[c]}".encode()
-            value = (tag + b"." * value_size)[:max(value_size, len(tag))]
-        client.submit(op, key, value, tag=(c, delay()))
+            value = (tag + pad)[:max(value_size, len(tag))]
+        submit(op, choice(keys), value, tag=(c, at_delay))
 
-    end = time.monotonic() + duration
-    for c in range(n):
-        issue(c)
-    while client.inflight:
-        done = client.poll(0.05)
+    end = monotonic() + duration
+    # Finished operations are kept as they are until the run ends: the collector would otherwise scan the
+    # growing list over and over (the tuples the history is made of once were untracked for that reason).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
         now_delay = delay()
-        for p in done:
-            c, delay0 = p.tag
-            if waits is not None:
-                waits.append(round((now_delay - delay0) * 1e3, 2))
-            status = p.reply.status.name if p.reply is not None else "TIMEOUT"
-            shown = p.value if p.op is Op.PUT else (p.reply.body if p.reply is not None and p.op is Op.GET
-                                                    and status == "OK" else None)
-            # A tuple of plain values: the collector stops tracking it, so a history of 100,000s of entries
-            # never makes this process pause for a full collection (lists made it pause 20-60 ms, every
-            # client at once, and the pause was recorded as the server's latency).
-            history.append((c, p.op.name, p.key.decode(), shown.split(b".")[0].decode() if shown else None,
-                            p.submitted, p.finished, status, p.reply.version if p.reply else 0))
-            if time.monotonic() < end:
-                issue(c)
-    delay.close()
+        for c in range(n):
+            issue(c, now_delay)
+        while client.inflight:
+            done = client.poll(0.05)
+            if not done:
+                continue
+            now_delay = delay()
+            more = monotonic() < end
+            for p in done:
+                c, at = p.tag
+                r = p.reply
+                done_ops.append((c, now_delay - at, p.op, p.key, p.value, p.submitted, p.finished, r))
+                if more:
+                    issue(c, now_delay)
+    finally:
+        if collecting:
+            gc.enable()
+        delay.close()
+    history: list[tuple] = []
+    for c, waited, op, key, value, invoked, responded, r in done_ops:
+        if waits is not None:
+            waits.append(round(waited * 1e3, 2))
+        status = r.status.name if r is not None else "TIMEOUT"
+        shown = value if op is Op.PUT else (r.body if r is not None and op is Op.GET and status == "OK" else None)
+        # A tuple of plain values: the collector stops tracking it, so a history of 100,000s of entries
+        # never makes this process pause for a full collection.
+        history.append((c, op.name, key.decode(), shown.split(b".")[0].decode() if shown else None,
+                        invoked, responded, status, r.version if r is not None else 0))
     return history
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from hashlib import blake2b
 from dataclasses import dataclass
 
 from vfab.vid.errors import VfabError
@@ -102,7 +103,13 @@ class Request:
             check_value(self.value)
         elif self.value:
             raise KvsError(f"{self.op.name} carries no value")
-        return REQ.pack(int(self.op), 0, len(self.key), self.client, self.reqid) + self.key + self.value
+        return pack_request(self.op, self.client, self.reqid, self.key, self.value)
+
+
+def pack_request(op: Op, client: int, reqid: int, key: bytes, value: bytes = b"") -> bytes:
+    """A request's bytes from fields already checked (``check_key``/``check_value``; ``Request.serialize``
+    checks them first)."""
+    return REQ.pack(op, 0, len(key), client, reqid) + key + value
 
 
 def parse_request(data: bytes) -> Request:
@@ -181,7 +188,19 @@ def key_of(payload: bytes) -> int:
 
 
 def vkey(key: bytes) -> int:
-    """The 24-bit VID key of a KVS key: the top bits of its BLAKE2b hash (spreads keys evenly)."""
-    import hashlib
+    """The 24-bit VID key of a KVS key: the top bits of its BLAKE2b hash (spreads keys evenly).
 
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest()[:3], "big")
+    Remembered for the last ``VKEYS_MAX`` keys (all forgotten at once past that): clients and servers ask it
+    for every request, mostly of keys they asked for before."""
+    if type(key) is not bytes:
+        key = bytes(key)   # a bytearray or memoryview: the cache keeps only immutable keys
+    vk = _vkeys.get(key)
+    if vk is None:
+        if len(_vkeys) >= VKEYS_MAX:
+            _vkeys.clear()
+        vk = _vkeys[key] = int.from_bytes(blake2b(key, digest_size=8).digest()[:3], "big")
+    return vk
+
+
+VKEYS_MAX = 65536
+_vkeys: dict[bytes, int] = {}

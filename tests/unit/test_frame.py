@@ -120,6 +120,20 @@ def test_serialize_errors():
             Frame(DST, SRC, FrameType.REQUEST, priority=prio).serialize()
 
 
+@given(frames)
+def test_pack_is_what_serialize_sends(f):
+    assert frame.pack(f.dst, f.src, f.type, f.payload, f.channel, f.seq, f.priority, f.ack) == f.serialize()
+
+
+def test_pack_checks_the_payload_and_the_priority():
+    with pytest.raises(FrameError, match=f"payload of {MAX_PAYLOAD + 1} B is too large"):
+        frame.pack(DST, SRC, FrameType.REQUEST, bytes(MAX_PAYLOAD + 1))
+    with pytest.raises(FrameError, match="priority 8 is out of range"):
+        frame.pack(DST, SRC, FrameType.REQUEST, b"", priority=8)
+    assert parse(frame.pack(DST, SRC, FrameType.REQUEST, bytearray(b"x"), 3, 9)) == \
+        Frame(DST, SRC, FrameType.REQUEST, b"x", channel=3, seq=9)
+
+
 @pytest.mark.parametrize("field", ["dst", "src"])
 @pytest.mark.parametrize("mac", [b"\x0e\x01", bytes(7), b""])
 def test_serialize_rejects_mac_of_wrong_size(field, mac):

@@ -334,6 +334,24 @@ def test_vkey_known_values_and_determinism():
     assert vkey(b"a") != vkey(b"b")
 
 
+def test_vkey_remembers_keys_up_to_its_bound_and_takes_any_bytes_like(monkeypatch):
+    import hashlib
+
+    monkeypatch.setattr(proto, "VKEYS_MAX", 4)
+    monkeypatch.setattr(proto, "_vkeys", {})
+    keys = [f"k{i}".encode() for i in range(10)]
+    for key in keys + keys:
+        assert vkey(key) == int.from_bytes(hashlib.blake2b(key, digest_size=8).digest()[:3], "big")
+        assert len(proto._vkeys) <= 4
+    assert vkey(bytearray(b"k1")) == vkey(memoryview(b"k1")) == vkey(b"k1")
+    assert all(type(k) is bytes for k in proto._vkeys)
+
+
+def test_pack_request_is_what_serialize_sends():
+    for op, key, value in ((Op.GET, b"a", b""), (Op.PUT, b"k" * MAX_KEY, b"v" * MAX_VALUE), (Op.DEL, b"\x00", b"")):
+        assert proto.pack_request(op, CLIENT, 5, key, value) == Request(op, CLIENT, 5, key, value).serialize()
+
+
 def test_vkey_is_24_bit_and_uses_the_whole_width():
     vks = [vkey(f"key-{i}".encode()) for i in range(10_000)]
     assert all(isinstance(v, int) and 0 <= v < (1 << 24) for v in vks)

@@ -43,7 +43,7 @@ from vfab.vid import codec
 from vfab.vid.api import service_blocks
 from vfab.vid.envelope import Envelope, EnvelopeError, decode
 from vfab.vid.errors import FrameError, StateError, VfabError
-from vfab.vid.frame import Frame, FrameType, parse
+from vfab.vid.frame import Frame, FrameType, pack, parse
 from vfab.vid.ranges import Range
 from vfab.vid.registry import Registry, schema
 from vfab.vid.state import machine
@@ -543,8 +543,7 @@ class EndpointLoop(PeerSide, Replication):
         if payload is None:
             return
         src = codec.packed(self.service.id, vk, self.layout) if vk is not None else self.port.mac
-        self.port.send(Frame(dst=frame.src, src=src, type=FrameType.REPLY, payload=payload, channel=frame.channel,
-                             seq=frame.seq, priority=frame.priority))
+        self.port.send(pack(frame.src, src, FrameType.REPLY, payload, frame.channel, frame.seq, frame.priority))
 
     # -- control messages -------------------------------------------------------------------------------
     def _serve_ctl(self) -> None:
