@@ -39,10 +39,10 @@ Liveness: the agent is mc-helper's parent.  When mc-helper exits (``kill -9`` in
 the lease at once: endpoint and status vanish, the controller drops the helper's bucket, and its clients
 hash to the remaining helpers (or the owner) with no reconnect; the agent exits 1.  When it makes no
 progress for ``--stale`` s — its stats file not written (SIGSTOP, a starved host) or, though written, the
-lcores' loop counter in it standing still (hung lcores: the file's writer is a thread of its own) — the
-lease is revoked the same way, but the agent stays: once both move again it announces the helper again
-(a new lease), and the switches give it its bucket back.  (The counter is the sum over lcores: one hung
-lcore of several is not seen.)  If the agent itself dies, mc-helper gets SIGTERM (parent-death signal) and
+loop counter of any of its lcores in it standing still (a hung lcore: the file's writer is a thread of its
+own, and each lcore serves its own queue, whose clients a hung one leaves unanswered) — the lease is revoked
+the same way, but the agent stays: once all move again it announces the helper again (a new lease), and the
+switches give it its bucket back.  If the agent itself dies, mc-helper gets SIGTERM (parent-death signal) and
 the lease expires after ``--ttl`` s.  SIGTERM/SIGINT: the lease goes first (clients leave the helper), then the child stops.
 """
 
@@ -294,9 +294,10 @@ class HelperAgent(Agent):
         now = time.monotonic()
         st = control.read_stats(self.stats_path)
         written = st.get("uptime_ms") != self.last_stats.get("uptime_ms")
-        # The file is written by mc-helper's stats thread, which goes on if its lcores hang: progress is the
-        # lcores' loop counter moving too (it moves when idle as well, at least once per --idle-us).
-        if written and st.get("loops") != self.last_stats.get("loops"):
+        # The file is written by mc-helper's stats thread, which goes on if its lcores hang: progress is every
+        # lcore's loop counter moving too (each moves when idle as well, at least once per --idle-us).
+        still = still_lcores(st, self.last_stats) if written else []
+        if written and not still:
             self.last_change = now
             self.last_stats = st
             if self.server is None:   # it stalled and was withdrawn: it lives again
@@ -309,8 +310,8 @@ class HelperAgent(Agent):
                 return None
         elif now - self.last_change > self.args.stale and self.server is not None:
             self.stalled_at = self.last_change
-            what = (f"its lcores' loop counter (in {self.stats_path}) has not changed" if written else
-                    f"its stats file {self.stats_path} has not changed")
+            what = (f"the loop counter of its lcore(s) {', '.join(still)} (in {self.stats_path}) has not changed"
+                    if written else f"its stats file {self.stats_path} has not changed")
             self.withdraw(f"{what} for {now - self.last_change:.1f} s; announced again once it does")
             return None
         if self.server is not None and now - self.last_publish >= self.args.period:
@@ -327,6 +328,15 @@ class HelperAgent(Agent):
             for path in (self.stats_path, f"{self.stats_path}.tmp"):
                 if os.path.exists(path):
                     os.unlink(path)
+
+
+def still_lcores(now: dict, before: dict) -> list[str]:
+    """The lcores (their index, as a string) whose loop counter did not move from ``before`` to ``now``, two
+    reads of mc-helper's stats file; a file without per-lcore counters is judged by the sum, named "all"."""
+    n = now.get("lcores", 0)
+    if n and "lcore_0_loops" in now:
+        return [str(i) for i in range(n) if now.get(f"lcore_{i}_loops") == before.get(f"lcore_{i}_loops")]
+    return ["all"] if now.get("loops") == before.get("loops") else []
 
 
 def add_common(p: argparse.ArgumentParser) -> None:

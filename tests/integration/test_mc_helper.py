@@ -389,6 +389,8 @@ def test_two_lcores_share_nothing_and_keep_order(net, helper):
     assert all(r["violations"] == 0 and r["missing"] == 0 for r in order), order
     st1 = h.stats()
     assert st1["lcore_0_rx_frames"] > 1000 and st1["lcore_1_rx_frames"] > 1000, st1
+    # each lcore's own loop counter: what the agent's liveness check reads
+    assert all(st1[f"lcore_{i}_loops"] > st0[f"lcore_{i}_loops"] for i in (0, 1)), (st0, st1)
     assert delta(st1, st0, "b_keys") > 2 * delta(st1, st0, "b_cmds")
 
 

@@ -1,8 +1,8 @@
 """The helper agent's liveness check (services/memcached-helper/agent.py, HelperAgent.tick), without a helper.
 
 The agent withdraws its helper when it makes no progress for --stale s and announces it again once it
-does.  Progress is the stats file being written *and* the lcores' loop counter moving: the file's writer is
-mc-helper's stats thread, which goes on writing if every lcore hangs.
+does.  Progress is the stats file being written *and* every lcore's loop counter moving: the file's writer is
+mc-helper's stats thread, which goes on writing if lcores hang.
 """
 
 from __future__ import annotations
@@ -35,18 +35,25 @@ def agent(tmp_path) -> tuple[HelperAgent, list]:
     return a, events
 
 
-def write(a: HelperAgent, uptime: int, loops: int) -> None:
+def write(a: HelperAgent, uptime: int, loops: int, per_lcore: list[int] | None = None) -> None:
+    """The file as an older mc-helper wrote it (``loops``, the sum, only), or with ``per_lcore`` counters."""
+    lines = [f"uptime_ms {uptime}", f"loops {loops if per_lcore is None else sum(per_lcore)}", "conns 1"]
+    if per_lcore is not None:
+        lines += [f"lcores {len(per_lcore)}"] + [f"lcore_{i}_loops {n}" for i, n in enumerate(per_lcore)]
     with open(a.stats_path, "w") as fh:
-        fh.write(f"uptime_ms {uptime}\nloops {loops}\nconns 1\n")
+        fh.write("\n".join(lines) + "\n")
 
 
-def run_for(a: HelperAgent, seconds: float, uptime: list, loops: list) -> None:
-    """Tick every 10 ms for ``seconds``; each tick writes uptime/loops, advanced by the callers' steps."""
+def run_for(a: HelperAgent, seconds: float, uptime: list, loops: list, lcores: list | None = None) -> None:
+    """Tick every 10 ms for ``seconds``; each tick writes uptime/loops, advanced by the callers' steps
+    (``lcores``: [counter, step] per lcore, written per lcore)."""
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         uptime[0] += uptime[1]
         loops[0] += loops[1]
-        write(a, uptime[0], loops[0])
+        for lc in lcores or []:
+            lc[0] += lc[1]
+        write(a, uptime[0], loops[0], None if lcores is None else [lc[0] for lc in lcores])
         a.tick()
         time.sleep(0.01)
 
@@ -59,7 +66,7 @@ def test_a_hung_lcore_is_withdrawn_though_its_stats_file_is_still_written(tmp_pa
     loops[1] = 0                                         # every lcore hangs; the stats thread goes on
     run_for(a, 3 * STALE, uptime, loops)
     assert len(events) == 1 and events[0][0] == "withdraw", events
-    assert "its lcores' loop counter" in events[0][1] and "has not changed for" in events[0][1], events
+    assert "the loop counter of its lcore(s) all" in events[0][1] and "has not changed for" in events[0][1], events
     loops[1] = 500                                       # it moves again: announced again, once
     run_for(a, 2 * STALE, uptime, loops)
     assert events[1:] == [("announce",)], events
@@ -73,3 +80,28 @@ def test_a_stopped_helper_is_withdrawn_by_its_still_stats_file(tmp_path):
     run_for(a, 3 * STALE, [uptime[0], 0], [loops[0], 0])
     assert len(events) == 1 and events[0][0] == "withdraw", events
     assert events[0][1].startswith("its stats file ") and "has not changed for" in events[0][1], events
+
+
+def test_one_hung_lcore_of_several_withdraws_the_helper_and_is_named(tmp_path):
+    """Each lcore serves its own queue: one that hangs leaves its clients unanswered while the sum moves."""
+    a, events = agent(tmp_path)
+    uptime, lcores = [0, 10], [[0, 500], [0, 500], [0, 500]]
+    run_for(a, 3 * STALE, uptime, [0, 0], lcores)       # healthy
+    assert events == []
+    lcores[1][1] = 0                                     # lcore 1 hangs; 0 and 2 go on
+    run_for(a, 3 * STALE, uptime, [0, 0], lcores)
+    assert len(events) == 1 and events[0][0] == "withdraw", events
+    assert "the loop counter of its lcore(s) 1 (in " in events[0][1], events
+    lcores[1][1] = 500
+    run_for(a, 2 * STALE, uptime, [0, 0], lcores)
+    assert events[1:] == [("announce",)], events
+
+
+def test_still_lcores_reads_per_lcore_counters_and_falls_back_to_the_sum():
+    from vfab.services.memcached_helper.agent import still_lcores
+
+    before = {"lcores": 2, "loops": 10, "lcore_0_loops": 4, "lcore_1_loops": 6}
+    assert still_lcores({**before, "loops": 11, "lcore_1_loops": 7}, before) == ["0"]
+    assert still_lcores({**before, "lcore_0_loops": 5, "lcore_1_loops": 7}, before) == []
+    assert still_lcores({"loops": 10}, {"loops": 10}) == ["all"] and still_lcores({"loops": 11}, {"loops": 10}) == []
+    assert still_lcores(before, {}) == []                # the first read: everything moved

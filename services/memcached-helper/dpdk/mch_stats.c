@@ -135,6 +135,7 @@ int mch_stats_write(const char *path, struct mch_worker *const *w, uint32_t nw,
 			(unsigned long long)sum_at(w, nw, WOFF(hist.n) + k * sizeof(uint64_t)));
 	write_conns(f, w, nw);
 	for (i = 0; i < nw; i++) {
+		fprintf(f, "lcore_%u_loops %llu\n", i, (unsigned long long)w[i]->c.loops);
 		fprintf(f, "lcore_%u_rx_frames %llu\n", i, (unsigned long long)w[i]->c.rx_frames);
 		fprintf(f, "lcore_%u_tx_frames %llu\n", i, (unsigned long long)w[i]->c.tx_frames);
 		fprintf(f, "lcore_%u_peers_used %u\n", i, w[i]->peers_used);

@@ -11,7 +11,7 @@
  *   hist_keys_<lo>         coalesced gets with lo..2*lo-1 keys (lo = 1, 2, 4 .. 256)
  *   batch_S_bytes batch_T_ns   mean over connections that are up
  *   conn_<lcore>_<i>_{state,S_bytes,T_ns,S_moves,T_moves,inflight}
- *   lcore_<n>_{rx_frames,tx_frames,peers_used}
+ *   lcore_<n>_{loops,rx_frames,tx_frames,peers_used}
  *   port_{ipackets,imissed,ierrors,opackets,oerrors}   the port's own counters
  *                          (net_af_packet: imissed = frames the kernel dropped
  *                          because the rx ring was full)
