@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import enum
 import struct
-from hashlib import blake2b
 from dataclasses import dataclass
+from hashlib import blake2b
 
 from vfab.vid.errors import VfabError
 
