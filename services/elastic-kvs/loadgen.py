@@ -31,7 +31,7 @@ import random
 import time
 
 from vfab.services.elastic_kvs.client import KvsClient
-from vfab.services.elastic_kvs.proto import Op
+from vfab.services.elastic_kvs.proto import Op, Status
 from vfab.vid.registry import Registry
 from vfab.vid.state.sched import RunDelay
 
@@ -62,11 +62,12 @@ def drive(client: KvsClient, n: int, duration: float, keys: list[bytes], mix: tu
     The loop between a reply and the next request is this process's share of every operation's latency, so
     it does only what it must: the run-queue delay is read once per batch of replies (the same reading ends
     those operations and starts the ones issued after them, within microseconds) and a history entry is
-    the finished operation's fields as they are, turned into plain values after the run."""
+    the finished operation's fields as they are (no Reply kept), turned into plain values after the run."""
     rng = random.Random(seed)
     delay = RunDelay()
     ops = [Op.PUT] * mix[0] + [Op.GET] * mix[1] + [Op.DEL] * mix[2]
     done_ops: list[tuple] = []
+    PUT, GET, OK = Op.PUT, Op.GET, Status.OK
     counts = [0] * n
     pad = b"." * value_size
     submit, choice, monotonic = client.submit, rng.choice, time.monotonic
@@ -97,25 +98,28 @@ def drive(client: KvsClient, n: int, duration: float, keys: list[bytes], mix: tu
             more = monotonic() < end
             for p in done:
                 c, at = p.tag
-                r = p.reply
-                done_ops.append((c, now_delay - at, p.op, p.key, p.value, p.submitted, p.finished, r))
+                r, op = p.reply, p.op
+                if r is None:
+                    done_ops.append((c, now_delay - at, op, p.key, p.value if op is PUT else None, p.submitted,
+                                     p.finished, None, 0))
+                else:
+                    done_ops.append((c, now_delay - at, op, p.key, p.value if op is PUT else (
+                        r.body if op is GET and r.status is OK else None), p.submitted, p.finished, r.status,
+                        r.version))
                 if more:
                     issue(c, now_delay)
     finally:
         if collecting:
             gc.enable()
         delay.close()
-    history: list[tuple] = []
-    for c, waited, op, key, value, invoked, responded, r in done_ops:
+    # Entry by entry into plain values, in place (a long run's history is held once, not twice): a tuple of
+    # these the collector stops tracking, so 100,000s of entries never make this process pause for it.
+    for i, (c, waited, op, key, shown, invoked, responded, status, version) in enumerate(done_ops):
         if waits is not None:
             waits.append(round(waited * 1e3, 2))
-        status = r.status.name if r is not None else "TIMEOUT"
-        shown = value if op is Op.PUT else (r.body if r is not None and op is Op.GET and status == "OK" else None)
-        # A tuple of plain values: the collector stops tracking it, so a history of 100,000s of entries
-        # never makes this process pause for a full collection.
-        history.append((c, op.name, key.decode(), shown.split(b".")[0].decode() if shown else None,
-                        invoked, responded, status, r.version if r is not None else 0))
-    return history
+        done_ops[i] = (c, op.name, key.decode(), shown.split(b".")[0].decode() if shown else None, invoked,
+                       responded, status.name if status is not None else "TIMEOUT", version)
+    return done_ops
 
 
 def summarize(history: list[list], duration: float) -> dict:
