@@ -374,9 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--stats-ms", type=int, default=100, help="stats file period in ms (default 100)")
     h.add_argument("--period", type=float, default=1.0, help="s between status records in etcd (default 1)")
     h.add_argument("--stale", type=float, default=1.0,
-                   help="withdraw the helper while its stats file, or the lcores' loop counter in it, has not "
-                        "changed for this many s (default 1: 10 stats periods); it is announced again once both "
-                        "advance")
+                   help="withdraw the helper while its stats file, or the loop counter of any of its lcores in "
+                        "it, has not changed for this many s (default 1: 10 stats periods); it is announced again "
+                        "once all advance")
     h.add_argument("--file-prefix", default=None, help="DPDK --file-prefix (default vfmh-NAME-PID)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
