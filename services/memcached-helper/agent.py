@@ -312,7 +312,8 @@ class HelperAgent(Agent):
             self.stalled_at = self.last_change
             what = (f"the loop counter of its lcore(s) {', '.join(still)} (in {self.stats_path}) has not changed"
                     if written else f"its stats file {self.stats_path} has not changed")
-            self.withdraw(f"{what} for {now - self.last_change:.1f} s; announced again once it does")
+            self.withdraw(f"{what} for {now - self.last_change:.1f} s; announced again once it does; its "
+                          f"threads: {thread_states(self.child.pid) if getattr(self, 'child', None) else 'none'}")
             return None
         if self.server is not None and now - self.last_publish >= self.args.period:
             try:
@@ -328,6 +329,26 @@ class HelperAgent(Agent):
             for path in (self.stats_path, f"{self.stats_path}.tmp"):
                 if os.path.exists(path):
                     os.unlink(path)
+
+
+def thread_states(pid: int) -> str:
+    """Each thread of ``pid`` as "name state CPU-s" (/proc: R running or runnable, S sleeping, D in the kernel,
+    T stopped): what a stall was — a stopped process, a starved thread, a blocked one."""
+    out = []
+    try:
+        tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
+    except OSError:
+        return "gone"
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        out.append(f"{name} {rest[0]} {(int(rest[11]) + int(rest[12])) / tick:.2f}s")
+    return ", ".join(out) or "gone"
 
 
 def still_lcores(now: dict, before: dict) -> list[str]:

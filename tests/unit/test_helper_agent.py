@@ -92,6 +92,7 @@ def test_one_hung_lcore_of_several_withdraws_the_helper_and_is_named(tmp_path):
     run_for(a, 3 * STALE, uptime, [0, 0], lcores)
     assert len(events) == 1 and events[0][0] == "withdraw", events
     assert "the loop counter of its lcore(s) 1 (in " in events[0][1], events
+    assert events[0][1].endswith("its threads: none"), events     # no child here (see thread_states)
     lcores[1][1] = 500
     run_for(a, 2 * STALE, uptime, [0, 0], lcores)
     assert events[1:] == [("announce",)], events
@@ -105,3 +106,23 @@ def test_still_lcores_reads_per_lcore_counters_and_falls_back_to_the_sum():
     assert still_lcores({**before, "lcore_0_loops": 5, "lcore_1_loops": 7}, before) == []
     assert still_lcores({"loops": 10}, {"loops": 10}) == ["all"] and still_lcores({"loops": 11}, {"loops": 10}) == []
     assert still_lcores(before, {}) == []                # the first read: everything moved
+
+
+def test_thread_states_say_what_each_thread_of_a_process_does():
+    import os
+    import subprocess
+    import time as _time
+
+    from vfab.services.memcached_helper.agent import thread_states
+
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        _time.sleep(0.1)
+        assert thread_states(p.pid) == "sleep S 0.00s"
+        os.kill(p.pid, 19)                                   # SIGSTOP
+        _time.sleep(0.1)
+        assert thread_states(p.pid) == "sleep T 0.00s"
+    finally:
+        p.kill()
+        p.wait()
+    assert thread_states(p.pid) == "gone"
