@@ -115,13 +115,18 @@ def test_thread_states_say_what_each_thread_of_a_process_does():
 
     from vfab.services.memcached_helper.agent import thread_states
 
+    def settles(want: str) -> str:
+        """thread_states of p once it reads ``want`` (the exec and the stop take a moment), or as it is after 5 s."""
+        end = _time.monotonic() + 5.0
+        while (got := thread_states(p.pid)) != want and _time.monotonic() < end:
+            _time.sleep(0.01)
+        return got
+
     p = subprocess.Popen(["sleep", "30"])
     try:
-        _time.sleep(0.1)
-        assert thread_states(p.pid) == "sleep S 0.00s"
+        assert settles("sleep S 0.00s") == "sleep S 0.00s"
         os.kill(p.pid, 19)                                   # SIGSTOP
-        _time.sleep(0.1)
-        assert thread_states(p.pid) == "sleep T 0.00s"
+        assert settles("sleep T 0.00s") == "sleep T 0.00s"
     finally:
         p.kill()
         p.wait()
