@@ -83,16 +83,17 @@ class Plan:
         While the clients arrive s1 serves about 2 requests per client (DISCOVER, REQUEST) over ``arrive``
         s; afterwards each client renews once per lease/2, and since they all arrived within ``arrive`` s
         the renewals come in waves of about total/arrive per s.  ``split_rate`` sits between the two
-        (1.4 x the wave), so one split happens during the burst and none afterwards; one period over it is
-        enough (``split_window`` = ``period``): the burst's peak lasts about a second, and with two periods
-        required its rate fell below the trigger before the second one now and then.  No ``split_keys``:
+        (1.4 x the wave), so one split happens during the burst and none afterwards; one load report over it
+        is enough (``split_window`` = 0): the burst's peak lasts about a second, one shard's report (per
+        ``LOAD_PERIOD``, 1 s), and with half a second required the balancer's next look came after the
+        next report, below the trigger, now and then.  No ``split_keys``:
         the clients' lease records stay after they leave, and the balancer never merges two ranges holding
         more than half of that limit (they would split again at once), so a key limit under the number of
         clients would forbid the merge at the end.  Merges need both halves nearly idle for a whole lease
         time: two renewal periods, so a wave of renewals always breaks the calm while clients are there,
         and the shards merge only once they have left."""
         wave = self.total / self.arrive
-        return {"period": 0.5, "stale_after": 3, "min_interval": 1, "op_dwell": 3, "split_window": 0.5,
+        return {"period": 0.5, "stale_after": 3, "min_interval": 1, "op_dwell": 3, "split_window": 0,
                 "split_rate": round(1.4 * wave, 1), "split_keys": 0,
                 "merge_rate": round(0.1 * wave, 1), "merge_window": float(self.lease)}
 
@@ -211,6 +212,21 @@ class Demo:
         self.tb.wait_revision(self.reg.state_revision(), timeout=60)
         say(f"clients: {p.udhcpc} udhcpc, {p.dhclient} dhclient, {p.dhcpcd} dhcpcd, each in its own namespace "
             f"(vfxd0..vfxd{p.total - 1}, macvlans of {FARM_HOST}'s port)")
+        t0 = time.monotonic()
+        wait_for(self.balancer_watching, 60, "the balancer to see s1's load and the spare s2 (its output: "
+                 f"{os.path.join(self.workdir, 'balancer.out')})", interval=0.1)
+        say(f"the balancer sees s1's load and the spare s2 ({time.monotonic() - t0:.1f} s after the clients were "
+            "ready)")
+
+    def balancer_watching(self) -> bool:
+        """The balancer has published a round that saw s1's load report and s2 as a spare: a burst started
+        before that (the balancer still importing on a loaded machine) could end before it looked."""
+        got = self.reg.get(schema.balancer_key(SVC))
+        if got is None:
+            return False
+        view = schema.BalancerStatus.from_json(got[0]).view
+        return ("s2" in view.get("spares", []) and
+                any(r.get("owner") == "s1" and r.get("rate") is not None for r in view.get("ranges", [])))
 
     def burst(self) -> None:
         p, farm = self.plan, self.farm

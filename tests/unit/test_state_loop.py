@@ -308,6 +308,27 @@ def test_an_old_copy_not_due_yet_does_not_hold_back_new_drop_work():
     assert time.monotonic() - t0 < 10
 
 
+def test_a_load_report_divides_the_counts_by_the_time_they_cover():
+    """The counts taken cover the time since the last take, which can be longer than LOAD_PERIOD (a wake-up
+    every half period; later on a loaded machine): 30 requests over 2 s are 15 requests/s, not 30."""
+    from types import SimpleNamespace
+
+    from vfab.vid.registry import schema
+    from vfab.vid.state.housekeeper import Housekeeper
+
+    mine = [SimpleNamespace(lo=0, hi=0xFF, owner="x", range=Range(0, 0xFF))]
+    loop = SimpleNamespace(name="x", call=lambda fn: fn(), take_rates=lambda: {0: 30},
+                           view=SimpleNamespace(held_by=lambda name: mine), backend=SimpleNamespace(count=lambda r: 4),
+                           service=SimpleNamespace(name="svc"), lease=SimpleNamespace(id=0))
+    puts = []
+    hk = Housekeeper(loop)
+    hk._taken = time.monotonic() - 2.0
+    hk._report_load(SimpleNamespace(put=lambda key, value, lease=None: puts.append(value)))
+    (lo, hi, keys, rate), = schema.Load.from_json(puts[0]).ranges
+    assert (lo, hi, keys) == (0, 0xFF, 4)
+    assert 14.0 < rate <= 15.0
+
+
 def test_replicated_writes_overtake_queued_copy_chunks(endpoint):
     """A client waits on each replicated write; a copy's chunks (tens of ms each on a busy disk) must not
     queue in front of it.  Sent CHUNK x5 then REPL in one burst, the REPL is answered after at most the one

@@ -44,6 +44,7 @@ class Housekeeper:
         self._last_error = ""
         self._asks: collections.deque = collections.deque()   # silent sources' copies (Incoming), any thread
         self._reread: int | None = None   # a lease generation whose map must be read again (loop thread sets it)
+        self._taken = time.monotonic()    # when the request counts were last taken (load reports)
 
     def start(self) -> None:
         threading.Thread(target=self._run, name=f"housekeeper-{self.loop.name}", daemon=True).start()
@@ -154,7 +155,11 @@ class Housekeeper:
         rates = lp.call(lp.take_rates)
         if not isinstance(rates, dict):
             return  # the loop is shutting down
-        rows = [[r.lo, r.hi, lp.backend.count(r.range), rates.get(r.lo, 0) / LOAD_PERIOD] for r in mine]
+        # per second of the time these counts cover: the wake-ups come every LOAD_PERIOD/2 or earlier, so a
+        # report can follow the last one after up to 1.5 x LOAD_PERIOD (and later on a loaded machine)
+        now = time.monotonic()
+        span, self._taken = max(now - self._taken, 0.05), now
+        rows = [[r.lo, r.hi, lp.backend.count(r.range), rates.get(r.lo, 0) / span] for r in mine]
         role = {f"{r.lo:06x}": "owner" if r.owner == lp.name else "mirror" for r in mine}
         reg.put(schema.load_key(lp.service.name, lp.name), schema.Load(at=time.time(), ranges=rows, role=role).to_json(),
                 lease=lp.lease.id or None)
