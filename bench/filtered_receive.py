@@ -75,6 +75,7 @@ from vfab.vid import api, codec  # noqa: E402
 from vfab.vid.registry import schema  # noqa: E402
 from vfab.vid.frame import ETH_LEN, Frame, FrameType  # noqa: E402
 from vfab.vid.ranges import Range  # noqa: E402
+from vfab.vid.state.sched import proc_stat  # noqa: E402
 from vfab.vid.transport import RawPort  # noqa: E402
 
 log = logging.getLogger("bench.filtered_receive")
@@ -205,11 +206,11 @@ class EchoServer(threading.Thread):
 def ovs_cpu() -> float:
     """User+system CPU seconds of ovs-vswitchd (all threads)."""
     try:
-        pid = int(open("/var/run/openvswitch/ovs-vswitchd.pid").read().strip())
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+        with open("/var/run/openvswitch/ovs-vswitchd.pid") as fh:
+            st = proc_stat(int(fh.read().strip()))
+    except (OSError, ValueError):
         return float("nan")
+    return st.cpu_s if st is not None else float("nan")
 
 
 def run_cell(tb: Testbed, cfg: dict, server: EchoServer, warm: float, measure: float) -> dict:

@@ -88,6 +88,7 @@ from vfab.testbed.fabric import Testbed  # noqa: E402
 from vfab.testbed.procs import wait_for  # noqa: E402
 from vfab.vid import codec  # noqa: E402
 from vfab.vid.state import ctl as statectl  # noqa: E402
+from vfab.vid.state.sched import proc_stat  # noqa: E402
 
 SERVER, PREFIX = "10.77.0.1", 20
 FIRST, LAST = "10.77.0.10", "10.77.15.250"
@@ -118,17 +119,8 @@ DURABILITY = {
 
 def cpu_seconds(pids: list[int]) -> tuple[float, float]:
     """(user + system, system) CPU time of these processes (all their threads) so far."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = system = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])   # utime, stime
-        system += int(fields[12])
-    return total / tick, system / tick
+    stats = [st for st in map(proc_stat, pids) if st is not None]
+    return sum(st.cpu_s for st in stats), sum(st.system_s for st in stats)
 
 
 def cpu_used(pids: list[int], since: tuple[float, float], leased: int, clients: int | None = None) -> dict:

@@ -38,6 +38,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from vfab.vid.state.sched import proc_stat
+
 log = logging.getLogger("vfab.testbed.leftovers")
 STATE_DIR = os.environ.get("VFAB_TESTBED_STATE_DIR", "/var/lib/vfab/testbed")
 NAME_PREFIX = "vf"          # every bridge, link and namespace the project creates
@@ -55,20 +57,10 @@ def boot_id() -> str:
         return ""
 
 
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            text = fh.read()
-    except (OSError, ValueError):
-        return None
-    # comm (field 2) may hold spaces and parentheses: split after the last ')'.
-    return text.rsplit(")", 1)[1].split()
-
-
 def start_time(pid: int) -> int | None:
     """The process's start time in clock ticks since boot; None if there is no such process."""
-    fields = _stat(pid)
-    return int(fields[19]) if fields else None
+    st = proc_stat(pid)
+    return st.start if st is not None else None
 
 
 def cmdline(pid: int) -> str:
@@ -88,9 +80,8 @@ def same_process(ident: dict, boot: str | None = None) -> bool:
     """True if ``ident`` still names a live (not zombie) process: same boot, same PID, same start time."""
     if boot is not None and boot != boot_id():
         return False
-    fields = _stat(ident["pid"])
-    return bool(fields) and ident.get("start") is not None and int(fields[19]) == ident["start"] \
-        and fields[0] != "Z"
+    st = proc_stat(ident["pid"])
+    return st is not None and ident.get("start") is not None and st.start == ident["start"] and st.state != "Z"
 
 
 def ovs_identities() -> list[dict]:

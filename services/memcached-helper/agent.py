@@ -66,6 +66,7 @@ from vfab.vid import api
 from vfab.vid.errors import RegistryError, VfabError
 from vfab.vid.netns import netns as in_netns
 from vfab.vid.registry import Registry, schema
+from vfab.vid.state.sched import proc_stat
 
 from vfab.services.memcached_helper import control
 
@@ -325,30 +326,19 @@ class HelperAgent(Agent):
 
     def cleanup(self) -> None:
         shutil.rmtree(f"/var/run/dpdk/{self.prefix}", ignore_errors=True)
-        if not self.args.stats_file:   # its file, and the one mc-helper writes it through (left by a kill -9)
-            for path in (self.stats_path, f"{self.stats_path}.tmp"):
-                if os.path.exists(path):
-                    os.unlink(path)
+        if not self.args.stats_file:   # a stats file of its own choosing: removed with its .tmp
+            control.remove_stats(self.stats_path)
 
 
 def thread_states(pid: int) -> str:
     """Each thread of ``pid`` as "name state CPU-s" (/proc: R running or runnable, S sleeping, D in the kernel,
     T stopped): what a stall was — a stopped process, a starved thread, a blocked one."""
-    out = []
     try:
         tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
     except OSError:
         return "gone"
-    tick = os.sysconf("SC_CLK_TCK")
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        out.append(f"{name} {rest[0]} {(int(rest[11]) + int(rest[12])) / tick:.2f}s")
-    return ", ".join(out) or "gone"
+    stats = [proc_stat(pid, int(tid)) for tid in tids]
+    return ", ".join(f"{st.name} {st.state} {st.cpu_s:.2f}s" for st in stats if st is not None) or "gone"
 
 
 def still_lcores(now: dict, before: dict) -> list[str]:

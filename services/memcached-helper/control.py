@@ -66,6 +66,16 @@ def read_stats(path: str) -> dict[str, int]:
     return out
 
 
+def remove_stats(path: str) -> None:
+    """Remove a stats file and the one mc-helper writes it through (``PATH.tmp``, renamed over it): what a
+    helper killed with -9 leaves behind."""
+    for name in (path, f"{path}.tmp"):
+        try:
+            os.unlink(name)
+        except FileNotFoundError:
+            pass
+
+
 def read_stats_after(path: str, t_ns: int, timeout: float = 1.0) -> dict[str, int]:
     """The stats file as mc-helper wrote it after ``t_ns`` (``time.time_ns()``): the file is rewritten every
     ``--stats-ms``, so one read right after some traffic may miss its last counts.  Waits for a newer file

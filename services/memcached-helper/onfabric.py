@@ -112,9 +112,8 @@ class McFabric:
         rc = self.tb.sup.stop(run.agent, grace=15)
         self.tb.untrack(run.pid)
         self.helpers.pop(run.name, None)
-        for path in (run.stats_file, f"{run.stats_file}.tmp") if run.stats_file else ():
-            if os.path.exists(path):   # its agent was killed: it could not remove them
-                os.unlink(path)
+        if run.stats_file:   # its agent was killed: it could not remove them
+            control.remove_stats(run.stats_file)
         return rc
 
     def kill_helper(self, name: str) -> float:

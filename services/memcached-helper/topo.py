@@ -40,6 +40,7 @@ import uuid
 
 from vfab.services.memcached_helper import control
 from vfab.testbed.procs import Proc, Supervisor, wait_for
+from vfab.vid.state.sched import proc_stat
 
 SVC_IP = "10.77.0.1"
 SVC_PORT = 11211
@@ -436,8 +437,9 @@ def parse_lcores(spec: str) -> list[int]:
 
 
 def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (/proc/PID/stat)."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of a process so far (/proc/PID/stat); OSError if it is gone."""
+    st = proc_stat(pid)
+    if st is None:
+        raise ProcessLookupError(f"process {pid} is gone")
+    return st.cpu_s
 

@@ -30,6 +30,7 @@ from vfab.fabric import ovs
 from vfab.testbed import leftovers
 from vfab.testbed import fabric
 from vfab.testbed.fabric import LOCK_WAIT, acquire_lock, release_lock
+from vfab.vid.state.sched import proc_stat
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOPO = "line,2,2"   # two bridges, a trunk veth between them, four hosts
@@ -43,11 +44,8 @@ def _root():
 
 def alive(pid: int) -> bool:
     """A process with this PID exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    st = proc_stat(pid)
+    return st is not None and st.state != "Z"
 
 
 def bridges() -> list[str]:

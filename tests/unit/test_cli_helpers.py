@@ -234,3 +234,13 @@ def test_releasing_holds_with_etcd_away_says_etcd_not_the_record():
         assert not isinstance(got.value, control.HelperError) and "deletes the record" not in str(got.value)
     finally:
         dead.close()
+
+
+def test_remove_stats_removes_the_file_and_the_one_written_through(tmp_path):
+    path = tmp_path / "h1.stats"
+    path.write_text("loops 1\n")
+    (tmp_path / "h1.stats.tmp").write_text("loops 2\n")
+    (tmp_path / "other.stats").write_text("loops 3\n")
+    control.remove_stats(str(path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.stats"]
+    control.remove_stats(str(path))   # already gone (the agent removed them): nothing to say

@@ -1,6 +1,10 @@
-"""The scheduler's account of one thread: how long it has been runnable but not running (waiting for a core).
+"""The scheduler's account of processes and threads.
 
-Read from ``/proc/thread-self/schedstat`` ("<ns on a CPU> <ns waiting for one> <slices>"), which names the
+:func:`proc_stat` reads ``/proc/PID/stat`` (or one thread's): state, CPU seconds, start time.  The helper
+agent lists a stalled helper's threads with it, the benchmarks count CPU with it, the testbed tells a
+process from one that took its PID.
+
+:class:`RunDelay`: how long one thread has been runnable but not running (waiting for a core).  Read from ``/proc/thread-self/schedstat`` ("<ns on a CPU> <ns waiting for one> <slices>"), which names the
 *reading* thread: open a :class:`RunDelay` in the thread it is to measure.  The stateful-endpoint loop uses it
 to tell a long pass's wait for a core from its work; the kvs load generator to tell its own waits from the
 service's latency.
@@ -9,8 +13,41 @@ service's latency.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 SCHEDSTAT = "/proc/thread-self/schedstat"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    name: str           # comm: the process's or thread's name
+    state: str          # R running or runnable, S sleeping, D in the kernel, T stopped, Z zombie, ...
+    user_s: float
+    system_s: float
+    start: int          # clock ticks since boot: with the PID, names one process for good
+
+    @property
+    def cpu_s(self) -> float:
+        return self.user_s + self.system_s
+
+
+def proc_stat(pid: int, tid: int | None = None) -> ProcStat | None:
+    """``/proc/PID/stat``, or thread TID's (``/proc/PID/task/TID/stat``); None if there is no such process."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    try:
+        with open(path) as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    # comm may hold spaces and parentheses: it ends at the last ')'
+    head, _, rest = text.rpartition(")")
+    fields = rest.split()
+    try:
+        return ProcStat(head[head.index("(") + 1:], fields[0], int(fields[11]) / CLK_TCK,
+                        int(fields[12]) / CLK_TCK, int(fields[19]))
+    except (ValueError, IndexError):
+        return None
 
 
 class RunDelay:
