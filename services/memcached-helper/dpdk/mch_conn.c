@@ -158,6 +158,7 @@ static int in_poll(struct mch_conn *c)
 	for (i = 0; i < MCH_READS_PER_POLL; i++) {
 		ssize_t n = recv(c->fd, c->in, MCH_CONN_IN, MSG_DONTWAIT);
 
+		c->c.reads++;
 		if (n > 0) {
 			did = 1;
 			c->c.bytes_in += (uint64_t)n;
@@ -167,8 +168,10 @@ static int in_poll(struct mch_conn *c)
 				break;
 			continue;
 		}
-		if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+		if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+			c->c.reads_empty++;
 			break;
+		}
 		return -1; /* EOF or error */
 	}
 	return did;
@@ -281,6 +284,19 @@ int mch_conn_pass(struct mch_conn *c, const struct mch_req *r, uint32_t slot, ui
 	return MCH_CDROP_NONE;
 }
 
+/* After a fast-path read: read again at once if it found data, else back off (see mch_conn.h). */
+static void read_backoff(struct mch_conn *c, uint64_t now, int got)
+{
+	uint64_t lo = (uint64_t)MCH_READ_GAP_MIN_NS * c->hz / 1000000000u;
+	uint64_t hi = (uint64_t)MCH_READ_GAP_MAX_NS * c->hz / 1000000000u;
+
+	if (got)
+		c->read_gap = 0;
+	else
+		c->read_gap = c->read_gap == 0 ? lo : (c->read_gap * 2 < hi ? c->read_gap * 2 : hi);
+	c->read_at = now + c->read_gap;
+}
+
 uint64_t mch_conn_due_in(const struct mch_conn *c, uint64_t now)
 {
 	uint64_t waited;
@@ -312,13 +328,14 @@ int mch_conn_poll(struct mch_conn *c, uint64_t now)
 		}
 		did = 1;
 	}
-	if (mch_split_pending(&c->sp) > 0) {
+	if (mch_split_pending(&c->sp) > 0 && (int64_t)(now - c->read_at) >= 0) {
 		rc = in_poll(c);
 		if (rc < 0) {
 			conn_fail(c, now);
 			return 1;
 		}
 		did |= rc;
+		read_backoff(c, now, rc > 0);
 	}
 	return did;
 }

@@ -45,6 +45,7 @@ enum mch_conn_drop {
 struct mch_conn_ctr {
 	uint64_t connects, connect_fails, disconnects;
 	uint64_t bytes_out, bytes_in;
+	uint64_t reads, reads_empty; /* recv calls on the TCP leg; those that found nothing (EAGAIN) */
 	uint64_t get_cmds, pass_cmds;
 	uint64_t close_size;  /* batches sent because they reached S */
 	uint64_t close_time;  /* ... because T had passed */
@@ -70,6 +71,8 @@ struct mch_conn {
 	uint8_t *in;
 	struct mch_adapt ad;       /* S in bytes, T in tsc ticks */
 	uint64_t last_send;        /* tsc of the previous batch */
+	uint64_t read_at;          /* tsc before which the fast path does not read (mch_conn_poll) */
+	uint64_t read_gap;         /* the back-off after the last empty read, tsc ticks; 0 after data */
 	uint64_t hz;               /* tsc ticks per second */
 	struct mch_conn_ctr c;
 };
@@ -88,7 +91,15 @@ int mch_conn_pass(struct mch_conn *c, const struct mch_req *r, uint32_t slot, ui
 /*
  * Fast path, every loop: send the open batch when due, write what is
  * buffered, read answers.  Returns non-zero when it did any work.
+ *
+ * Reads back off: a read that found nothing (memcached still working on a
+ * batch) waits MCH_READ_GAP_MIN_NS before the next, doubling up to
+ * MCH_READ_GAP_MAX_NS; a read that found data reads again at once.  Each
+ * empty recv() is a system call that takes the socket's lock: read on every
+ * loop, a capped helper spent 0.17 of them per frame (bench/helper_throughput.py).
  */
+#define MCH_READ_GAP_MIN_NS 2000u
+#define MCH_READ_GAP_MAX_NS 16000u
 int mch_conn_poll(struct mch_conn *c, uint64_t now);
 
 /* Slow path, about every millisecond: connect, reconnect, notice EOF. */

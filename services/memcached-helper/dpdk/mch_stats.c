@@ -62,7 +62,8 @@ static const struct mch_stat_field worker_fields[] = {
 static const struct mch_stat_field conn_fields[] = {
 	{"connects", COFF(c.connects)}, {"connect_fails", COFF(c.connect_fails)},
 	{"disconnects", COFF(c.disconnects)}, {"tcp_bytes_out", COFF(c.bytes_out)},
-	{"tcp_bytes_in", COFF(c.bytes_in)}, {"get_cmds", COFF(c.get_cmds)},
+	{"tcp_bytes_in", COFF(c.bytes_in)}, {"tcp_reads", COFF(c.reads)},
+	{"tcp_reads_empty", COFF(c.reads_empty)}, {"get_cmds", COFF(c.get_cmds)},
 	{"pass_cmds", COFF(c.pass_cmds)}, {"close_size", COFF(c.close_size)},
 	{"close_time", COFF(c.close_time)}, {"close_full", COFF(c.close_full)},
 	{"close_order", COFF(c.close_order)},
