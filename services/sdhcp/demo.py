@@ -85,8 +85,8 @@ class Plan:
         the renewals come in waves of about total/arrive per s.  ``split_rate`` sits between the two
         (1.4 x the wave), so one split happens during the burst and none afterwards; one load report over it
         is enough (``split_window`` = 0): the burst's peak lasts about a second, one shard's report (per
-        ``LOAD_PERIOD``, 1 s), and with half a second required the balancer's next look came after the
-        next report, below the trigger, now and then.  No ``split_keys``:
+        ``LOAD_PERIOD``, 1 s), and with half a second required the balancer's second look can come after
+        the next report, below the trigger (the smoke run missed its split now and then).  No ``split_keys``:
         the clients' lease records stay after they leave, and the balancer never merges two ranges holding
         more than half of that limit (they would split again at once), so a key limit under the number of
         clients would forbid the merge at the end.  Merges need both halves nearly idle for a whole lease
