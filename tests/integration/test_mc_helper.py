@@ -13,6 +13,7 @@ import importlib.util
 import os
 import random
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -401,6 +402,19 @@ def test_memaslap_udp_through_the_helper(net, helper):
     cmd = ["ip", "netns", "exec", net.ns_c[0], "taskset", "-c", "0", "memcaslap", "-s", SVC, "--udp", "-t", "3s",
            "-T", "1", "-c", "16", "-X", "64", "-v", "0.1"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    if out.returncode == -signal.SIGABRT and "ms_sort_udp_packet" in out.stderr:
+        # memaslap's UDP mode aborts on its own assertion now and then (a datagram whose request id is not the
+        # connection's current one), against memcached alone too (bench/helper_batching.py runs it again as
+        # well).  Not the helper's doing if it sent one reply datagram per request and no more (its 64 B
+        # values fit one datagram): then run memaslap once more.
+        st = h.wait_stats(lambda s: delta(s, st0, "reply_dgrams") + delta(s, st0, "drop_busy")
+                          + delta(s, st0, "drop_peers") + delta(s, st0, "drop_noconn") >= delta(s, st0, "rx_dgrams"),
+                          5, "the helper to answer what it received")
+        assert delta(st, st0, "reply_dgrams") <= delta(st, st0, "rx_dgrams"), (st0, st)
+        print(f"memaslap aborted on its own assertion ({out.stderr.strip()[-120:]}); the helper had sent "
+              f"{delta(st, st0, 'reply_dgrams')} replies for {delta(st, st0, 'rx_dgrams')} requests; running it again")
+        st0 = h.stats()
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     got = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in out.stdout.splitlines()) if _}
     assert int(got["cmd_get"]) > 1000 and int(got["cmd_set"]) > 100, out.stdout
@@ -417,6 +431,7 @@ def test_memaslap_udp_through_the_helper(net, helper):
         <= int(got["cmd_get"]) + int(got["cmd_set"])
     assert delta(st1, st0, "b_keys") > delta(st1, st0, "b_cmds")
     assert delta(st1, st0, "rej_bad_char") == 0   # memaslap's keys carry 0x10 bytes: accepted, as memcached does
+    assert delta(st1, st0, "reply_dgrams") == delta(st1, st0, "rx_dgrams"), (st0, st1)   # one reply per request
 
 
 # ----------------------------------------------------------------------------- memcached restarts
