@@ -166,9 +166,13 @@ class Demo:
     def owner_of(self, key: int) -> str:
         return next(o for lo, hi, o, _ in self.owners() if lo <= key <= hi)
 
-    def decisions(self) -> list[dict]:
+    def balancer_status(self) -> schema.BalancerStatus | None:
         got = self.reg.get(schema.balancer_key(SVC))
-        return schema.BalancerStatus.from_json(got[0]).decisions if got else []
+        return schema.BalancerStatus.from_json(got[0]) if got else None
+
+    def decisions(self) -> list[dict]:
+        status = self.balancer_status()
+        return status.decisions if status is not None else []
 
     def say_decisions(self, seen: int, result: bool = False) -> int:
         """Print the balancer's decisions after the first ``seen`` (with their results if asked); how many now."""
@@ -221,10 +225,10 @@ class Demo:
     def balancer_watching(self) -> bool:
         """The balancer has published a round that saw s1's load report and s2 as a spare: a burst started
         before that (the balancer still importing on a loaded machine) could end before it looked."""
-        got = self.reg.get(schema.balancer_key(SVC))
-        if got is None:
+        status = self.balancer_status()
+        if status is None:
             return False
-        view = schema.BalancerStatus.from_json(got[0]).view
+        view = status.view
         return ("s2" in view.get("spares", []) and
                 any(r.get("owner") == "s1" and r.get("rate") is not None for r in view.get("ranges", [])))
 

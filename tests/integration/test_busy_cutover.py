@@ -43,10 +43,10 @@ def _applied(reg, rev: int, dpids: list[int], timeout: float = 10.0):
             # loops beside it) one read took over the client's 5 s, etcd's log quiet, ovs-vswitchd's
             # revalidators busy 4.6 s at that moment. Read again until the deadline; say it if none answers.
             error = f" (the last read of the reports failed: {exc})"
-            continue
-        recs = [got.get(d) for d in dpids]
-        if all(r is not None and r.revision >= rev for r in recs):
-            return recs
+        else:
+            recs = [got.get(d) for d in dpids]
+            if all(r is not None and r.revision >= rev for r in recs):
+                return recs
         time.sleep(0.005)
     pytest.fail(f"the controller did not report revision {rev} applied on {dpids} within {timeout} s{error}")
 

@@ -4,8 +4,9 @@
 agent lists a stalled helper's threads with it, the benchmarks count CPU with it, the testbed tells a
 process from one that took its PID.
 
-:class:`RunDelay`: how long one thread has been runnable but not running (waiting for a core).  Read from ``/proc/thread-self/schedstat`` ("<ns on a CPU> <ns waiting for one> <slices>"), which names the
-*reading* thread: open a :class:`RunDelay` in the thread it is to measure.  The stateful-endpoint loop uses it
+:class:`RunDelay`: how long one thread has been runnable but not running (waiting for a core).  Read from
+``/proc/thread-self/schedstat`` ("<ns on a CPU> <ns waiting for one> <slices>"), which names the *reading*
+thread: open a :class:`RunDelay` in the thread it is to measure.  The stateful-endpoint loop uses it
 to tell a long pass's wait for a core from its work; the kvs load generator to tell its own waits from the
 service's latency.
 """

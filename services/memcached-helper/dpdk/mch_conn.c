@@ -56,6 +56,8 @@ int mch_conn_init(struct mch_conn *c, struct mch_worker *w, uint32_t id)
 	c->id = id;
 	c->fd = -1;
 	c->hz = w->hz;
+	c->read_gap_lo = (uint64_t)MCH_READ_GAP_MIN_NS * c->hz / 1000000000u;
+	c->read_gap_hi = (uint64_t)MCH_READ_GAP_MAX_NS * c->hz / 1000000000u;
 	c->out = malloc(MCH_CONN_OUT);
 	c->in = malloc(MCH_CONN_IN);
 	if (!c->out || !c->in)
@@ -287,13 +289,12 @@ int mch_conn_pass(struct mch_conn *c, const struct mch_req *r, uint32_t slot, ui
 /* After a fast-path read: read again at once if it found data, else back off (see mch_conn.h). */
 static void read_backoff(struct mch_conn *c, uint64_t now, int got)
 {
-	uint64_t lo = (uint64_t)MCH_READ_GAP_MIN_NS * c->hz / 1000000000u;
-	uint64_t hi = (uint64_t)MCH_READ_GAP_MAX_NS * c->hz / 1000000000u;
+	uint64_t hi = c->read_gap_hi;
 
 	if (got)
 		c->read_gap = 0;
 	else
-		c->read_gap = c->read_gap == 0 ? lo : (c->read_gap * 2 < hi ? c->read_gap * 2 : hi);
+		c->read_gap = c->read_gap == 0 ? c->read_gap_lo : (c->read_gap * 2 < hi ? c->read_gap * 2 : hi);
 	c->read_at = now + c->read_gap;
 }
 

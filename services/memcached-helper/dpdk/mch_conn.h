@@ -73,6 +73,7 @@ struct mch_conn {
 	uint64_t last_send;        /* tsc of the previous batch */
 	uint64_t read_at;          /* tsc before which the fast path does not read (mch_conn_poll) */
 	uint64_t read_gap;         /* the back-off after the last empty read, tsc ticks; 0 after data */
+	uint64_t read_gap_lo, read_gap_hi; /* MCH_READ_GAP_MIN_NS, _MAX_NS in tsc ticks */
 	uint64_t hz;               /* tsc ticks per second */
 	struct mch_conn_ctr c;
 };
