@@ -672,6 +672,38 @@ def test_sync_keeps_the_locks_so_another_process_never_deletes_the_live_wal(tmp_
 
 
 
+def test_sync_fdatasyncs_the_write_ahead_log_and_names_it_when_that_fails(tmp_path, monkeypatch):
+    """The group commit's sync (a commit made without waiting for the disk becomes durable) writes the WAL's
+    data with fdatasync, as SQLite syncs it itself; a failure names the file and is the store's error."""
+    import os
+
+    path = str(tmp_path / "d.sqlite")
+    s = Store(path)
+    synced = []
+
+    def spy(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", spy)
+    try:
+        s.begin(durable=False)
+        s.write(b"k", b"v", 1, 1)
+        s.commit()
+        assert synced == []                     # durable=False: the commit did not sync through us
+        s.sync()
+        assert synced == [path + "-wal"]
+
+        def broken(fd):
+            raise OSError(5, "Input/output error")
+        monkeypatch.setattr(os, "fdatasync", broken)
+        with pytest.raises(store_mod.StoreError, match=r"fdatasync of .*d\.sqlite-wal failed: Input/output error"):
+            s.sync()
+    finally:
+        s.close()
+
+
 def test_the_time_a_thread_spends_committing_is_counted_for_that_thread(st):
     """disk_seconds: the loop's stall log tells a slow disk from other waits by it."""
     before = st.disk_seconds()
