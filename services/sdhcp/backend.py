@@ -55,7 +55,7 @@ from vfab.services.sdhcp import frames, ipudp, wire
 from vfab.services.sdhcp.config import Config
 from vfab.services.sdhcp.errors import DhcpError
 from vfab.services.sdhcp.pool import Pool
-from vfab.services.sdhcp.reply import destination, reply, reply_limit
+from vfab.services.sdhcp.reply import Options, destination, prepare, reply, reply_limit
 from vfab.services.sdhcp.store import BOUND, DECLINED, FREE, HELD, NONE, OFFERED, RELEASED, Addr, Lease, Store
 from vfab.services.sdhcp.wire import BOOTREQUEST, HTYPE_ETHERNET, ZERO, Message, MessageType, Opt
 from vfab.vid.codec import KEY_MAX
@@ -84,9 +84,16 @@ class _Batch:
     ranges: list          # where this shard may hand out addresses now (owned, not pausing)
     now: int              # ms since the epoch
     bindings: list = field(default_factory=list)   # (chaddr, address or None: ended, until ms), in order
+    _slots: tuple | None = None
 
     def owns(self, key: int) -> bool:
         return any(key in r for r in self.ranges)
+
+    def slots(self, pool: Pool) -> tuple:
+        """``pool.slots(ranges)``, worked out once per batch (not per DISCOVER)."""
+        if self._slots is None:
+            self._slots = tuple(pool.slots(self.ranges))
+        return self._slots
 
 
 class SdhcpBackend:
@@ -108,6 +115,7 @@ class SdhcpBackend:
         self.config: Config = store.config
         self.pool: Pool = store.pool
         self.server = self.config.server
+        self._server_packed = self.server.packed
         self.counters: collections.Counter = collections.Counter()
         # Set by the server (server.py) to the loop's view: the ranges where addresses may be handed out now,
         # and the VID a reply leaves from.  Alone (tests), the shard owns everything.
@@ -117,7 +125,10 @@ class SdhcpBackend:
         # Set by the server to its Binder's ``offer``: after each committed batch, the leases it acknowledged to
         # clients on the fabric's ports (not relayed) and the ones they released or declined.
         self.on_bindings: Callable[[list], None] = lambda events: None
-        self._options = self._make_options()
+        # encoded and checked once, not per reply: for OFFERs and ACKs to REQUESTs, and for ACKs to INFORMs
+        self._options: Options = prepare(self._make_options())
+        self._inform_options: Options = prepare({k: v for k, v in self._options.encoded.items()
+                                                 if k not in (Opt.LEASE_TIME, Opt.RENEWAL_TIME, Opt.REBINDING_TIME)})
         self._network = self.config.network       # a property that builds an IPv4Network per call
         self._parsed: dict[bytes, tuple[bytes, bool, Message]] = {}   # key_of's parse, for handle_batch
         self._full: tuple[tuple, int, int] | None = None   # (slots, store.freed, ms): found full then (_allocate)
@@ -131,7 +142,7 @@ class SdhcpBackend:
             opts[Opt.ROUTER] = list(c.routers)
         if c.dns:
             opts[Opt.DNS] = list(c.dns)
-        return {code: wire.encode_option(code, v) for code, v in opts.items()}  # once, not per reply
+        return {code: wire.encode_option(code, v) for code, v in opts.items()}
 
     # -- the data path --------------------------------------------------------------------------
     def _read(self, payload: bytes) -> tuple[bytes, bool, Message]:
@@ -230,8 +241,12 @@ class SdhcpBackend:
             return None
         try:
             dest = destination(msg, out, relay_mac=src if msg.giaddr != ZERO else None)
-            return ipudp.Datagram(dest.mac, self.vid_mac(r.key), self.server, dest.ip, 67, dest.port,
-                                  out.serialize(max_size=reply_limit(msg))).serialize()
+            if dest.mac is None:   # not with an Ethernet chaddr (_refuse) and the relay's own MAC
+                raise DhcpError(f"no MAC to send the reply to {dest.ip} to")
+            # every part is checked already (the MACs, the addresses, ports, a message within the client's
+            # limit): the frame is built without a Datagram's checks of each field, reply after reply
+            return ipudp.udp_frame(dest.mac, self.vid_mac(r.key), self._server_packed, dest.ip.packed, 67, dest.port,
+                                   out.serialize(max_size=reply_limit(msg)))
         except DhcpError as exc:  # e.g. the client's size limit is below our options
             self.counters["reply_failed"] += 1
             log.warning("reply to %s not sent: %s", msg.chaddr.hex(), exc)
@@ -269,7 +284,7 @@ class SdhcpBackend:
         applied or dropped, a batch rolled back), the shard's ranges change, or ``FULL_MS`` passed (a lease
         that merely expired meanwhile is found then).  Without it, each DISCOVER of a flood on a full pool of
         4,000 addresses walked the whole slice: ~20 ms each, every renewal queued behind them."""
-        slots = tuple(self.pool.slots(ctx.ranges))
+        slots = ctx.slots(self.pool)
         full = self._full
         if full is not None and full[0] == slots and full[1] == self.store.freed and 0 <= ctx.now - full[2] < FULL_MS:
             return None, None, None
@@ -417,9 +432,7 @@ class SdhcpBackend:
             self.counters["inform_ignored"] += 1
             return None
         self.counters["informs"] += 1
-        opts = {k: v for k, v in self._options.items()
-                if k not in (Opt.LEASE_TIME, Opt.RENEWAL_TIME, Opt.REBINDING_TIME)}
-        return reply(msg, MessageType.ACK, self.server, options=opts)
+        return reply(msg, MessageType.ACK, self.server, options=self._inform_options)
 
     # -- status -----------------------------------------------------------------------------------------
     def stats(self, ranges: list[Range]) -> dict:

@@ -103,12 +103,31 @@ class Datagram:
             src, dst = _packed(self.src_ip), _packed(self.dst_ip)
         except ValueError:
             raise DhcpError(f"{self.src_ip!r} -> {self.dst_ip!r}: both must be IPv4 addresses") from None
-        udp_len = UDP.size + len(self.payload)
-        ip = IPV4.pack(0x45, self.tos, IPV4.size + udp_len, self.ident, 0, self.ttl, IPPROTO_UDP, 0, src, dst)
-        ip = ip[:10] + struct.pack("!H", checksum(ip)) + ip[12:]
-        udp = UDP.pack(self.src_port, self.dst_port, udp_len, 0) + bytes(self.payload)
-        csum = checksum(_pseudo(src, dst, udp_len) + udp) or 0xFFFF
-        return ETH.pack(self.eth_dst, self.eth_src, ETH_P_IP) + ip + udp[:6] + struct.pack("!H", csum) + udp[8:]
+        return udp_frame(self.eth_dst, self.eth_src, src, dst, self.src_port, self.dst_port, self.payload, self.ttl,
+                         self.ident, self.tos)
+
+    @classmethod
+    def _checked_already(cls, eth_dst: bytes, eth_src: bytes, src_ip: IPv4Address, dst_ip: IPv4Address,
+                         src_port: int, dst_port: int, payload: bytes, ttl: int, ident: int, tos: int) -> "Datagram":
+        """A Datagram of fields :func:`parse` read from a frame (each in range by its size): without the
+        frozen dataclass's ten ``object.__setattr__`` calls, one per field, on every frame a shard receives."""
+        d = object.__new__(cls)
+        d.__dict__.update(eth_dst=eth_dst, eth_src=eth_src, src_ip=src_ip, dst_ip=dst_ip, src_port=src_port,
+                          dst_port=dst_port, payload=payload, ttl=ttl, ident=ident, tos=tos)
+        return d
+
+
+def udp_frame(eth_dst: bytes, eth_src: bytes, src: bytes, dst: bytes, src_port: int, dst_port: int, payload: bytes,
+          ttl: int = DEFAULT_TTL, ident: int = 0, tos: int = 0) -> bytes:
+    """The Ethernet frame of one UDP datagram, both checksums computed, from fields already in range
+    (``Datagram.serialize`` checks them; a server's replies, built from checked parts, come here directly).
+    ``src`` and ``dst`` are packed IPv4 addresses (4 B)."""
+    udp_len = UDP.size + len(payload)
+    ip = IPV4.pack(0x45, tos, IPV4.size + udp_len, ident, 0, ttl, IPPROTO_UDP, 0, src, dst)
+    ip = ip[:10] + struct.pack("!H", checksum(ip)) + ip[12:]
+    udp = UDP.pack(src_port, dst_port, udp_len, 0) + bytes(payload)
+    csum = checksum(_pseudo(src, dst, udp_len) + udp) or 0xFFFF
+    return ETH.pack(eth_dst, eth_src, ETH_P_IP) + ip + udp[:6] + struct.pack("!H", csum) + udp[8:]
 
 
 def _packed(ip) -> bytes:
@@ -150,5 +169,5 @@ def parse(frame: bytes, verify: bool = True) -> Datagram:
     udp = frame[udp_off:udp_off + udp_len]
     if verify and udp_csum and checksum(_pseudo(src, dst, udp_len) + udp) != 0:
         raise DhcpError("bad UDP checksum (a kernel sender behind checksum offload? see ethtool -K IF tx off)")
-    return Datagram(eth_dst=eth_dst, eth_src=eth_src, src_ip=IPv4Address(src), dst_ip=IPv4Address(dst),
-                    src_port=sport, dst_port=dport, payload=udp[UDP.size:], ttl=ttl, ident=ident, tos=tos)
+    return Datagram._checked_already(eth_dst, eth_src, IPv4Address(src), IPv4Address(dst), sport, dport,
+                                     udp[UDP.size:], ttl, ident, tos)

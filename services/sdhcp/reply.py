@@ -86,11 +86,37 @@ class Destination(NamedTuple):
     port: int
 
 
+class Options(NamedTuple):
+    """Reply options encoded and checked once (:func:`prepare`), for a server that sends the same ones in
+    reply after reply: :func:`reply` then skips encoding and checking each of them again."""
+
+    encoded: dict[int, bytes]   # code -> wire bytes, in the order they appear
+    nak_ok: bool                # only what a NAK may carry
+    has_lease: bool
+
+
+def prepare(options: Mapping[int, object]) -> Options:
+    """``options`` (codes to typed values, see ``wire.encode_option``) encoded and checked for any reply:
+    none the builder sets itself, T1 <= T2 <= lease time.  DhcpError says what is wrong."""
+    extra: dict[int, bytes] = {}
+    for code, value in options.items():
+        if code in _NOT_FROM_CALLER:
+            raise DhcpError(f"{option_name(code)} is not the caller's to set in a reply: the builder sets 53, "
+                            "54 and echoes 61; 50, 55 and 57 never appear in replies (RFC 2131 Table 3)")
+        extra[code] = _encoded(code, value)
+    times = [int.from_bytes(extra[c], "big") for c in (Opt.RENEWAL_TIME, Opt.REBINDING_TIME, Opt.LEASE_TIME)
+             if c in extra]
+    if times != sorted(times):
+        raise DhcpError(f"T1 <= T2 <= lease time is required (RFC 2131 §4.4.5), got {times}")
+    return Options(extra, all(code in _NAK_MAY for code in extra), Opt.LEASE_TIME in extra)
+
+
 def reply(request: Message, msg_type: MessageType, server_id: IPv4Address | str,
-          yiaddr: IPv4Address | str = ZERO, *, options: Mapping[int, object] | None = None,
+          yiaddr: IPv4Address | str = ZERO, *, options: Mapping[int, object] | Options | None = None,
           siaddr: IPv4Address | str = ZERO, sname: bytes = b"", file: bytes = b"") -> Message:
     """The OFFER/ACK/NAK answering ``request``; ``options`` maps codes to typed values (see
-    ``wire.encode_option``) in the order they should appear.  DhcpError if RFC 2131 forbids the result."""
+    ``wire.encode_option``) in the order they should appear, or is :func:`prepare`'s.  DhcpError if RFC
+    2131 forbids the result."""
     if msg_type not in _ANSWERS:
         raise DhcpError(f"a server replies with OFFER, ACK or NAK, not {msg_type!r}")
     msg_type = MessageType(msg_type)
@@ -110,26 +136,17 @@ def reply(request: Message, msg_type: MessageType, server_id: IPv4Address | str,
     if nak and (siaddr != ZERO or sname or file):
         raise DhcpError("a NAK carries no siaddr, sname or file (RFC 2131 Table 3)")
 
-    extra: dict[int, bytes] = {}
-    for code, value in (options or {}).items():
-        if code in _NOT_FROM_CALLER:
-            raise DhcpError(f"{option_name(code)} is not the caller's to set in a reply: the builder sets 53, "
-                            "54 and echoes 61; 50, 55 and 57 never appear in replies (RFC 2131 Table 3)")
-        if nak and code not in _NAK_MAY:
-            raise DhcpError(f"{option_name(code)} may not appear in a NAK: only a message (56) and vendor "
-                            "class (60) may (RFC 2131 Table 3)")
-        extra[code] = _encoded(code, value)
-    has_lease = Opt.LEASE_TIME in extra
-    if wants_address and not has_lease:
+    prepared = options if isinstance(options, Options) else prepare(options or {})
+    if nak and not prepared.nak_ok:
+        bad = next(code for code in prepared.encoded if code not in _NAK_MAY)
+        raise DhcpError(f"{option_name(bad)} may not appear in a NAK: only a message (56) and vendor "
+                        "class (60) may (RFC 2131 Table 3)")
+    if wants_address and not prepared.has_lease:
         raise DhcpError(f"a {msg_type.name} to a {request.msg_type.name} must carry the lease time (option 51)")
-    if inform and has_lease:
+    if inform and prepared.has_lease:
         raise DhcpError("an ACK to an INFORM must not carry a lease time (RFC 2131 §4.3.5)")
-    times = [int.from_bytes(extra[c], "big") for c in (Opt.RENEWAL_TIME, Opt.REBINDING_TIME, Opt.LEASE_TIME)
-             if c in extra]
-    if times != sorted(times):
-        raise DhcpError(f"T1 <= T2 <= lease time is required (RFC 2131 §4.4.5), got {times}")
 
-    opts = {Opt.MSG_TYPE: bytes((msg_type,)), Opt.SERVER_ID: _encoded(Opt.SERVER_ID, server_id), **extra}
+    opts = {Opt.MSG_TYPE: bytes((msg_type,)), Opt.SERVER_ID: _encoded(Opt.SERVER_ID, server_id), **prepared.encoded}
     if request.client_id is not None:
         opts[Opt.CLIENT_ID] = request.client_id  # RFC 6842
     flags = request.flags | (FLAG_BROADCAST if nak and request.giaddr != ZERO else 0)

@@ -78,6 +78,14 @@ CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value);
 """
 
 
+# Store._first_free: is address ? taken (held by another client than ?, or declined until after ?); the first
+# address after a taken one in [?, ?) that is not taken itself.  Built once (not per DISCOVER).
+_TAKEN = "(({t}.state=%d AND {t}.holder!=?) OR ({t}.state=%d AND {t}.until>?))" % (HELD, DECLINED)
+_TAKEN_AT = f"SELECT 1 FROM addr a WHERE a.ip=? AND {_TAKEN.format(t='a')}"
+_FIRST_GAP = (f"SELECT a.ip + 1 FROM addr a WHERE a.ip >= ? AND a.ip < ? AND {_TAKEN.format(t='a')} AND NOT EXISTS "
+              f"(SELECT 1 FROM addr b WHERE b.ip = a.ip + 1 AND {_TAKEN.format(t='b')}) ORDER BY a.ip LIMIT 1")
+
+
 class StoreError(DhcpError, BackendError):
     """The lease store could not read or write, or refused records; the message names the cause and the fix."""
 
@@ -247,14 +255,9 @@ class Store(SqliteStore):
         return ip
 
     def _first_free(self, lo: int, hi: int, chaddr: int, now: int) -> int | None:
-        taken = "(({t}.state={held} AND {t}.holder!=?) OR ({t}.state={declined} AND {t}.until>?))"
-        ta, tb = (taken.format(t=t, held=HELD, declined=DECLINED) for t in ("a", "b"))
-        if self._exec(f"SELECT 1 FROM addr a WHERE a.ip=? AND {ta}", (lo, chaddr, now)).fetchone() is None:
+        if self._exec(_TAKEN_AT, (lo, chaddr, now)).fetchone() is None:
             return lo
-        row = self._exec(
-            f"SELECT a.ip + 1 FROM addr a WHERE a.ip >= ? AND a.ip < ? AND {ta} AND NOT EXISTS "
-            f"(SELECT 1 FROM addr b WHERE b.ip = a.ip + 1 AND {tb}) ORDER BY a.ip LIMIT 1",
-            (lo, hi, chaddr, now, chaddr, now)).fetchone()
+        row = self._exec(_FIRST_GAP, (lo, hi, chaddr, now, chaddr, now)).fetchone()
         return row[0] if row else None
 
     def put_lease(self, row: Lease) -> tuple[Lease, bytes]:
