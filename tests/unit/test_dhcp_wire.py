@@ -21,6 +21,7 @@ from vfab.services.sdhcp.reply import (
     BROADCAST_MAC,
     Destination,
     destination,
+    prepare,
     reply,
     reply_limit,
 )
@@ -408,6 +409,32 @@ def test_reply_refuses_what_rfc2131_forbids(kwargs, needle) -> None:
             "options": {Opt.LEASE_TIME: 60}} | kwargs
     with pytest.raises(DhcpError, match=needle):
         reply(discover(), args.pop("msg_type"), **args)
+
+
+def test_prepared_options_give_the_same_replies_and_keep_the_rules() -> None:
+    """A server's options encoded and checked once (prepare) build the very replies a dict of them builds,
+    and every rule that depends on the reply (a NAK's options, a lease time in an OFFER, none to an INFORM)
+    is still checked per reply."""
+    opts = {Opt.LEASE_TIME: 600, Opt.RENEWAL_TIME: 300, Opt.REBINDING_TIME: 525, Opt.DNS: ["192.0.2.53"]}
+    ready = prepare(opts)
+    req = discover()
+    assert reply(req, MessageType.OFFER, SERVER, OFFERED, options=ready).serialize() == \
+        reply(req, MessageType.OFFER, SERVER, OFFERED, options=opts).serialize()
+    ack_req = request_for(reply(req, MessageType.OFFER, SERVER, OFFERED, options=ready))
+    assert reply(ack_req, MessageType.ACK, SERVER, OFFERED, options=ready) == \
+        reply(ack_req, MessageType.ACK, SERVER, OFFERED, options=opts)
+    with pytest.raises(DhcpError, match=r"option 51 \(lease time\) may not appear in a NAK"):
+        reply(ack_req, MessageType.NAK, SERVER, options=ready)
+    inform = Message(op=1, xid=6, chaddr=MAC, ciaddr=OFFERED, options={53: b"\x08"})
+    with pytest.raises(DhcpError, match="INFORM must not carry a lease time"):
+        reply(inform, MessageType.ACK, SERVER, options=ready)
+    with pytest.raises(DhcpError, match="must carry the lease time"):
+        reply(req, MessageType.OFFER, SERVER, OFFERED, options=prepare({Opt.DNS: ["192.0.2.53"]}))
+    with pytest.raises(DhcpError, match="not the caller's"):
+        prepare({Opt.SERVER_ID: SERVER})
+    with pytest.raises(DhcpError, match="T1 <= T2"):
+        prepare({Opt.LEASE_TIME: 60, Opt.RENEWAL_TIME: 90})
+    assert reply(ack_req, MessageType.NAK, SERVER, options=prepare({Opt.MESSAGE: "no"})).message == "no"
 
 
 def test_reply_to_a_reply_is_refused() -> None:
