@@ -17,7 +17,8 @@ BENCHES = ["etcd_client.py", "reroute.py", "reroute_busy.py", "own_flows.py", "f
            "helper_throughput.py",
            "sdhcp_lease.py",
            "sdhcp_failover.py",
-           "sdhcp_ops.py"]
+           "sdhcp_ops.py",
+           "sdhcp_path.py"]
 
 
 def main() -> int:
