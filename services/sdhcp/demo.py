@@ -82,9 +82,11 @@ class Plan:
 
         While the clients arrive s1 serves about 2 requests per client (DISCOVER, REQUEST) over ``arrive``
         s; afterwards each client renews once per lease/2, and since they all arrived within ``arrive`` s
-        the renewals come in waves of about total/arrive per s.  ``split_rate`` sits between the two
-        (1.4 x the wave), so one split happens during the burst and none afterwards; one load report over it
-        is enough (``split_window`` = 0): the burst's peak lasts about a second, one shard's report (per
+        the renewals come in waves of about total/arrive per s.  ``split_rate`` sits between the two, low
+        (1.15 x the wave): a loaded machine starts the clients slower than planned, which spreads the burst
+        and lowers its peak (1.4 x missed the split in a fresh clone's suite; this one allows a start ~20 %
+        slower than before, up to ~1.7 x ``arrive``), and once s1 has split no spare is left, so no later
+        wave of renewals can split anything again; one load report over it is enough (``split_window`` = 0): the burst's peak lasts about a second, one shard's report (per
         ``LOAD_PERIOD``, 1 s), and with half a second required the balancer's second look can come after
         the next report, below the trigger (the smoke run missed its split now and then).  No ``split_keys``:
         the clients' lease records stay after they leave, and the balancer never merges two ranges holding
@@ -94,7 +96,7 @@ class Plan:
         and the shards merge only once they have left."""
         wave = self.total / self.arrive
         return {"period": 0.5, "stale_after": 3, "min_interval": 1, "op_dwell": 3, "split_window": 0,
-                "split_rate": round(1.4 * wave, 1), "split_keys": 0,
+                "split_rate": round(1.15 * wave, 1), "split_keys": 0,
                 "merge_rate": round(0.1 * wave, 1), "merge_window": float(self.lease)}
 
 
