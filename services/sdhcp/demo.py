@@ -86,7 +86,8 @@ class Plan:
         (1.15 x the wave): a loaded machine starts the clients slower than planned, which spreads the burst
         and lowers its peak (1.4 x missed the split in a fresh clone's suite; this one allows a start ~20 %
         slower than before, up to ~1.7 x ``arrive``), and once s1 has split no spare is left, so no later
-        wave of renewals can split anything again; one load report over it is enough (``split_window`` = 0): the burst's peak lasts about a second, one shard's report (per
+        wave of renewals can split anything again; one load report over it is enough (``split_window`` = 0):
+        the burst's peak lasts about a second, one shard's report (per
         ``LOAD_PERIOD``, 1 s), and with half a second required the balancer's second look can come after
         the next report, below the trigger (the smoke run missed its split now and then).  No ``split_keys``:
         the clients' lease records stay after they leave, and the balancer never merges two ranges holding

@@ -118,7 +118,7 @@ class Datagram:
 
 
 def udp_frame(eth_dst: bytes, eth_src: bytes, src: bytes, dst: bytes, src_port: int, dst_port: int, payload: bytes,
-          ttl: int = DEFAULT_TTL, ident: int = 0, tos: int = 0) -> bytes:
+              ttl: int = DEFAULT_TTL, ident: int = 0, tos: int = 0) -> bytes:
     """The Ethernet frame of one UDP datagram, both checksums computed, from fields already in range
     (``Datagram.serialize`` checks them; a server's replies, built from checked parts, come here directly).
     ``src`` and ``dst`` are packed IPv4 addresses (4 B)."""
