@@ -28,15 +28,21 @@ its ring overflows (it sends back less than offered), and frames out / CPU-secon
 core.  Counters are read over a window inside each generator run (after 0.5 s), so the DUT is in its steady
 state throughout.
 
-mc-helper runs in each of the settings ``--configs`` names (helper_common.HELPER_CONFIGS: its defaults, 2
-connections and T <= 200 us; and 1 connection with T <= 1 ms or 3 ms, the settings of the fabric and of the
-helpee-CPU claim in bench/helper_batching.py): larger multi-gets cost fewer TCP sends and receives per get.  Each
-round runs testpmd and every setting once, the order reversed every other round; a setting's throughput is the
-median over rounds of its ratio to the same round's testpmd (paired: the capped rounds are noisy, 0.65-1.06 in
-single rounds, and a round's DUTs run within a minute of each other), the ratio of the medians beside it.
+mc-helper runs in each of the settings ``--configs`` names: ``fabric``, the options the fabric, its tests and the
+demo run helpers with (helper_common.FABRIC_HELPER_OPTS: 1 connection, T <= 1 ms, and ``--idle-us 50``: after 64
+empty loops the lcore sleeps in ppoll on its TCP connections until memcached answers, the next batch is due or 50
+us pass), and the busy-polling settings of helper_common.HELPER_CONFIGS (its defaults, 2 connections and T <= 200
+us; 1 connection with T <= 1 ms or 3 ms): larger multi-gets cost fewer TCP sends and receives per get.  Under the
+cap the busy-polling settings loop 0.6-1.2 times per frame (17-25 frames per receive burst: empty loops while
+memcached answers), ``fabric`` 0.05-0.1 times (30-31 frames per burst; it slept once per ~5,000 frames), yet their
+frames per CPU-second came out alike (5 rounds, 2026-11-29): the empty loops are cheap, the cost is each frame's
+own work.  The goal is judged on ``fabric``, the helper as it runs.  Each round runs testpmd and every setting
+once, the order reversed every other round; a setting's throughput is the median over rounds of its ratio to the
+same round's testpmd (paired: the capped rounds are noisy, 0.65-1.06 in single rounds, and a round's DUTs run
+within a minute of each other), the ratio of the medians beside it.
 
 Run: ``/opt/vfab-venv/bin/python bench/helper_throughput.py [--smoke] [--rounds 5] [--duration 4]
-[--share 0.25] [--configs default,1conn_tmax3ms]`` (root).  Results: bench/results/helper_throughput[-smoke].json.
+[--share 0.25] [--configs fabric,default]`` (root).  Results: bench/results/helper_throughput[-smoke].json.
 """
 
 from __future__ import annotations
@@ -56,11 +62,13 @@ if __package__ in (None, ""):
 
 from bench.common import not_root, parser, write  # noqa: E402
 from bench.helper_common import (  # noqa: E402
-    HELPER_CONFIGS, CpuCap, cpu_busy_s, cpu_irq_s, helper_pkg, ksoftirqd_pid, quiet_machine)
+    FABRIC_HELPER_OPTS, HELPER_CONFIGS, CpuCap, cpu_busy_s, cpu_irq_s, helper_pkg, ksoftirqd_pid, quiet_machine)
 
 DUT_CPU = 1
 KEYS, PREFIX, VALUE = 1000, "k", 64
 GOAL = 0.8
+JUDGED = "fabric"   # the setting the goal is judged on: the helper as the fabric runs it
+CONFIGS = {JUDGED: FABRIC_HELPER_OPTS, **HELPER_CONFIGS}
 WARMUP, TAIL = 0.5, 0.3      # seconds of each generator run before and after the measured window
 
 
@@ -119,7 +127,7 @@ def measure(t, topo, binary: str, dut: str, pid: int, window: float, capped: boo
     if dut != "testpmd":
         d = {k: b[5].get(k, 0) - a[5].get(k, 0) for k in ("rx_frames", "tx_frames", "w_done", "b_cmds", "b_keys",
                                                           "drop_busy", "drop_peers", "tx_drop", "tx_nombuf",
-                                                          "w_abort_miss", "loops", "rx_bursts", "tcp_reads",
+                                                          "w_abort_miss", "loops", "rx_bursts", "idle_sleeps", "tcp_reads",
                                                           "tcp_reads_empty")}
         row.update({"helper": d, "keys_per_multiget": round(d["b_keys"] / max(d["b_cmds"], 1), 1),
                     "frames_per_rx_burst": round(d["rx_frames"] / max(d["rx_bursts"], 1), 1)})
@@ -153,7 +161,7 @@ def run(t, topo, binary: str, gen: str, rounds: int, duration: float, share: flo
                 if dut == "testpmd":
                     proc, prefix = start_testpmd(t)
                 else:
-                    proc = t.start_helper(binary, str(DUT_CPU), HELPER_CONFIGS[dut.split("/", 1)[1]])
+                    proc = t.start_helper(binary, str(DUT_CPU), CONFIGS[dut.split("/", 1)[1]])
                 try:
                     for capped in (False, True):
                         if capped:
@@ -190,7 +198,7 @@ def summarize(rows: list[dict], configs: list[str]) -> dict:
         per_round_core = [round(r["frames_per_core_busy_s"] / tp_core[r["round"]], 3) for r in mine
                           if tp_core.get(r["round"])]
         out["helper"][c] = {
-            "options": " ".join(HELPER_CONFIGS[c]) or "defaults", "gets_per_cpu_s": round(med),
+            "options": " ".join(CONFIGS[c]) or "defaults", "gets_per_cpu_s": round(med),
             "over_testpmd": round(paired, 3), "ratio_per_round": per_round,
             "ratio_of_medians": round(med / max(tp_med, 1e-9), 3), "goal_met": paired >= GOAL,
             "over_testpmd_core_busy": round(statistics.median(per_round_core), 3) if per_round_core else 0.0,
@@ -201,6 +209,8 @@ def summarize(rows: list[dict], configs: list[str]) -> dict:
     out["open_kept_up_min"] = {d: min(r["kept_up"] for r in opened if r["dut"] == d)
                                for d in dict.fromkeys(r["dut"] for r in opened)}
     out["capped_saturated"] = all(r["kept_up"] < 0.98 for r in capped)
+    if JUDGED in out["helper"]:
+        out["goal_met"] = out["helper"][JUDGED]["goal_met"]
     return out
 
 
@@ -213,8 +223,8 @@ def main() -> int:
     ap.add_argument("--share", type=float, default=0.25,
                     help="CPU cap of the DUT in the capped runs, fraction of one CPU (default 0.25)")
     ap.add_argument("--configs", default=None,
-                    help=f"mc-helper settings, comma-separated, of {', '.join(HELPER_CONFIGS)} (default all; smoke: "
-                    "default)")
+                    help=f"mc-helper settings, comma-separated, of {', '.join(CONFIGS)} (default all; smoke: "
+                    f"{JUDGED}, the one the goal is judged on)")
     args = ap.parse_args()
     if not_root("helper_throughput", "namespaces, DPDK af_packet, a cpu cgroup"):
         return 1
@@ -222,10 +232,10 @@ def main() -> int:
         print("helper_throughput: dpdk-testpmd not found: install Debian's dpdk-dev (scripts/bootstrap.sh)",
               file=sys.stderr)
         return 1
-    configs = (args.configs or ("default" if args.smoke else ",".join(HELPER_CONFIGS))).split(",")
-    unknown = [c for c in configs if c not in HELPER_CONFIGS]
+    configs = (args.configs or (JUDGED if args.smoke else ",".join(CONFIGS))).split(",")
+    unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
-        print(f"helper_throughput: unknown --configs {', '.join(unknown)}: choose from {', '.join(HELPER_CONFIGS)}",
+        print(f"helper_throughput: unknown --configs {', '.join(unknown)}: choose from {', '.join(CONFIGS)}",
               file=sys.stderr)
         return 2
     rounds = args.rounds or (1 if args.smoke else 5)
@@ -248,11 +258,13 @@ def main() -> int:
         print(f"  mc-helper {c:>14} ({h['options']}): {h['gets_per_cpu_s']} gets/CPU-s, {h['keys_per_multiget']} "
               f"keys/multi-get: {h['over_testpmd']:.2f} of testpmd (median of rounds {h['ratio_per_round']}; ratio "
               f"of medians {h['ratio_of_medians']:.2f}; goal {GOAL}); per busy second of CPU {DUT_CPU}: "
-              f"{h['over_testpmd_core_busy']:.2f} (rounds {h['ratio_per_round_core_busy']})")
+              f"{h['over_testpmd_core_busy']:.2f} (rounds {h['ratio_per_round_core_busy']})"
+              + ("  <- the goal's setting" if c == JUDGED else ""))
     print(f"  open: offered ~{summary['open_offered_pps']}/s, kept up (least) {summary['open_kept_up_min']}")
     params = {"smoke": args.smoke, "rounds": rounds, "duration_s": duration, "share": args.share,
               "dut_cpu": DUT_CPU, "keys": KEYS, "value_bytes": VALUE, "generator": "mch_blast, CPU 0, 256 ports",
-              "memcached": "-t 1, CPU 0", "helper": "busy poll, lcore 1", "configs": configs,
+              "memcached": "-t 1, CPU 0", "helper": "lcore 1", "judged": JUDGED,
+              "configs": {c: " ".join(CONFIGS[c]) for c in configs},
               "testpmd": "--forward-mode=io --port-topology=loop, forwarding lcore 1", "helper_exit": rc}
     write("helper_throughput", params, {"runs": rows, "summary": summary}, args.out)
     bad = [r for r in rows if r["returned_pps"] == 0 or (r["dut"] != "testpmd" and r["helper"]["w_abort_miss"])]
