@@ -11,6 +11,8 @@
 #include <rte_ip.h>
 #include <rte_udp.h>
 
+#include "mch_csum.h"
+
 #define MCH_REPLY_TTL 64
 
 enum mch_net_rej mch_net_parse(const struct mch_net_cfg *cfg, struct rte_mbuf *m,
@@ -35,7 +37,7 @@ enum mch_net_rej mch_net_parse(const struct mch_net_cfg *cfg, struct rte_mbuf *m
 	tot = rte_be_to_cpu_16(ip->total_length);
 	if (ihl < sizeof(*ip) || ihl > n || tot < ihl)
 		return MCH_NET_BAD_IP;
-	if (rte_raw_cksum(ip, ihl) != 0xffff)
+	if (mch_csum(ip, ihl) != 0xffff)
 		return MCH_NET_BAD_IP;
 	if (tot > n)
 		return MCH_NET_TRUNCATED;
@@ -52,8 +54,9 @@ enum mch_net_rej mch_net_parse(const struct mch_net_cfg *cfg, struct rte_mbuf *m
 	ulen = rte_be_to_cpu_16(udp->dgram_len);
 	if (ulen != tot - ihl || udp->src_port == 0)
 		return MCH_NET_BAD_UDP;
-	/* a right checksum sums to 0xffff: ~ is 0, which UDP writes as 0xffff */
-	if (udp->dgram_cksum != 0 && rte_ipv4_udptcp_cksum(ip, udp) != 0xffff)
+	/* a right checksum makes the sum over pseudo-header, header and data 0xffff */
+	if (udp->dgram_cksum != 0 &&
+	    mch_csum_fold((uint64_t)rte_ipv4_phdr_cksum(ip, 0) + mch_csum(udp, ulen)) != 0xffff)
 		return MCH_NET_BAD_CSUM;
 	rx->dg = (const uint8_t *)(udp + 1);
 	rx->len = ulen - (uint32_t)sizeof(*udp);
@@ -73,6 +76,8 @@ struct rte_mbuf *mch_net_reply(const struct mch_net_cfg *cfg, struct rte_mempool
 	struct rte_ether_hdr *eth;
 	struct rte_ipv4_hdr *ip;
 	struct rte_udp_hdr *udp;
+	uint64_t sum;
+	uint16_t cksum;
 
 	if (m == NULL)
 		return NULL;
@@ -102,9 +107,12 @@ struct rte_mbuf *mch_net_reply(const struct mch_net_cfg *cfg, struct rte_mempool
 	udp->src_port = cfg->svc_port;
 	udp->dst_port = to->port;
 	udp->dgram_len = rte_cpu_to_be_16((uint16_t)(sizeof(*udp) + len));
-	udp->dgram_cksum = 0;
-	memcpy(udp + 1, dg, len);
-	udp->dgram_cksum = rte_ipv4_udptcp_cksum(ip, udp);
+	/* the data summed as it is copied; then the pseudo-header and the header (checksum field 0) */
+	sum = mch_csum_copy(udp + 1, dg, len);
+	sum += rte_ipv4_phdr_cksum(ip, 0);
+	sum += (uint32_t)udp->src_port + udp->dst_port + udp->dgram_len;
+	cksum = (uint16_t)~mch_csum_fold(sum);
+	udp->dgram_cksum = cksum == 0 ? 0xffff : cksum; /* 0 means "no checksum" in UDP */
 	return m;
 }
 
