@@ -55,6 +55,23 @@ def split_frames(data: bytes, rid: int) -> list[bytes]:
     return [hdr(rid, i, len(chunks)) + c for i, c in enumerate(chunks)]
 
 
+class LineDriver:
+    """A vector driver of the core's Makefile that answers each command line with one line (mch_adapt_test,
+    mch_csum_test); it exits 0 at the end of its input."""
+
+    def __init__(self, binary: Path):
+        self.p = subprocess.Popen([str(binary)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=SAN_ENV)
+
+    def cmd(self, line: str) -> list[str]:
+        self.p.stdin.write(line + "\n")
+        self.p.stdin.flush()
+        return self.p.stdout.readline().split()
+
+    def close(self) -> None:
+        self.p.stdin.close()
+        assert self.p.wait(10) == 0
+
+
 class McDriver:
     """The mc_test vector driver: one command line in, result lines out (until '.')."""
 

@@ -16,18 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_mc_proto import CORE_DIR, SAN_ENV, core_build
+from tests.unit.test_mc_proto import CORE_DIR, LineDriver, core_build
 
 
-class Adapt:
-    def __init__(self, binary: Path):
-        self.p = subprocess.Popen([str(binary)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=SAN_ENV)
-
-    def cmd(self, line: str) -> list[str]:
-        self.p.stdin.write(line + "\n")
-        self.p.stdin.flush()
-        return self.p.stdout.readline().split()
-
+class Adapt(LineDriver):
     def init(self, *v: int) -> tuple[int, int]:
         out = self.cmd("init " + " ".join(map(str, v)))
         return int(out[1]), int(out[3])
@@ -35,10 +27,6 @@ class Adapt:
     def update(self, s: int, t: int) -> tuple[int, int]:
         out = self.cmd(f"update {s} {t}")
         return int(out[1]), int(out[3])
-
-    def close(self) -> None:
-        self.p.stdin.close()
-        assert self.p.wait(10) == 0
 
 
 @pytest.fixture(params=["opt", "san"])

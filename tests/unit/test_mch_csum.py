@@ -10,11 +10,10 @@ kernels drop its replies (the fabric tests would see that too, as lost gets).
 from __future__ import annotations
 
 import random
-import subprocess
 
 import pytest
 
-from tests.unit.test_mc_proto import SAN_ENV, core_build
+from tests.unit.test_mc_proto import LineDriver, core_build
 
 
 def rfc1071(data: bytes) -> int:
@@ -27,21 +26,11 @@ def rfc1071(data: bytes) -> int:
     return s
 
 
-class Csum:
-    def __init__(self, binary):
-        self.p = subprocess.Popen([str(binary)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                  env=SAN_ENV)
-
+class Csum(LineDriver):
     def sums(self, data: bytes, offset: int = 0) -> tuple[int, int, str]:
-        self.p.stdin.write(f"sum {offset} {data.hex()}\n")
-        self.p.stdin.flush()
-        out = self.p.stdout.readline().split()
+        out = self.cmd(f"sum {offset} {data.hex()}")
         assert out[0] == "SUM" and out[2] == "COPY", out
         return int(out[1], 16), int(out[3], 16), out[4]
-
-    def close(self) -> None:
-        self.p.stdin.close()
-        assert self.p.wait(10) == 0
 
 
 @pytest.fixture(params=["opt", "san"])
