@@ -18,6 +18,7 @@ import time
 from vfab.testbed.procs import unwind_on_signals
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -62,3 +63,15 @@ def write(name: str, params: dict, results: dict, out: str | None = None) -> str
     print(json.dumps(results, indent=1))
     print(f"results written to {path}")
     return path
+
+
+def cpu_busy_s(cpu: int | None = None) -> float:
+    """Seconds CPU ``cpu`` (None: every CPU of the machine, added up) was busy so far (/proc/stat: user, nice,
+    system, irq, softirq, steal): whatever ran there, tasks and interrupts alike."""
+    key = "cpu " if cpu is None else f"cpu{cpu} "
+    with open("/proc/stat") as fh:
+        for line in fh:
+            if line.startswith(key):
+                f = [int(x) for x in line.split()[1:9]]
+                return (sum(f[0:3]) + sum(f[5:8])) / CLK_TCK
+    raise RuntimeError(f"/proc/stat has no line for {key.strip()}")

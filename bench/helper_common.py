@@ -9,6 +9,8 @@ import sys
 import time
 from contextlib import contextmanager
 
+from bench.common import cpu_busy_s  # noqa: F401  (re-exported: bench/helper_throughput.py)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 HELPER_DIR = os.path.join(os.path.dirname(HERE), "services", "memcached-helper")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -66,17 +68,6 @@ def cpu_irq_s(cpu: int) -> float:
             if line.startswith(f"cpu{cpu} "):
                 f = line.split()
                 return (int(f[6]) + int(f[7])) / CLK_TCK
-    raise RuntimeError(f"/proc/stat has no line for cpu{cpu}")
-
-
-def cpu_busy_s(cpu: int) -> float:
-    """Seconds CPU ``cpu`` was busy so far (/proc/stat: user, nice, system, irq, softirq, steal): whatever ran
-    there, tasks and interrupts alike."""
-    with open("/proc/stat") as fh:
-        for line in fh:
-            if line.startswith(f"cpu{cpu} "):
-                f = [int(x) for x in line.split()[1:9]]
-                return (sum(f[0:3]) + sum(f[5:8])) / CLK_TCK
     raise RuntimeError(f"/proc/stat has no line for cpu{cpu}")
 
 

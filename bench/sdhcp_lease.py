@@ -62,7 +62,12 @@ udhcpc processes starting (fork, exec, a hook per event) take a good part of
 their time, for every server alike.  "All started at once" means this process
 starts them one after the other, as fast as it can: how long that took is
 printed beside each udhcpc phase (``spawn_s``), a floor under its time, and
-it stretches when the server's processes take CPU meanwhile.
+it stretches when the server's processes take CPU meanwhile.  So each phase
+also reports the whole machine's busy CPU-seconds (``/proc/stat``, both cores)
+and the fabric's daemons' (etcd, the controller, ovs-vswitchd, which an sdhcp
+shard's leases also keep busy): when both cores are busy through a phase, its
+time is about that CPU work over two cores (2026-11-29: the 245 clients' own
+processes and their start ~1.3 CPU-s for either server).
 
 Run: ``/opt/vfab-venv/bin/python bench/sdhcp_lease.py [--smoke] [--rates 1000,2000] [--repeat N]
 [--servers sdhcp4,kea] [--profile DIR]`` (root; ``--smoke``: 20 udhcpc, 100 perfdhcp at 1,000/s, sdhcp with 1
@@ -82,7 +87,7 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import parser, summary, write  # noqa: E402
+from bench.common import cpu_busy_s, parser, summary, write  # noqa: E402
 from vfab.testbed import dhcpclients as dc  # noqa: E402
 from vfab.testbed.fabric import Testbed  # noqa: E402
 from vfab.testbed.procs import wait_for  # noqa: E402
@@ -130,6 +135,36 @@ def cpu_used(pids: list[int], since: tuple[float, float], leased: int, clients: 
     return {"server_cpu_s": round(total, 3), "server_cpu_sys_s": round(system, 3),
             "cpu_ms_per_lease": round(1000 * total / leased, 3) if leased else None,
             "cpu_ms_per_client": round(1000 * total / clients, 3) if clients else None}
+
+
+OVS_PIDFILE = "/run/openvswitch/ovs-vswitchd.pid"
+
+
+def fabric_pids(tb: Testbed) -> dict[str, int]:
+    """The fabric's own daemons, whose CPU each phase also reports: etcd, the controller, ovs-vswitchd."""
+    pids = {"etcd": tb.etcd.pid if tb.etcd else None, "controller": tb.controller.pid if tb.controller else None}
+    try:
+        with open(OVS_PIDFILE) as fh:
+            pids["ovs-vswitchd"] = int(fh.read().strip())
+    except (OSError, ValueError):
+        pass
+    return {name: pid for name, pid in pids.items() if pid}
+
+
+class MachineCpu:
+    """Where a phase's CPU went: the whole machine's busy CPU-seconds (/proc/stat, both cores) and the fabric's
+    daemons' (etcd, controller, ovs-vswitchd); the rest is the clients' processes, this bench and the kernel's
+    work on their behalf.  The time to lease a burst here is about the machine's CPU work over its cores."""
+
+    def __init__(self, tb: Testbed):
+        self.pids = fabric_pids(tb)
+        self.busy0 = cpu_busy_s()
+        self.fabric0 = {name: cpu_seconds([pid])[0] for name, pid in self.pids.items()}
+
+    def used(self) -> dict:
+        return {"machine_busy_cpu_s": round(cpu_busy_s() - self.busy0, 3),
+                "fabric_cpu_s": {name: round(cpu_seconds([pid])[0] - self.fabric0[name], 3)
+                                 for name, pid in self.pids.items()}}
 
 
 def idle_cpu(pids: list[int], seconds: float = 2.0) -> float:
@@ -203,11 +238,13 @@ def start_peer(tb: Testbed, kind: str):
 def udhcpc_phase(tb: Testbed, farm: dc.ClientFarm, cap: dc.Capture, pids: list[int]) -> dict:
     farm.clear_events()
     cpu0 = cpu_seconds(pids)
+    machine = MachineCpu(tb)
     mark = cap.mark()
     t0 = time.monotonic()
     farm.start_udhcpc(once=True)
     spawn = time.monotonic() - t0   # this process starting the clients one by one: a floor under the time
     left = farm.wait_exit(40)
+    used = machine.used()
     time.sleep(0.2)  # the capture thread's last frames
     res = dc.dora(cap.messages(mark), set(farm.macs))
     addrs = farm.addresses()
@@ -216,7 +253,7 @@ def udhcpc_phase(tb: Testbed, farm: dc.ClientFarm, cap: dc.Capture, pids: list[i
     res.pop("addresses")
     res.update(clients=len(farm.macs), dora=summary(lat), hook_leased=len(addrs), spawn_s=round(spawn, 3),
                **cpu_used(pids, cpu0, res["leased"]),
-               hook_distinct=len(set(addrs.values())), hook_held_twice=held, still_running=left)
+               hook_distinct=len(set(addrs.values())), hook_held_twice=held, still_running=left, **used)
     return res
 
 
@@ -224,9 +261,11 @@ def perf_phase(tb: Testbed, relays: dc.ClientFarm, cap: dc.Capture, n: int, rate
                pids: list[int]) -> dict:
     per = n // 4
     cpu0 = cpu_seconds(pids)
+    machine = MachineCpu(tb)
     mark = cap.mark()
     runs = [dc.perfdhcp(relays, q, per, perf_base(run, q), max(1, rate // 4)) for q in range(4)]
     reps = [dc.finish_perfdhcp(relays, r, timeout=per / max(1, rate // 4) + 30) for r in runs]
+    used = machine.used()
     time.sleep(0.2)
     chaddrs = {perf_base(run, q)[:4] + i.to_bytes(2, "big") for q in range(4) for i in range(per)}
     res = dc.dora(cap.messages(mark), chaddrs)
@@ -237,7 +276,7 @@ def perf_phase(tb: Testbed, relays: dc.ClientFarm, cap: dc.Capture, n: int, rate
             for k in ("DISCOVER-OFFER", "REQUEST-ACK")}
     res.update(clients=n, offered_rate=rate, dora=summary(lat), **cpu_used(pids, cpu0, res["leased"], n),
                perfdhcp_drops=drops, perfdhcp_mean_delay_ms=mean,
-               perfdhcp_acks=int(sum(r.get("REQUEST-ACK", {}).get("received packets", 0) for r in reps)))
+               perfdhcp_acks=int(sum(r.get("REQUEST-ACK", {}).get("received packets", 0) for r in reps)), **used)
     return res
 
 
@@ -245,6 +284,8 @@ def line(name: str, what: str, r: dict) -> str:
     d = r["dora"]
     extra = f", drops {r['perfdhcp_drops']}" if "perfdhcp_drops" in r else ""
     extra += f", server CPU {r['server_cpu_s']} s ({r['server_cpu_sys_s']} s system, {r['cpu_ms_per_lease']} ms/lease)"
+    fabric = ", ".join(f"{k} {v}" for k, v in r.get("fabric_cpu_s", {}).items())
+    extra += f"; machine busy {r.get('machine_busy_cpu_s')} CPU-s (fabric daemons: {fabric or 'none'})"
     return (f"{name:>9} {what:<18} {r['leased']:>4}/{r['clients']} leased in {r['time_s']} s "
             f"({r['leases_per_s']}/s), DORA median {d.get('median_ms')} ms p99 {d.get('p99_ms')} ms, "
             f"{r['distinct_addresses']} distinct{extra}" +
@@ -314,6 +355,8 @@ def medians(runs: list[dict]) -> dict:
                       "server_cpu_sys_s": statistics.median(r["server_cpu_sys_s"] for r in rs),
                       "cpu_ms_per_lease": statistics.median(r["cpu_ms_per_lease"] or 0 for r in rs),
                       "cpu_ms_per_client": statistics.median(r.get("cpu_ms_per_client") or 0 for r in rs),
+                      "machine_busy_cpu_s": statistics.median(r.get("machine_busy_cpu_s") or 0 for r in rs),
+                      "fabric_cpu_s": statistics.median(sum(r.get("fabric_cpu_s", {}).values()) for r in rs),
                       "times_s": [r["time_s"] for r in rs]}
         if all("spawn_s" in r for r in rs):
             out[phase]["spawn_s"] = statistics.median(r["spawn_s"] for r in rs)
