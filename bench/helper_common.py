@@ -9,8 +9,6 @@ import sys
 import time
 from contextlib import contextmanager
 
-from bench.common import cpu_busy_s  # noqa: F401  (re-exported: bench/helper_throughput.py)
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 HELPER_DIR = os.path.join(os.path.dirname(HERE), "services", "memcached-helper")
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -60,9 +60,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(HERE))
 
-from bench.common import not_root, parser, write  # noqa: E402
+from bench.common import cpu_busy_s, not_root, parser, write  # noqa: E402
 from bench.helper_common import (  # noqa: E402
-    FABRIC_HELPER_OPTS, HELPER_CONFIGS, CpuCap, cpu_busy_s, cpu_irq_s, helper_pkg, ksoftirqd_pid, quiet_machine)
+    FABRIC_HELPER_OPTS, HELPER_CONFIGS, CpuCap, cpu_irq_s, helper_pkg, ksoftirqd_pid, quiet_machine)
 
 DUT_CPU = 1
 KEYS, PREFIX, VALUE = 1000, "k", 64
