@@ -127,8 +127,8 @@ def measure(t, topo, binary: str, dut: str, pid: int, window: float, capped: boo
     if dut != "testpmd":
         d = {k: b[5].get(k, 0) - a[5].get(k, 0) for k in ("rx_frames", "tx_frames", "w_done", "b_cmds", "b_keys",
                                                           "drop_busy", "drop_peers", "tx_drop", "tx_nombuf",
-                                                          "w_abort_miss", "loops", "rx_bursts", "idle_sleeps", "tcp_reads",
-                                                          "tcp_reads_empty")}
+                                                          "w_abort_miss", "loops", "rx_bursts", "idle_sleeps",
+                                                          "tcp_reads", "tcp_reads_empty")}
         row.update({"helper": d, "keys_per_multiget": round(d["b_keys"] / max(d["b_cmds"], 1), 1),
                     "frames_per_rx_burst": round(d["rx_frames"] / max(d["rx_bursts"], 1), 1)})
     return row
