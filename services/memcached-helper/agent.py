@@ -243,6 +243,11 @@ class MemcachedAgent(Agent):
                 self.server.listen(rec.lo, rec.hi)
 
 
+def default_stats_path(name: str) -> str:
+    """The helper's stats file unless --stats-file says: in memory (control.stats_dir), one per agent process."""
+    return os.path.join(control.stats_dir(), f"vfab-mc-helper-{name}-{os.getpid()}.stats")
+
+
 class HelperAgent(Agent):
     role = "mc-helper"
 
@@ -251,7 +256,7 @@ class HelperAgent(Agent):
         if not os.access(args.binary, os.X_OK):
             raise AgentError(f"mc-helper binary {args.binary} is missing: build it with 'make helper'")
         self.prefix = args.file_prefix or f"vfmh-{args.name}-{os.getpid()}"
-        self.stats_path = args.stats_file or f"/run/vfab-mc-helper-{args.name}-{os.getpid()}.stats"
+        self.stats_path = args.stats_file or default_stats_path(args.name)
         self.last_publish = 0.0
         self.last_change = time.monotonic()
         self.last_stats: dict = {}
@@ -381,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--lcores", default="1", help="DPDK lcores (-l), one queue pair each (default 1)")
     h.add_argument("--memcached", default=None, metavar="IP:PORT",
                    help="where the TCP leg goes (default: the service address)")
-    h.add_argument("--stats-file", default=None, help="mc-helper's stats file (default under /run)")
+    h.add_argument("--stats-file", default=None, help="mc-helper's stats file (default: in /dev/shm, a memory file system)")
     h.add_argument("--stats-ms", type=int, default=100, help="stats file period in ms (default 100)")
     h.add_argument("--period", type=float, default=1.0, help="s between status records in etcd (default 1)")
     h.add_argument("--stale", type=float, default=1.0,

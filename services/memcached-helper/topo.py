@@ -116,7 +116,10 @@ class HelperTopo:
         self.twemproxy: Proc | None = None
         self.helper_prefixes = [f"vfm{t}{'h' + x if x else ''}" for x in sfx]
         self.helper_prefix = self.helper_prefixes[0]
-        self.stats_paths = [os.path.join(workdir, f"helper{x}.stats") for x in sfx]
+        # on a memory file system (control.stats_dir): rewritten every 50 ms, on a disk each would be a write
+        self.stats_dir = os.path.join(control.stats_dir(), f"vfab-mch-{t}-{os.getpid()}")
+        os.makedirs(self.stats_dir, exist_ok=True)
+        self.stats_paths = [os.path.join(self.stats_dir, f"helper{x}.stats") for x in sfx]
         self.stats_path = self.stats_paths[0]
         self.mac_mc = ""
         self.mac_hs: list[str] = [""] * helpers
@@ -228,11 +231,13 @@ class HelperTopo:
         self.made.clear()
         for prefix in self.helper_prefixes:
             shutil.rmtree(f"/var/run/dpdk/{prefix}", ignore_errors=True)
+        shutil.rmtree(self.stats_dir, ignore_errors=True)
 
     def leftovers(self) -> list[str]:
-        """Namespaces of this topology still present (should be none after destroy)."""
+        """Namespaces of this topology, and its stats directory, still present (should be none after destroy)."""
         names = sh("ip", "netns", "list", check=False)
-        return [n.split()[0] for n in names.splitlines() if n.startswith(f"vfm-{self.tag}-")]
+        return [n.split()[0] for n in names.splitlines() if n.startswith(f"vfm-{self.tag}-")] + \
+            ([self.stats_dir] if os.path.exists(self.stats_dir) else [])
 
     # ------------------------------------------------------------------ daemons
 

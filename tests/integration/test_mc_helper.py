@@ -65,7 +65,7 @@ def net(tmp_path_factory):
         yield t
     finally:
         t.destroy()
-        assert t.leftovers() == [], "namespaces left behind"
+        assert t.leftovers() == [], "namespaces or the stats directory left behind"
 
 
 SAN_ENV = {"ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0", "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
