@@ -172,6 +172,7 @@ static void workers_init(struct mch_app *a)
 	net.svc_ip = a->cfg.svc_ip;
 	net.svc_port = a->cfg.svc_port;
 	net.any_mac = a->cfg.any_mac;
+	mch_net_prepare(&net);
 	a->w = calloc(a->nw, sizeof(*a->w));
 	if (!a->w)
 		rte_exit(EXIT_FAILURE, "out of memory\n");

@@ -66,26 +66,36 @@ enum mch_net_rej mch_net_parse(const struct mch_net_cfg *cfg, struct rte_mbuf *m
 	return MCH_NET_OK;
 }
 
-struct rte_mbuf *mch_net_reply(const struct mch_net_cfg *cfg, struct rte_mempool *mp,
-			       const struct mch_peer *to, uint16_t ip_id, const uint8_t *dg,
-			       uint32_t len)
+void mch_net_prepare(struct mch_net_cfg *cfg)
+{
+	struct rte_ipv4_hdr t;
+
+	/* the reply's IPv4 header with its per-reply fields (length, id, destination, checksum) 0 */
+	memset(&t, 0, sizeof(t));
+	t.version_ihl = RTE_IPV4_VHL_DEF;
+	t.fragment_offset = rte_cpu_to_be_16(RTE_IPV4_HDR_DF_FLAG);
+	t.time_to_live = MCH_REPLY_TTL;
+	t.next_proto_id = IPPROTO_UDP;
+	t.src_addr = cfg->svc_ip;
+	cfg->ip_sum0 = mch_csum(&t, sizeof(t));
+	/* the UDP pseudo-header's source and protocol */
+	cfg->ph_sum0 = mch_csum(&cfg->svc_ip, sizeof(cfg->svc_ip)) + rte_cpu_to_be_16(IPPROTO_UDP);
+}
+
+int mch_net_reply(const struct mch_net_cfg *cfg, struct rte_mbuf *m, const struct mch_peer *to,
+		  uint16_t ip_id, const uint8_t *dg, uint32_t len)
 {
 	const uint32_t hdrs = sizeof(struct rte_ether_hdr) + sizeof(struct rte_ipv4_hdr) +
 			      sizeof(struct rte_udp_hdr);
-	struct rte_mbuf *m = rte_pktmbuf_alloc(mp);
 	struct rte_ether_hdr *eth;
 	struct rte_ipv4_hdr *ip;
 	struct rte_udp_hdr *udp;
 	uint64_t sum;
 	uint16_t cksum;
 
-	if (m == NULL)
-		return NULL;
 	eth = (struct rte_ether_hdr *)rte_pktmbuf_append(m, (uint16_t)(hdrs + len));
-	if (eth == NULL) {
-		rte_pktmbuf_free(m);
-		return NULL;
-	}
+	if (eth == NULL)
+		return -1;
 	rte_ether_addr_copy(&to->mac, &eth->dst_addr);
 	rte_ether_addr_copy(&cfg->mac, &eth->src_addr);
 	eth->ether_type = rte_cpu_to_be_16(RTE_ETHER_TYPE_IPV4);
@@ -100,20 +110,25 @@ struct rte_mbuf *mch_net_reply(const struct mch_net_cfg *cfg, struct rte_mempool
 	ip->next_proto_id = IPPROTO_UDP;
 	ip->src_addr = cfg->svc_ip;
 	ip->dst_addr = to->ip;
-	ip->hdr_checksum = 0;
-	ip->hdr_checksum = rte_ipv4_cksum(ip);
+	/* the constant fields' sum (mch_net_prepare) plus this reply's; summed as stored (RFC 1071 §2(B)) */
+	ip->hdr_checksum = (uint16_t)~mch_csum_fold((uint64_t)cfg->ip_sum0 + ip->total_length +
+						   ip->packet_id + (to->ip & 0xffffu) + (to->ip >> 16));
 
 	udp = (struct rte_udp_hdr *)(ip + 1);
 	udp->src_port = cfg->svc_port;
 	udp->dst_port = to->port;
 	udp->dgram_len = rte_cpu_to_be_16((uint16_t)(sizeof(*udp) + len));
-	/* the data summed as it is copied; then the pseudo-header and the header (checksum field 0) */
+	/*
+	 * The data summed as it is copied; then the pseudo-header (source and protocol from
+	 * mch_net_prepare, the destination, the UDP length) and the header (checksum field 0,
+	 * the length again).
+	 */
 	sum = mch_csum_copy(udp + 1, dg, len);
-	sum += rte_ipv4_phdr_cksum(ip, 0);
-	sum += (uint32_t)udp->src_port + udp->dst_port + udp->dgram_len;
+	sum += (uint64_t)cfg->ph_sum0 + (to->ip & 0xffffu) + (to->ip >> 16) +
+	       2u * (uint32_t)udp->dgram_len + udp->src_port + udp->dst_port;
 	cksum = (uint16_t)~mch_csum_fold(sum);
 	udp->dgram_cksum = cksum == 0 ? 0xffff : cksum; /* 0 means "no checksum" in UDP */
-	return m;
+	return 0;
 }
 
 const char *mch_net_rej_name(int rej)

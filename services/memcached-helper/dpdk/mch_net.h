@@ -41,6 +41,7 @@ struct mch_net_cfg {
 	uint32_t svc_ip;           /* service address, network order */
 	uint16_t svc_port;         /* service port, network order */
 	uint8_t any_mac;           /* accept any destination MAC (no front door rewrite) */
+	uint32_t ip_sum0, ph_sum0; /* reply checksums' constant parts (mch_net_prepare) */
 };
 
 /* The client as seen in its request: where the reply goes. */
@@ -61,10 +62,12 @@ struct mch_rx {
 enum mch_net_rej mch_net_parse(const struct mch_net_cfg *cfg, struct rte_mbuf *m,
 			       struct mch_rx *rx);
 
-/* Build a reply frame carrying dg[0..len) to `to`; NULL when the pool is empty. */
-struct rte_mbuf *mch_net_reply(const struct mch_net_cfg *cfg, struct rte_mempool *mp,
-			       const struct mch_peer *to, uint16_t ip_id, const uint8_t *dg,
-			       uint32_t len);
+/* Once the fields above are set: the reply checksums' constant parts. */
+void mch_net_prepare(struct mch_net_cfg *cfg);
+
+/* Fill the empty mbuf m with a reply frame carrying dg[0..len) to `to`; -1 if it does not fit. */
+int mch_net_reply(const struct mch_net_cfg *cfg, struct rte_mbuf *m, const struct mch_peer *to,
+		  uint16_t ip_id, const uint8_t *dg, uint32_t len);
 
 const char *mch_net_rej_name(int rej);
 

@@ -60,11 +60,28 @@ static void tx_flush(struct mch_worker *w)
 	w->ntx = 0;
 }
 
+/* An empty mbuf for a reply, from a stash refilled MCH_TX_BURST at a time; NULL if the pool is empty. */
+static struct rte_mbuf *reply_mbuf(struct mch_worker *w)
+{
+	if (w->nstash == 0) {
+		if (rte_pktmbuf_alloc_bulk(w->mp, w->stash, MCH_TX_BURST) == 0)
+			w->nstash = MCH_TX_BURST;
+		else
+			return rte_pktmbuf_alloc(w->mp); /* fewer than a burst left */
+	}
+	return w->stash[--w->nstash];
+}
+
 void mch_worker_reply(struct mch_worker *w, uint32_t slot, const uint8_t *dg, uint32_t len)
 {
-	struct rte_mbuf *m = mch_net_reply(&w->net, w->mp, &w->peers[slot], w->ip_id++, dg, len);
+	struct rte_mbuf *m = reply_mbuf(w);
 
 	if (m == NULL) {
+		w->c.tx_nombuf++;
+		return;
+	}
+	if (mch_net_reply(&w->net, m, &w->peers[slot], w->ip_id++, dg, len) != 0) {
+		rte_pktmbuf_free(m);
 		w->c.tx_nombuf++;
 		return;
 	}
@@ -231,6 +248,9 @@ void mch_worker_free(struct mch_worker *w)
 
 	for (i = 0; w->conns && i < w->nconns; i++)
 		mch_conn_free(&w->conns[i]);
+	if (w->nstash > 0)
+		rte_pktmbuf_free_bulk(w->stash, w->nstash);
+	w->nstash = 0;
 	free(w->conns);
 	free(w->peers);
 	w->conns = NULL;

@@ -52,6 +52,8 @@ struct mch_worker {
 	uint16_t ip_id;
 	uint16_t ntx;
 	struct rte_mbuf *txq[MCH_TX_BURST];
+	struct rte_mbuf *stash[MCH_TX_BURST]; /* empty mbufs for replies (mch_worker_reply) */
+	uint16_t nstash;
 };
 
 int mch_worker_init(struct mch_worker *w, uint32_t id, const struct mch_cfg *cfg,
