@@ -31,8 +31,9 @@ state throughout.
 mc-helper runs in each of the settings ``--configs`` names: ``fabric``, the options the fabric, its tests and the
 demo run helpers with (helper_common.FABRIC_HELPER_OPTS: 1 connection, T <= 1 ms, and ``--idle-us 50``: after 64
 empty loops the lcore sleeps in ppoll on its TCP connections until memcached answers, the next batch is due or 50
-us pass), and the busy-polling settings of helper_common.HELPER_CONFIGS (its defaults, 2 connections and T <= 200
-us; 1 connection with T <= 1 ms or 3 ms): larger multi-gets cost fewer TCP sends and receives per get.  Under the
+us pass; and the agent's stats period, 100 ms, where the test rig writes its stats file every 50), and the
+busy-polling settings of helper_common.HELPER_CONFIGS (its defaults, 2 connections and T <= 200 us; 1 connection
+with T <= 1 ms or 3 ms): larger multi-gets cost fewer TCP sends and receives per get.  Under the
 cap the busy-polling settings loop 0.6-1.2 times per frame (17-25 frames per receive burst: empty loops while
 memcached answers), ``fabric`` 0.05-0.1 times (30-31 frames per burst; it slept once per ~5,000 frames), yet their
 frames per CPU-second came out alike (5 rounds, 2026-11-29): the empty loops are cheap, the cost is each frame's
@@ -47,6 +48,7 @@ Run: ``/opt/vfab-venv/bin/python bench/helper_throughput.py [--smoke] [--rounds 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -64,11 +66,14 @@ from bench.common import cpu_busy_s, not_root, parser, write  # noqa: E402
 from bench.helper_common import (  # noqa: E402
     FABRIC_HELPER_OPTS, HELPER_CONFIGS, CpuCap, cpu_irq_s, helper_pkg, ksoftirqd_pid, quiet_machine)
 
+helper_agent = importlib.import_module(f"{helper_pkg().__name__}.agent")
+
 DUT_CPU = 1
 KEYS, PREFIX, VALUE = 1000, "k", 64
 GOAL = 0.8
 JUDGED = "fabric"   # the setting the goal is judged on: the helper as the fabric runs it
-CONFIGS = {JUDGED: FABRIC_HELPER_OPTS, **HELPER_CONFIGS}
+# as the fabric's agent runs it: its options and its stats period (the test rig writes stats every 50 ms)
+CONFIGS = {JUDGED: (*FABRIC_HELPER_OPTS, "--stats-ms", str(helper_agent.STATS_MS)), **HELPER_CONFIGS}
 WARMUP, TAIL = 0.5, 0.3      # seconds of each generator run before and after the measured window
 
 

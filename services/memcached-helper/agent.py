@@ -243,6 +243,9 @@ class MemcachedAgent(Agent):
                 self.server.listen(rec.lo, rec.hi)
 
 
+STATS_MS = 100   # mc-helper's stats file period unless --stats-ms says (10 stats files per --stale second)
+
+
 def default_stats_path(name: str) -> str:
     """The helper's stats file unless --stats-file says: in memory (control.stats_dir), one per agent process."""
     return os.path.join(control.stats_dir(), f"vfab-mc-helper-{name}-{os.getpid()}.stats")
@@ -387,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--memcached", default=None, metavar="IP:PORT",
                    help="where the TCP leg goes (default: the service address)")
     h.add_argument("--stats-file", default=None, help="mc-helper's stats file (default: in /dev/shm, a memory file system)")
-    h.add_argument("--stats-ms", type=int, default=100, help="stats file period in ms (default 100)")
+    h.add_argument("--stats-ms", type=int, default=STATS_MS, help=f"stats file period in ms (default {STATS_MS})")
     h.add_argument("--period", type=float, default=1.0, help="s between status records in etcd (default 1)")
     h.add_argument("--stale", type=float, default=1.0,
                    help="withdraw the helper while its stats file, or the loop counter of any of its lcores in "
