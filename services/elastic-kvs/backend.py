@@ -14,8 +14,7 @@ import os
 from vfab.services.elastic_kvs import proto
 from vfab.services.elastic_kvs.proto import KvsError, Op, Status
 from vfab.services.elastic_kvs.store import Store
-from vfab.vid.ranges import Range
-from vfab.vid.state.backend import BackendError, BadRequest, Refusal, Request
+from vfab.vid.state.backend import BackendError, BadRequest, Refusal, Request, StoreBackend
 
 def open_backend(datadir: str, name: str) -> "KvsBackend":
     """The backend of endpoint ``name``, its store at DATADIR/NAME.sqlite."""
@@ -27,7 +26,7 @@ STATUS = {Refusal.BAD_REQUEST: Status.BAD_REQUEST, Refusal.WRONG_OWNER: Status.W
           Refusal.UNAVAILABLE: Status.UNAVAILABLE}
 
 
-class KvsBackend:
+class KvsBackend(StoreBackend):
     def __init__(self, store: Store):
         self.store = store
         self.counters: collections.Counter = collections.Counter()
@@ -85,16 +84,7 @@ class KvsBackend:
             status = Status.NOT_FOUND
         return proto.Reply(status, req.reqid, version, client=req.client).serialize()
 
-    # -- state transfer ---------------------------------------------------------------------------
-    def count(self, rng: Range) -> int:
-        return self.store.count(rng)
-
-    def snapshot(self, rng: Range, chunk_bytes: int):
-        return self.store.snapshot(rng, chunk_bytes)
-
-    def begin_copy(self) -> int:
-        return self.store.begin_copy()
-
+    # -- state transfer (the rest is the store's own: StoreBackend) --------------------------------
     def apply(self, blobs: list[bytes], durable: bool = True, gen: int | None = None) -> int:
         try:
             return self.store.apply(blobs, durable, gen)
@@ -102,15 +92,3 @@ class KvsBackend:
             if isinstance(exc, BackendError):
                 raise
             raise BackendError(f"malformed state records: {exc}") from None
-
-    def sync(self) -> None:
-        self.store.sync()
-
-    def disk_seconds(self) -> float:
-        return self.store.disk_seconds()
-
-    def drop(self, rng: Range, limit: int | None = None, below_gen: int | None = None) -> int:
-        return self.store.drop(rng, limit, below_gen)
-
-    def keep_only(self, ranges: list[Range]) -> int:
-        return self.store.keep_only(ranges)

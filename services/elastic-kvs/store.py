@@ -224,20 +224,6 @@ class Store(SqliteStore):
         finally:
             db.execute("COMMIT")
 
-    def begin_copy(self) -> int:
-        """A new copy generation: records applied with it win over every row an earlier copy or this
-        endpoint left in the range, whatever their versions (a stale copy can hold a version that was
-        never acknowledged and collides with a newer one); ``drop(..., below_gen=G)`` then removes what
-        the copy did not overwrite."""
-        def run(db: sqlite3.Connection) -> int:
-            row = db.execute("SELECT value FROM meta WHERE name='gen'").fetchone()
-            gen = (row[0] if row else 0) + 1
-            db.execute("INSERT INTO meta (name, value) VALUES ('gen', ?) "
-                       "ON CONFLICT(name) DO UPDATE SET value=excluded.value", (gen,))
-            return gen
-
-        return self._txn(run)
-
     def apply(self, blobs: list[bytes], durable: bool = True, gen: int | None = None) -> int:
         """Apply record blobs in one transaction (fsync'd unless ``durable=False``); how many records won.
 

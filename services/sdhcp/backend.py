@@ -60,7 +60,7 @@ from vfab.services.sdhcp.store import BOUND, DECLINED, FREE, HELD, NONE, OFFERED
 from vfab.services.sdhcp.wire import BOOTREQUEST, HTYPE_ETHERNET, ZERO, Message, MessageType, Opt
 from vfab.vid.codec import KEY_MAX
 from vfab.vid.ranges import FULL, Range
-from vfab.vid.state.backend import BadRequest, Refusal, Request
+from vfab.vid.state.backend import BadRequest, Refusal, Request, StoreBackend
 
 log = logging.getLogger("vfab.sdhcp.backend")
 
@@ -96,7 +96,7 @@ class _Batch:
         return self._slots
 
 
-class SdhcpBackend:
+class SdhcpBackend(StoreBackend):
     # A mirror taking over from a dead shard answers again what the shard got just before it died: a DHCP
     # request served twice gets the same answer (the lease is the mirror's copy), and ISC dhclient with its
     # default 10 s initial interval would otherwise not retransmit a lost renewal before a short lease ends.
@@ -441,31 +441,6 @@ class SdhcpBackend:
         use = self.store.usage(ranges, now)
         slice_size = sum(b - a + 1 for a, b in self.pool.slots(ranges))
         return {"counters": dict(self.counters), "pool": self.config.describe(), "slice": slice_size, **use}
-
-    # -- state transfer --------------------------------------------------------------------------------
-    def count(self, rng: Range) -> int:
-        return self.store.count(rng)
-
-    def snapshot(self, rng: Range, chunk_bytes: int):
-        return self.store.snapshot(rng, chunk_bytes)
-
-    def begin_copy(self) -> int:
-        return self.store.begin_copy()
-
-    def apply(self, blobs: list[bytes], durable: bool = True, gen: int | None = None) -> int:
-        return self.store.apply(blobs, durable, gen)
-
-    def sync(self) -> None:
-        self.store.sync()
-
-    def disk_seconds(self) -> float:
-        return self.store.disk_seconds()
-
-    def drop(self, rng: Range, limit: int | None = None, below_gen: int | None = None) -> int:
-        return self.store.drop(rng, limit, below_gen)
-
-    def keep_only(self, ranges: list[Range]) -> int:
-        return self.store.keep_only(ranges)
 
 
 __all__ = ["SdhcpBackend", "open_backend", "OFFER_HOLD", "DECLINE_HOLD", "FULL_MS"]

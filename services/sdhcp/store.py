@@ -342,16 +342,6 @@ class Store(SqliteStore):
         finally:
             db.execute("COMMIT")
 
-    def begin_copy(self) -> int:
-        def run(db: sqlite3.Connection) -> int:
-            row = db.execute("SELECT value FROM meta WHERE name='gen'").fetchone()
-            gen = (row[0] if row else 0) + 1
-            db.execute("INSERT INTO meta (name, value) VALUES ('gen', ?) "
-                       "ON CONFLICT(name) DO UPDATE SET value=excluded.value", (gen,))
-            return gen
-
-        return self._txn(run)
-
     def apply(self, blobs: list[bytes], durable: bool = True, gen: int | None = None) -> int:
         """Apply record blobs in one transaction (fsync'd unless ``durable=False``); how many rows won."""
         leases, addrs = [], []

@@ -4,7 +4,10 @@ The loop (:mod:`vfab.vid.state.loop`) owns the data port, the control socket,
 batching, pausing and replication; a service plugs in by giving it a
 :class:`Backend`: how to find a request's VID key, how to serve a batch, and
 its records per range of keys for the state operations.  elastic-KVS's
-backend is ``vfab.services.elastic_kvs.backend``; sdhcp's will be another.
+backend is ``vfab.services.elastic_kvs.backend``, sdhcp's
+``vfab.services.sdhcp.backend``; both keep their records in a
+:class:`~vfab.vid.state.sqlstore.SqliteStore` and take the state-transfer
+calls from :class:`StoreBackend`.
 
 Rules a backend keeps (the loop's safety rests on them):
 
@@ -46,10 +49,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 from vfab.vid.errors import VfabError
 from vfab.vid.ranges import Range
+
+if TYPE_CHECKING:
+    from vfab.vid.state.sqlstore import SqliteStore
 
 
 class BackendError(VfabError):
@@ -114,3 +120,35 @@ class Backend(Protocol):
 
     def keep_only(self, ranges: list[Range]) -> int:
         """Forget every record outside ``ranges`` (garbage left by a crash); returns how many."""
+
+
+class StoreBackend:
+    """The state-transfer half of :class:`Backend` for a service whose records live in a store
+    (``self.store``: a :class:`vfab.vid.state.sqlstore.SqliteStore`): each call is the store's own.  A
+    backend that must turn its store's errors into :class:`BackendError` overrides the call."""
+
+    store: SqliteStore
+
+    def count(self, rng: Range) -> int:
+        return self.store.count(rng)
+
+    def snapshot(self, rng: Range, chunk_bytes: int) -> Iterator[tuple[bytes, int]]:
+        return self.store.snapshot(rng, chunk_bytes)
+
+    def begin_copy(self) -> int:
+        return self.store.begin_copy()
+
+    def apply(self, blobs: list[bytes], durable: bool = True, gen: int | None = None) -> int:
+        return self.store.apply(blobs, durable, gen)
+
+    def sync(self) -> None:
+        self.store.sync()
+
+    def disk_seconds(self) -> float:
+        return self.store.disk_seconds()
+
+    def drop(self, rng: Range, limit: int | None = None, below_gen: int | None = None) -> int:
+        return self.store.drop(rng, limit, below_gen)
+
+    def keep_only(self, ranges: list[Range]) -> int:
+        return self.store.keep_only(ranges)

@@ -166,6 +166,22 @@ class SqliteStore:
             os.close(fd)
             self._disk(t0)
 
+    # -- copies --------------------------------------------------------------------------------
+    def begin_copy(self) -> int:
+        """A new copy generation, kept in the store's ``meta (name PRIMARY KEY, value)`` table (every
+        store built on this one has it): records applied with it win over every row an earlier copy or
+        this endpoint left in the range, whatever their versions (a stale copy can hold a version that
+        was never acknowledged and collides with a newer one); ``drop(..., below_gen=G)`` then removes
+        what the copy did not overwrite."""
+        def run(db: sqlite3.Connection) -> int:
+            row = db.execute("SELECT value FROM meta WHERE name='gen'").fetchone()
+            gen = (row[0] if row else 0) + 1
+            db.execute("INSERT INTO meta (name, value) VALUES ('gen', ?) "
+                       "ON CONFLICT(name) DO UPDATE SET value=excluded.value", (gen,))
+            return gen
+
+        return self._txn(run)
+
     # -- housekeeping ------------------------------------------------------------------------
     def drop(self, rng: Range, limit: int | None = None, below_gen: int | None = None) -> int:
         raise NotImplementedError
