@@ -20,6 +20,7 @@ import time
 import pytest
 
 from tests.unit.test_mc_proto import McDriver, core_build, dg
+from vfab.services.memcached_helper.mcudp import answer_complete
 from vfab.testbed.procs import Supervisor, free_port, wait_for
 
 HOST = "127.0.0.1"
@@ -83,23 +84,9 @@ class Memcached:
 
 
 def reply_complete(buf: bytes, shape: str) -> bool:
-    if shape == "none":
-        return False
-    if shape == "line":
-        return buf.endswith(b"\r\n")
-    if buf.startswith((b"ERROR", b"CLIENT_ERROR", b"SERVER_ERROR")):
-        return buf.endswith(b"\r\n")
-    if shape == "stats":
-        return buf.endswith(b"END\r\n")
-    i = 0
-    while True:
-        if buf[i:] == b"END\r\n":
-            return True
-        if not buf.startswith(b"VALUE ", i) or (e := buf.find(b"\r\n", i)) < 0:
-            return False
-        i = e + 2 + int(buf[i:e].split(b" ")[3]) + 2
-        if i > len(buf):
-            return False
+    """Whether ``buf`` holds memcached's whole answer of this shape (none: never; the rest as the helpers'
+    UDP client reads it, mcudp.answer_complete)."""
+    return shape != "none" and answer_complete(buf, shape)
 
 
 def nonempty(dgrams: list[bytes]) -> list[bytes]:
