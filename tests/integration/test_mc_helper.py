@@ -459,3 +459,22 @@ def test_helper_survives_memcached_restart_and_reconnects(net, helper):
     assert mcudp.parse_values(b"".join(bytes.fromhex(d)[8:] for d in after["dgrams"])) == \
         {b"k5": mcudp.value_for(b"k5", 64)}
     assert h.helper.alive()
+
+
+def test_a_stats_file_it_cannot_write_is_said_once_and_it_goes_on(net):
+    """A stats directory that is gone (or full): mc-helper retries every period, and says so once, not each
+    time (at 10 ms that was 100 warnings a second); it runs on and stops cleanly."""
+    if net.helper is not None:
+        assert net.stop_helper() == 0
+    path = f"/nonexistent-vfab-{os.getpid()}/helper.stats"
+    proc = net.sup.start("helper-nostats", net.helper_cmd(net.binary, "1", ("--stats-file", path, "--stats-ms", "10")))
+    try:
+        topo.wait_for(lambda: "mc-helper ready" in proc.tail(100), 20, "mc-helper ready")
+        time.sleep(1.0)   # ~100 failed writes
+        assert proc.alive(), proc.tail(40)
+    finally:
+        rc = net.sup.stop(proc, grace=10)
+        shutil.rmtree(f"/var/run/dpdk/{net.helper_prefix}", ignore_errors=True)
+    text = open(proc.logpath, errors="replace").read()
+    assert rc == 0, text[-3000:]
+    assert text.count(f"cannot write {path}") == 1, text[-3000:]

@@ -50,6 +50,7 @@ struct mch_app {
 	struct rte_mempool *mp;
 	pthread_t stats_thread;
 	int stats_running;
+	int stats_errno; /* errno of the last failed stats write, 0 after a good one */
 	uint64_t t0_ms;
 };
 
@@ -67,12 +68,28 @@ static uint64_t mono_ms(void)
 	return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
 
+/*
+ * Write the stats file.  A failure (a full or missing directory) is said once
+ * per cause, and again once writing works: the thread retries every period,
+ * and a warning each time would bury the log (100 lines a second at 10 ms).
+ */
 static void write_stats(struct mch_app *a)
 {
-	if (a->cfg.stats_file[0] &&
-	    mch_stats_write(a->cfg.stats_file, a->w, a->nw, mono_ms() - a->t0_ms, a->port) != 0)
-		RTE_LOG(WARNING, MCH, "cannot write %s: %s\n", a->cfg.stats_file,
-			strerror(errno));
+	int err;
+
+	if (!a->cfg.stats_file[0])
+		return;
+	if (mch_stats_write(a->cfg.stats_file, a->w, a->nw, mono_ms() - a->t0_ms, a->port) == 0) {
+		if (a->stats_errno != 0)
+			RTE_LOG(INFO, MCH, "writing %s again\n", a->cfg.stats_file);
+		a->stats_errno = 0;
+		return;
+	}
+	err = errno ? errno : EIO;
+	if (err != a->stats_errno)
+		RTE_LOG(WARNING, MCH, "cannot write %s: %s (said once until it changes; serving goes on)\n",
+			a->cfg.stats_file, strerror(err));
+	a->stats_errno = err;
 }
 
 static void *stats_main(void *arg)
