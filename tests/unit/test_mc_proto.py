@@ -71,6 +71,16 @@ class LineDriver:
         self.p.stdin.close()
         assert self.p.wait(10) == 0
 
+    @classmethod
+    def fixture(cls, binary: str):
+        """A pytest fixture: this driver over ``binary``, built with and without sanitizers (both run every test)."""
+        @pytest.fixture(params=["opt", "san"])
+        def running(request):
+            d = cls(core_build() / request.param / binary)
+            yield d
+            d.close()
+        return running
+
 
 class McDriver:
     """The mc_test vector driver: one command line in, result lines out (until '.')."""

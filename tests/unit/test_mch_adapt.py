@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_mc_proto import CORE_DIR, LineDriver, core_build
+from tests.unit.test_mc_proto import CORE_DIR, LineDriver
 
 
 class Adapt(LineDriver):
@@ -29,11 +29,7 @@ class Adapt(LineDriver):
         return int(out[1]), int(out[3])
 
 
-@pytest.fixture(params=["opt", "san"])
-def adapt(request):
-    a = Adapt(core_build() / request.param / "mch_adapt_test")
-    yield a
-    a.close()
+adapt = Adapt.fixture("mch_adapt_test")
 
 
 def test_size_follows_batches_that_differ_by_more_than_a_quarter(adapt):

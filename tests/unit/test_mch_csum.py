@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import random
 
-import pytest
 
-from tests.unit.test_mc_proto import LineDriver, core_build
+from tests.unit.test_mc_proto import LineDriver
 
 
 def rfc1071(data: bytes) -> int:
@@ -33,11 +32,7 @@ class Csum(LineDriver):
         return int(out[1], 16), int(out[3], 16), out[4]
 
 
-@pytest.fixture(params=["opt", "san"])
-def csum(request):
-    c = Csum(core_build() / request.param / "mch_csum_test")
-    yield c
-    c.close()
+csum = Csum.fixture("mch_csum_test")
 
 
 def test_rfc1071_example_and_edges(csum):
