@@ -874,7 +874,14 @@ static void value_begin(struct mch_split *s, struct mch_batch *b, uint32_t n)
 		fail(s, e);
 		return;
 	}
-	p = mch_batch_find(b, s->next_pos, s->line + v.koff, v.klen);
+	/*
+	 * memcached answers in the order asked, skipping misses: the value is most often the
+	 * next position's, which is then also the first position >= next_pos with this key
+	 */
+	p = s->next_pos;
+	if (p >= b->npos || b->pos[p].klen != v.klen ||
+	    memcmp(b->keys + b->pos[p].koff, s->line + v.koff, v.klen) != 0)
+		p = mch_batch_find(b, s->next_pos, s->line + v.koff, v.klen);
 	if (p == MCH_NONE) {
 		fail(s, MCH_ERR_KEY_ORDER);
 		return;

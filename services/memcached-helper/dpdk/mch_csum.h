@@ -38,6 +38,53 @@ static inline uint64_t mch_csum_word(uint64_t v)
 	return (v & 0xffffffffu) + (v >> 32);
 }
 
+/*
+ * The last n (1..7) bytes as the 64-bit word memcpy into a zeroed word would give, read in
+ * fixed-size pieces: a variable-length memcpy is a libc call, once per frame on the hot path.
+ */
+static inline uint64_t mch_csum_tail(const uint8_t *s, uint32_t n)
+{
+	uint8_t t[8] = {0};
+	uint64_t v;
+	uint32_t o = 0;
+
+	if (n & 4u) {
+		memcpy(t, s, 4);
+		o = 4;
+	}
+	if (n & 2u) {
+		memcpy(t + o, s + o, 2);
+		o += 2;
+	}
+	if (n & 1u)
+		t[o] = s[o];
+	memcpy(&v, t, 8);
+	return v;
+}
+
+/* The same, and the n bytes copied to d. */
+static inline uint64_t mch_csum_tail_copy(uint8_t *d, const uint8_t *s, uint32_t n)
+{
+	uint8_t t[8] = {0};
+	uint64_t v;
+	uint32_t o = 0;
+
+	if (n & 4u) {
+		memcpy(t, s, 4);
+		memcpy(d, s, 4);
+		o = 4;
+	}
+	if (n & 2u) {
+		memcpy(t + o, s + o, 2);
+		memcpy(d + o, s + o, 2);
+		o += 2;
+	}
+	if (n & 1u)
+		t[o] = d[o] = s[o];
+	memcpy(&v, t, 8);
+	return v;
+}
+
 /* The folded sum of n bytes at src. */
 static inline uint32_t mch_csum(const void *src, uint32_t n)
 {
@@ -49,11 +96,8 @@ static inline uint32_t mch_csum(const void *src, uint32_t n)
 		memcpy(&v, s + i, 8);
 		sum += mch_csum_word(v);
 	}
-	if (i < n) {
-		v = 0;
-		memcpy(&v, s + i, n - i);
-		sum += mch_csum_word(v);
-	}
+	if (i < n)
+		sum += mch_csum_word(mch_csum_tail(s + i, n - i));
 	return mch_csum_fold(sum);
 }
 
@@ -70,12 +114,8 @@ static inline uint32_t mch_csum_copy(void *dst, const void *src, uint32_t n)
 		memcpy(d + i, &v, 8);
 		sum += mch_csum_word(v);
 	}
-	if (i < n) {
-		v = 0;
-		memcpy(&v, s + i, n - i);
-		memcpy(d + i, &v, n - i);
-		sum += mch_csum_word(v);
-	}
+	if (i < n)
+		sum += mch_csum_word(mch_csum_tail_copy(d + i, s + i, n - i));
 	return mch_csum_fold(sum);
 }
 
