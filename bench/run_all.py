@@ -15,6 +15,7 @@ BENCHES = ["etcd_client.py", "reroute.py", "reroute_busy.py", "own_flows.py", "f
            "helper_activation.py",
            "helper_failover.py",
            "helper_throughput.py",
+           "helper_core.py",
            "sdhcp_lease.py",
            "sdhcp_failover.py",
            "sdhcp_ops.py",
