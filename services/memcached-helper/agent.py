@@ -53,6 +53,7 @@ import ctypes
 import ipaddress
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -180,8 +181,9 @@ class Agent:
             self.spawn()
             self.wait_ready(self.args.ready_timeout)
             self.announce()
-            stats = getattr(self, "stats_path", None)
-            print(f"ready pid={self.child.pid}" + (f" stats={stats}" if stats else ""), flush=True)
+            stats, prefix = getattr(self, "stats_path", None), getattr(self, "prefix", None)
+            print(f"ready pid={self.child.pid}" + (f" stats={stats}" if stats else "")
+                  + (f" prefix={prefix}" if prefix else ""), flush=True)
             log.info("%s %s: announced (%s), %s pid %d", self.role, self.args.name, self.server.port.mac_str,
                      self.role, self.child.pid)
             while not self.stop.wait(self.args.poll):
@@ -246,9 +248,53 @@ class MemcachedAgent(Agent):
 STATS_MS = 100   # mc-helper's stats file period unless --stats-ms says (10 stats files per --stale second)
 
 
+STATS_LEFT = re.compile(r"^vfab-mc-helper-.+-(\d+)\.stats(\.tmp)?$")   # default_stats_path's names
+PREFIX_LEFT = re.compile(r"^vfmh-.+-(\d+)$")                            # HelperAgent's default --file-prefix
+
+
 def default_stats_path(name: str) -> str:
     """The helper's stats file unless --stats-file says: in memory (control.stats_dir), one per agent process."""
     return os.path.join(control.stats_dir(), f"vfab-mc-helper-{name}-{os.getpid()}.stats")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale(stats_dir: str, dpdk_dir: str = control.DPDK_RUN_DIR) -> list[str]:
+    """Remove what agents killed with -9 left: their stats files (in memory) and their DPDK runtime folders
+    (``vfmh-NAME-PID``), named by the agent's PID, when no process has that PID any more.  A PID alive (the
+    agent's, or a new process that got it) keeps its files: the next sweep after it ends takes them.  Returns
+    the paths removed."""
+    gone = []
+    for folder, pattern in ((stats_dir, STATS_LEFT), (dpdk_dir, PREFIX_LEFT)):
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            m = pattern.match(name)
+            if not m or pid_alive(int(m.group(1))):
+                continue
+            path = os.path.join(folder, name)
+            try:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+            except FileNotFoundError:
+                continue   # another agent's sweep took it
+            except OSError as exc:
+                log.warning("cannot remove %s, left by an agent that is gone: %s", path, exc)
+                continue
+            gone.append(path)
+    return gone
 
 
 class HelperAgent(Agent):
@@ -260,6 +306,10 @@ class HelperAgent(Agent):
             raise AgentError(f"mc-helper binary {args.binary} is missing: build it with 'make helper'")
         self.prefix = args.file_prefix or f"vfmh-{args.name}-{os.getpid()}"
         self.stats_path = args.stats_file or default_stats_path(args.name)
+        left = sweep_stale(control.stats_dir())
+        if left:
+            log.info("helper %s: removed %d file(s) left by agents no longer running: %s", args.name, len(left),
+                     ", ".join(left))
         self.last_publish = 0.0
         self.last_change = time.monotonic()
         self.last_stats: dict = {}
@@ -333,7 +383,7 @@ class HelperAgent(Agent):
         return None
 
     def cleanup(self) -> None:
-        shutil.rmtree(f"/var/run/dpdk/{self.prefix}", ignore_errors=True)
+        shutil.rmtree(os.path.join(control.DPDK_RUN_DIR, self.prefix), ignore_errors=True)
         if not self.args.stats_file:   # a stats file of its own choosing: removed with its .tmp
             control.remove_stats(self.stats_path)
 

@@ -49,6 +49,9 @@ class HelperError(VidError):
     """A helper request that cannot be done as asked (says what is wrong and what to do)."""
 
 
+DPDK_RUN_DIR = "/var/run/dpdk"   # DPDK's runtime files of a process, one folder per --file-prefix
+
+
 def stats_dir() -> str:
     """Where mc-helper's stats files go: a memory file system (``/dev/shm``, else ``/run``).  The file is
     replaced (``PATH.tmp`` renamed over it) every ``--stats-ms``; on a disk file system each replacement is a

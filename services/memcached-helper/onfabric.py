@@ -18,6 +18,7 @@ agent.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,6 +43,7 @@ class Running:
     agent: Proc
     pid: int            # memcached's or mc-helper's own PID (the agent's child)
     stats_file: str = ""
+    prefix: str = ""    # mc-helper's DPDK --file-prefix (its runtime folder under /var/run/dpdk)
 
 
 class McFabric:
@@ -81,7 +83,7 @@ class McFabric:
         pid = int(words["pid"])
         # The agent's child (memcached / mc-helper) is stopped by the agent; tracked too, in case both die.
         tb.track(pid, f"{role}:{name}")
-        return Running(name, host, proc, pid, words.get("stats", ""))
+        return Running(name, host, proc, pid, words.get("stats", ""), words.get("prefix", ""))
 
     def start_memcached(self, name: str = "mc0", threads: int = 1, extra: tuple[str, ...] = ()) -> Running:
         self.memcached = self._agent("memcached", name, self.host, ["--listen", "--threads", str(threads)],
@@ -97,7 +99,7 @@ class McFabric:
         not in the testbed's directory on disk (where it stood still for 1.2 s once, right after etcd restarted,
         and the agent withdrew the running helper; whether the disk was the cause is not known: with two busy
         loops on the cores it happened under /run too)."""
-        opts = ["--lcores", lcores, "--file-prefix", f"vfmh{name}"]
+        opts = ["--lcores", lcores]   # the agent's own --file-prefix, one per agent process (vfmh-NAME-PID)
         if stats_ms is not None:
             opts += ["--stats-ms", str(stats_ms)]
         if self.binary:
@@ -114,6 +116,8 @@ class McFabric:
         self.helpers.pop(run.name, None)
         if run.stats_file:   # its agent was killed: it could not remove them
             control.remove_stats(run.stats_file)
+        if run.prefix:
+            shutil.rmtree(os.path.join(control.DPDK_RUN_DIR, run.prefix), ignore_errors=True)
         return rc
 
     def kill_helper(self, name: str) -> float:

@@ -165,3 +165,36 @@ def test_the_rigs_stats_files_are_in_memory_and_removed_with_it(tmp_path):
     finally:
         t.destroy()
     assert not os.path.exists(t.stats_dir) and t.leftovers() == []
+
+
+def test_what_agents_killed_with_minus_9_left_is_swept_and_nothing_else(tmp_path):
+    """An agent killed with -9 cannot remove its stats file (in memory) nor mc-helper's DPDK runtime folder:
+    the next helper agent's start removes those whose agent PID no longer runs, and leaves a live agent's
+    files, other names and a folder it cannot tell apart alone."""
+    import subprocess
+    import sys
+
+    from vfab.services.memcached_helper.agent import sweep_stale
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = os.getpid()
+    stats, dpdk = tmp_path / "shm", tmp_path / "dpdk"
+    stats.mkdir()
+    dpdk.mkdir()
+    gone = [stats / f"vfab-mc-helper-h1-{dead.pid}.stats", stats / f"vfab-mc-helper-h-2-{dead.pid}.stats.tmp",
+            dpdk / f"vfmh-h1-{dead.pid}"]
+    kept = [stats / f"vfab-mc-helper-h1-{live}.stats", stats / "vfab-mc-helper-h1.stats", stats / "other-1.stats",
+            dpdk / f"vfmh-h1-{live}", dpdk / "vfmhh1", dpdk / "rte"]
+    for p in gone + kept:
+        if p.parent == dpdk:
+            p.mkdir()
+            (p / "config").write_text("x")
+        else:
+            p.write_text("loops 1\n")
+    removed = sweep_stale(str(stats), str(dpdk))
+    assert sorted(removed) == sorted(str(p) for p in gone)
+    assert not any(p.exists() for p in gone)
+    assert all(p.exists() for p in kept)
+    assert sweep_stale(str(stats), str(dpdk)) == []            # nothing more, and missing folders are no error
+    assert sweep_stale(str(tmp_path / "none"), str(tmp_path / "none2")) == []
