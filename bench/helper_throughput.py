@@ -67,6 +67,7 @@ from bench.helper_common import (  # noqa: E402
     FABRIC_HELPER_OPTS, HELPER_CONFIGS, CpuCap, cpu_irq_s, helper_pkg, ksoftirqd_pid, quiet_machine)
 
 helper_agent = importlib.import_module(f"{helper_pkg().__name__}.agent")
+helper_control = importlib.import_module(f"{helper_pkg().__name__}.control")
 
 DUT_CPU = 1
 KEYS, PREFIX, VALUE = 1000, "k", 64
@@ -177,7 +178,7 @@ def run(t, topo, binary: str, gen: str, rounds: int, duration: float, share: flo
                 finally:
                     if dut == "testpmd":
                         t.sup.stop(proc)
-                        shutil.rmtree(f"/var/run/dpdk/{prefix}", ignore_errors=True)
+                        helper_control.remove_runtime(prefix)
                     else:
                         rc |= t.stop_helper() or 0
     finally:

@@ -248,13 +248,20 @@ class MemcachedAgent(Agent):
 STATS_MS = 100   # mc-helper's stats file period unless --stats-ms says (10 stats files per --stale second)
 
 
-STATS_LEFT = re.compile(r"^vfab-mc-helper-.+-(\d+)\.stats(\.tmp)?$")   # default_stats_path's names
-PREFIX_LEFT = re.compile(r"^vfmh-.+-(\d+)$")                            # HelperAgent's default --file-prefix
+# A helper agent's own files are named by its PID (so sweep_stale can tell whose agent is gone); each pattern
+# matches its maker's names below.
+STATS_LEFT = re.compile(r"^vfab-mc-helper-.+-(\d+)\.stats(\.tmp)?$")
+PREFIX_LEFT = re.compile(r"^vfmh-.+-(\d+)$")
 
 
 def default_stats_path(name: str) -> str:
     """The helper's stats file unless --stats-file says: in memory (control.stats_dir), one per agent process."""
     return os.path.join(control.stats_dir(), f"vfab-mc-helper-{name}-{os.getpid()}.stats")
+
+
+def default_prefix(name: str) -> str:
+    """mc-helper's DPDK --file-prefix unless --file-prefix says: one per agent process."""
+    return f"vfmh-{name}-{os.getpid()}"
 
 
 def pid_alive(pid: int) -> bool:
@@ -304,7 +311,7 @@ class HelperAgent(Agent):
         super().__init__(args)
         if not os.access(args.binary, os.X_OK):
             raise AgentError(f"mc-helper binary {args.binary} is missing: build it with 'make helper'")
-        self.prefix = args.file_prefix or f"vfmh-{args.name}-{os.getpid()}"
+        self.prefix = args.file_prefix or default_prefix(args.name)
         self.stats_path = args.stats_file or default_stats_path(args.name)
         left = sweep_stale(control.stats_dir())
         if left:
@@ -383,7 +390,7 @@ class HelperAgent(Agent):
         return None
 
     def cleanup(self) -> None:
-        shutil.rmtree(os.path.join(control.DPDK_RUN_DIR, self.prefix), ignore_errors=True)
+        control.remove_runtime(self.prefix)
         if not self.args.stats_file:   # a stats file of its own choosing: removed with its .tmp
             control.remove_stats(self.stats_path)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -50,6 +51,12 @@ class HelperError(VidError):
 
 
 DPDK_RUN_DIR = "/var/run/dpdk"   # DPDK's runtime files of a process, one folder per --file-prefix
+
+
+def remove_runtime(prefix: str) -> None:
+    """Remove the DPDK runtime folder of ``--file-prefix`` PREFIX: what an mc-helper (or testpmd) that did not
+    exit cleanly, or whose agent was killed, leaves behind."""
+    shutil.rmtree(os.path.join(DPDK_RUN_DIR, prefix), ignore_errors=True)
 
 
 def stats_dir() -> str:

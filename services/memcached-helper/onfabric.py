@@ -18,7 +18,6 @@ agent.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -95,7 +94,7 @@ class McFabric:
                      stats_ms: int | None = None) -> Running:
         """``stats_ms``: mc-helper's stats file period (the agent's default 100 ms; 10 is its floor).
 
-        The stats file is the agent's own (under /run, a tmpfs, removed when the agent stops), as in production,
+        The stats file is the agent's own (in memory, control.stats_dir; removed when the agent stops), as in production,
         not in the testbed's directory on disk (where it stood still for 1.2 s once, right after etcd restarted,
         and the agent withdrew the running helper; whether the disk was the cause is not known: with two busy
         loops on the cores it happened under /run too)."""
@@ -117,7 +116,7 @@ class McFabric:
         if run.stats_file:   # its agent was killed: it could not remove them
             control.remove_stats(run.stats_file)
         if run.prefix:
-            shutil.rmtree(os.path.join(control.DPDK_RUN_DIR, run.prefix), ignore_errors=True)
+            control.remove_runtime(run.prefix)
         return rc
 
     def kill_helper(self, name: str) -> float:

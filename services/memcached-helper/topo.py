@@ -230,7 +230,7 @@ class HelperTopo:
             sh("ip", "netns", "del", name, check=False)
         self.made.clear()
         for prefix in self.helper_prefixes:
-            shutil.rmtree(f"/var/run/dpdk/{prefix}", ignore_errors=True)
+            control.remove_runtime(prefix)
         shutil.rmtree(self.stats_dir, ignore_errors=True)
 
     def leftovers(self) -> list[str]:
@@ -286,7 +286,7 @@ class HelperTopo:
         """Stop helper ``index`` by PID; its exit code (0 after a clean SIGTERM)."""
         proc, self.helpers[index] = self.helpers[index], None
         rc = self.sup.stop(proc, sig=sig, grace=10) if proc else None
-        shutil.rmtree(f"/var/run/dpdk/{self.helper_prefixes[index]}", ignore_errors=True)
+        control.remove_runtime(self.helper_prefixes[index])
         return rc
 
     def start_twemproxy(self, cpus: str = "1", extra_conf: str = "") -> Proc:

@@ -41,7 +41,7 @@ def _helper_pkg():
 
 
 _helper_pkg()
-from vfab.services.memcached_helper import mcudp, topo  # noqa: E402
+from vfab.services.memcached_helper import control, mcudp, topo  # noqa: E402
 
 RNG = random.Random(88)
 SVC = f"{topo.SVC_IP}:{topo.SVC_PORT}"
@@ -478,7 +478,7 @@ def test_a_stats_file_it_cannot_write_is_said_once_and_it_goes_on(net, tmp_path)
                       "the stats file written again once its directory is back")
     finally:
         rc = net.sup.stop(proc, grace=10)
-        shutil.rmtree(f"/var/run/dpdk/{net.helper_prefix}", ignore_errors=True)
+        control.remove_runtime(net.helper_prefix)
     text = open(proc.logpath, errors="replace").read()
     assert rc == 0, text[-3000:]
     assert text.count(f"cannot write {path}") == 1, text[-3000:]

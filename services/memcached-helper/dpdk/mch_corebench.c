@@ -150,12 +150,13 @@ int main(int argc, char **argv)
 		if (r == 0 || ns < best)
 			best = ns;
 	}
-	printf("ns_per_get %.1f\n", best);
+	/* the sums printed keep the compiler from dropping the checksum work */
+	printf("checksum sum %016llx\nns_per_get %.1f\n", (unsigned long long)st.sum, best);
 	free(req);
 	free(reqlen);
 	free(ans);
 	free(line);
 	free(b);
 	free(sp);
-	return st.sum == 42 ? 1 : 0; /* keeps the sums live */
+	return 0;
 }

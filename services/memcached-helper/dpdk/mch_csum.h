@@ -20,6 +20,7 @@
 #ifndef MCH_CSUM_H
 #define MCH_CSUM_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -39,10 +40,11 @@ static inline uint64_t mch_csum_word(uint64_t v)
 }
 
 /*
- * The last n (1..7) bytes as the 64-bit word memcpy into a zeroed word would give, read in
- * fixed-size pieces: a variable-length memcpy is a libc call, once per frame on the hot path.
+ * The last n (1..7) bytes as the 64-bit word memcpy into a zeroed word would give, and copied to d
+ * unless d is NULL, in fixed-size pieces: a variable-length memcpy is a libc call, once per frame on
+ * the hot path.  Inline, so a NULL d costs nothing.
  */
-static inline uint64_t mch_csum_tail(const uint8_t *s, uint32_t n)
+static inline uint64_t mch_csum_tail(uint8_t *d, const uint8_t *s, uint32_t n)
 {
 	uint8_t t[8] = {0};
 	uint64_t v;
@@ -50,37 +52,21 @@ static inline uint64_t mch_csum_tail(const uint8_t *s, uint32_t n)
 
 	if (n & 4u) {
 		memcpy(t, s, 4);
+		if (d != NULL)
+			memcpy(d, s, 4);
 		o = 4;
 	}
 	if (n & 2u) {
 		memcpy(t + o, s + o, 2);
+		if (d != NULL)
+			memcpy(d + o, s + o, 2);
 		o += 2;
 	}
-	if (n & 1u)
+	if (n & 1u) {
 		t[o] = s[o];
-	memcpy(&v, t, 8);
-	return v;
-}
-
-/* The same, and the n bytes copied to d. */
-static inline uint64_t mch_csum_tail_copy(uint8_t *d, const uint8_t *s, uint32_t n)
-{
-	uint8_t t[8] = {0};
-	uint64_t v;
-	uint32_t o = 0;
-
-	if (n & 4u) {
-		memcpy(t, s, 4);
-		memcpy(d, s, 4);
-		o = 4;
+		if (d != NULL)
+			d[o] = s[o];
 	}
-	if (n & 2u) {
-		memcpy(t + o, s + o, 2);
-		memcpy(d + o, s + o, 2);
-		o += 2;
-	}
-	if (n & 1u)
-		t[o] = d[o] = s[o];
 	memcpy(&v, t, 8);
 	return v;
 }
@@ -97,7 +83,7 @@ static inline uint32_t mch_csum(const void *src, uint32_t n)
 		sum += mch_csum_word(v);
 	}
 	if (i < n)
-		sum += mch_csum_word(mch_csum_tail(s + i, n - i));
+		sum += mch_csum_word(mch_csum_tail(NULL, s + i, n - i));
 	return mch_csum_fold(sum);
 }
 
@@ -115,7 +101,7 @@ static inline uint32_t mch_csum_copy(void *dst, const void *src, uint32_t n)
 		sum += mch_csum_word(v);
 	}
 	if (i < n)
-		sum += mch_csum_word(mch_csum_tail_copy(d + i, s + i, n - i));
+		sum += mch_csum_word(mch_csum_tail(d + i, s + i, n - i));
 	return mch_csum_fold(sum);
 }
 
