@@ -265,13 +265,19 @@ def default_prefix(name: str) -> str:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether a process with this PID runs: a zombie (dead, not yet reaped by its parent, as an agent killed
+    with -9 stays until its supervisor waits for it) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def sweep_stale(stats_dir: str, dpdk_dir: str = control.DPDK_RUN_DIR) -> list[str]:

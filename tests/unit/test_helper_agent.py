@@ -12,6 +12,7 @@ import time
 from types import SimpleNamespace
 
 from vfab.services.memcached_helper.agent import HelperAgent, default_stats_path
+from vfab.testbed.procs import wait_for
 
 STALE = 0.15
 
@@ -198,3 +199,29 @@ def test_what_agents_killed_with_minus_9_left_is_swept_and_nothing_else(tmp_path
     assert all(p.exists() for p in kept)
     assert sweep_stale(str(stats), str(dpdk)) == []            # nothing more, and missing folders are no error
     assert sweep_stale(str(tmp_path / "none"), str(tmp_path / "none2")) == []
+
+
+def test_an_agent_killed_but_not_yet_reaped_counts_as_gone(tmp_path):
+    """An agent killed with -9 under a supervisor that has not waited for it yet is a zombie: its PID still
+    answers kill(pid, 0), but it runs no more, and its files are swept (the fabric's kill -9 of an agent left
+    them there before)."""
+    import signal
+    import subprocess
+    import sys
+
+    from vfab.services.memcached_helper.agent import pid_alive, sweep_stale
+
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert pid_alive(p.pid)
+        os.kill(p.pid, signal.SIGKILL)
+        wait_for(lambda: open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", 5, "a zombie")
+        stats = tmp_path / "shm"
+        stats.mkdir()
+        left = stats / f"vfab-mc-helper-h1-{p.pid}.stats"
+        left.write_text("loops 1\n")
+        assert not pid_alive(p.pid)
+        assert sweep_stale(str(stats), str(tmp_path / "no-dpdk")) == [str(left)] and not left.exists()
+    finally:
+        p.kill()
+        p.wait()
