@@ -1,4 +1,5 @@
-"""sdhcp's per-request path in one shard: CPU per DISCOVER and REQUEST, batched, alone, and alone with gaps.
+"""sdhcp's per-request path in one shard: CPU per DISCOVER and REQUEST, batched, alone, and alone with gaps;
+the Python loop's path and the native lane's, side by side.
 
 What a shard's loop does with the requests one pass of it reads from its port, run in this process: the real
 ``SdhcpLoop`` of shard ``a`` (on testbed host vfh1, its endpoint announced in etcd, the whole key space
@@ -19,6 +20,12 @@ the address offered (SELECTING, with the server identifier), three ways, side by
   quiet shard (245 udhcpc clients starting over ~1.3 s, or perfdhcp at 250/s): the very same work, but
   between two requests the core runs something else or idles, and the next one finds its caches cold.
   (N/4 clients, to keep the sleeps short.)
+
+The same three ways through the shard's **native lane** (``lane-b16``, ``lane-b1``, ``lane-b1-gap``;
+``services/sdhcp/lane.py``): each batch is one pass of the lane over the frames (``NativeLane.serve``: parse,
+the store's reads and writes in one transaction, the reply frames), then, for REQUESTs, the fdatasync of the
+WAL its thread makes before ACKs leave, and each reply sent on the port.  Not in it either: the lane thread's
+poll and receive.
 
 Each way gets a fresh store and fresh clients; the order alternates between rounds.  CPU seconds are this
 process's (``time.process_time``: the loop's work plus what the kernel does for its sends and fsyncs, not
@@ -42,15 +49,17 @@ if __package__ in (None, ""):
 
 from bench.common import not_root, parser, write  # noqa: E402
 
-WAYS = {"b16": (16, False), "b1": (1, False), "b1-gap": (1, True)}   # name: (requests per batch, gaps)
+# name: (requests per batch, gaps, native lane)
+WAYS = {"b16": (16, False, False), "b1": (1, False, False), "b1-gap": (1, True, False),
+        "lane-b16": (16, False, True), "lane-b1": (1, False, True), "lane-b1-gap": (1, True, True)}
 OPTS = {"pool": "10.77.0.10-10.77.63.250", "mask": "18", "server": "10.77.0.1", "router": "10.77.0.2",
         "dns": "10.77.0.3", "lease": "600", "t1": "300", "t2": "525"}
 PRL = bytes([1, 3, 6, 15, 51, 54])   # what udhcpc asks for
 
 
-def run_once(tb, n: int, batch: int, gap: float, tag: str) -> dict:
+def run_once(tb, n: int, batch: int, gap: float, tag: str, native: bool = False) -> dict:
     """One fresh shard and store, ``n`` clients through DISCOVER then REQUEST in batches of ``batch``, ``gap``
-    seconds of sleep after each batch."""
+    seconds of sleep after each batch; ``native``: through the shard's native lane."""
     from vfab.services.sdhcp import ipudp, wire
     from vfab.services.sdhcp.config import parse_opts
     from vfab.services.sdhcp.server import open_server
@@ -61,11 +70,16 @@ def run_once(tb, n: int, batch: int, gap: float, tag: str) -> dict:
     reg, svc = tb.registry, f"dhpath{tag}"
     data = os.path.join(tb.workdir, f"data-{svc}")
     reg.create_service(svc, kind="sdhcp", frontdoors=[{"kind": "dhcp4"}])
-    loop = open_server(reg, svc, "a", tb.hosts["vfh1"]["iface"], data, parse_opts(OPTS), netns=tb.netns("vfh1"))
+    loop = open_server(reg, svc, "a", tb.hosts["vfh1"]["iface"], data, parse_opts(OPTS), netns=tb.netns("vfh1"),
+                       native=native)
     try:
         reg.assign(svc, FULL, "a")
         loop._set_view(read_view(reg, svc))
         loop.lease.start()                       # what serve() starts: the shard serves while its lease lives
+        if native:
+            if loop.lane is None:
+                raise RuntimeError("the shard has no native lane (see its warning): make -C services/sdhcp/native")
+            loop._lane_sync()                    # what serve() grants it: every key
         sent: list[bytes] = []
         real_send = loop.port.send
 
@@ -82,24 +96,34 @@ def run_once(tb, n: int, batch: int, gap: float, tag: str) -> dict:
         discovers = [frame(m, Message(op=1, xid=i, chaddr=m, options={
             Opt.MSG_TYPE: bytes([MessageType.DISCOVER]), Opt.PARAM_REQUEST_LIST: PRL})) for i, m in enumerate(macs)]
 
-        def serve(frames: list[bytes]) -> tuple[float, float]:
-            """What one pass of the loop does with each batch it read (EndpointLoop.serve/_batch)."""
+        def serve(frames: list[bytes], durable: bool) -> tuple[float, float]:
+            """What one pass of the loop (EndpointLoop.serve/_batch), or of the lane's thread (lane_run), does
+            with each batch it read."""
             t, c = time.perf_counter(), time.process_time()
             for i in range(0, len(frames), batch):
-                loop._handle([(f, 0) for f in frames[i:i + batch]])
-                if loop.unsynced_since:          # the port is drained: the group fsync, then the ACKs leave
-                    loop._sync_now()
+                if native:
+                    replies = loop.lane.serve(frames[i:i + batch], int(time.time() * 1000))
+                    if durable:
+                        loop.backend.store.sync()   # the lane's fdatasync of the WAL before its ACKs leave
+                    for r in replies:
+                        if r is None:
+                            raise RuntimeError(f"the lane left a request to the loop: {loop.lane.counters()}")
+                        send(r)
+                else:
+                    loop._handle([(f, 0) for f in frames[i:i + batch]])
+                    if loop.unsynced_since:      # the port is drained: the group fsync, then the ACKs leave
+                        loop._sync_now()
                 if gap:
                     time.sleep(gap)
             return time.perf_counter() - t, time.process_time() - c
 
-        d_wall, d_cpu = serve(discovers)
+        d_wall, d_cpu = serve(discovers, False)
         offers = [wire.parse(ipudp.parse(f).payload) for f in sent]
         sent.clear()
         requests = [frame(o.chaddr, Message(op=1, xid=o.xid, chaddr=o.chaddr, options={
             Opt.MSG_TYPE: bytes([MessageType.REQUEST]), Opt.SERVER_ID: server.packed,
             Opt.REQUESTED_IP: o.yiaddr.packed, Opt.PARAM_REQUEST_LIST: PRL})) for o in offers]
-        r_wall, r_cpu = serve(requests)
+        r_wall, r_cpu = serve(requests, True)
         acks = [wire.parse(ipudp.parse(f).payload) for f in sent]
         ok = len(offers) == n and len(acks) == n and all(a.msg_type is MessageType.ACK for a in acks)
         if not ok:
@@ -107,7 +131,8 @@ def run_once(tb, n: int, batch: int, gap: float, tag: str) -> dict:
                                f"{n} clients (counters {dict(loop.backend.counters)}, loop {dict(loop.counters)})")
         return {"discover_cpu_us": d_cpu / n * 1e6, "discover_wall_us": d_wall / n * 1e6,
                 "request_cpu_us": r_cpu / n * 1e6, "request_wall_us": r_wall / n * 1e6,
-                "lease_cpu_ms": (d_cpu + r_cpu) / n * 1e3, "fsyncs": loop.counters["group_syncs"]}
+                "lease_cpu_ms": (d_cpu + r_cpu) / n * 1e3,
+                "fsyncs": loop.counters["group_syncs"] if not native else -(-n // batch)}
     finally:
         loop.close()
         loop.backend.store.close()
@@ -131,25 +156,30 @@ def main() -> int:
     with Testbed("line,1,1", poll=1.0) as tb:
         for r in range(rounds):
             for way in (list(WAYS) if r % 2 == 0 else list(WAYS)[::-1]):
-                batch, gaps = WAYS[way]
-                got = run_once(tb, max(16, n // 4) if gaps else n, batch, args.gap if gaps else 0.0, f"{r}{way}")
+                batch, gaps, native = WAYS[way]
+                got = run_once(tb, max(16, n // 4) if gaps else n, batch, args.gap if gaps else 0.0,
+                               f"{r}{way.replace('-', '')}", native)
                 runs[way].append(got)
-                print(f"  round {r + 1}, {way:6s}: DISCOVER {got['discover_cpu_us']:6.1f} us CPU, "
+                print(f"  round {r + 1}, {way:11s}: DISCOVER {got['discover_cpu_us']:6.1f} us CPU, "
                       f"REQUEST {got['request_cpu_us']:6.1f} us CPU ({got['fsyncs']} fsyncs), "
                       f"{got['lease_cpu_ms']:.3f} CPU-ms per lease", flush=True)
     med = {w: {k: round(statistics.median(x[k] for x in rs), 3) for k in rs[0]} for w, rs in runs.items()}
     print(f"\nsdhcp shard's path, {n} clients ({max(16, n // 4)} with gaps of {args.gap * 1e3:g} ms), {rounds} "
           "round(s), medians:")
-    print(f"  {'way':6s} {'DISCOVER us':>12s} {'REQUEST us':>11s} {'CPU-ms/lease':>13s}")
+    print(f"  {'way':11s} {'DISCOVER us':>12s} {'REQUEST us':>11s} {'CPU-ms/lease':>13s}")
     for w in WAYS:
-        print(f"  {w:6s} {med[w]['discover_cpu_us']:12.1f} {med[w]['request_cpu_us']:11.1f} "
+        print(f"  {w:11s} {med[w]['discover_cpu_us']:12.1f} {med[w]['request_cpu_us']:11.1f} "
               f"{med[w]['lease_cpu_ms']:13.3f}")
     ratios = {"b16_over_b1": round(med["b16"]["lease_cpu_ms"] / med["b1"]["lease_cpu_ms"], 3),
-              "gap_over_b1": round(med["b1-gap"]["lease_cpu_ms"] / med["b1"]["lease_cpu_ms"], 3)}
+              "gap_over_b1": round(med["b1-gap"]["lease_cpu_ms"] / med["b1"]["lease_cpu_ms"], 3),
+              **{f"lane_over_python_{w}": round(med[f"lane-{w}"]["lease_cpu_ms"] / med[w]["lease_cpu_ms"], 3)
+                 for w in ("b16", "b1", "b1-gap")}}
     print(f"  CPU per lease, batches of 16 over one at a time: {ratios['b16_over_b1']}; one at a time with "
           f"{args.gap * 1e3:g} ms gaps over back to back: {ratios['gap_over_b1']}")
+    print("  the native lane's CPU per lease over the Python loop's: " +
+          ", ".join(f"{w} {ratios['lane_over_python_' + w]}" for w in ("b16", "b1", "b1-gap")))
     write("sdhcp_path", {"clients": n, "gap_clients": max(16, n // 4), "rounds": rounds, "gap_s": args.gap,
-                         "ways": {w: {"batch": b, "gaps": g} for w, (b, g) in WAYS.items()}, "smoke": args.smoke,
+                         "ways": {w: {"batch": b, "gaps": g, "native": nat} for w, (b, g, nat) in WAYS.items()}, "smoke": args.smoke,
                          "pool": OPTS["pool"]},
           {"median": med, "ratios": ratios, "runs": runs}, args.out)
     return 0

@@ -27,6 +27,7 @@ import collections
 import logging
 import threading
 import time
+from typing import Callable
 from ipaddress import IPv4Address
 
 from vfab.vid.codec import int_to_mac, mac_to_int
@@ -61,6 +62,9 @@ class Binder:
         self._dhcp: set[int] = set()            # MACs of hosts registered with dhcp: true (the watch's)
         self._hosts_ready = False               # the host records were read (else events wait)
         self._marked: set[int] = set()          # hosts marked dhcp since: their leases are looked up
+        # told the DHCP hosts' MACs whenever they change, before their leases are looked up (the native lane
+        # then queues binding events for these MACs only)
+        self.on_hosts: Callable[[set[int]], None] = lambda macs: None
         self._gc_at = time.monotonic()
         self._reconcile_at = -1e9
         self._failing = ""
@@ -155,21 +159,22 @@ class Binder:
             if got is not None and got[1]:
                 dhcp.add(got[0])
         with self._lock:
+            self.on_hosts(set(dhcp))
             self._marked |= dhcp - self._dhcp
             self._dhcp, self._hosts_ready = dhcp, True
         self._wake.set()
 
     def _host_events(self, batch: list) -> None:
         with self._lock:
+            dhcp = set(self._dhcp)
             for ev in batch:
                 got = self._dhcp_host(ev.key, ev.value)
-                if got is None:
-                    continue
-                if got[1] and got[0] not in self._dhcp:
-                    self._dhcp.add(got[0])
-                    self._marked.add(got[0])
-                elif not got[1]:
-                    self._dhcp.discard(got[0])
+                if got is not None:
+                    (dhcp.add if got[1] else dhcp.discard)(got[0])
+            if dhcp != self._dhcp:
+                self.on_hosts(set(dhcp))
+            self._marked |= dhcp - self._dhcp
+            self._dhcp = dhcp
         self._wake.set()
 
     def _watch_hosts(self) -> None:

@@ -33,6 +33,7 @@ from vfab.services.sdhcp.backend import SdhcpBackend, open_backend
 from vfab.services.sdhcp.bindings import Binder
 from vfab.services.sdhcp.config import OPTIONS, Config, parse_opts, shard_config
 from vfab.services.sdhcp.errors import DhcpError
+from vfab.services.sdhcp.lane import LaneError, LanePort, NativeLane, SHARED, enabled as lane_enabled, vid_base
 from vfab.services.sdhcp.pool import subtract
 from vfab.services.sdhcp.port import DhcpPort
 from vfab.vid import codec
@@ -53,9 +54,10 @@ ARP = frames.ETH_P_ARP.to_bytes(2, "big")
 class SdhcpLoop(EndpointLoop):
     backend: SdhcpBackend
     binder: Binder | None = None   # publishes the DHCP hosts' leases (set by ``run``)
+    lane: NativeLane | None = None  # serves the common requests in C (lane.py); None: all in Python
 
     def __init__(self, registry: Registry, service: str, name: str, iface: str, backend: SdhcpBackend,
-                 netns: str | None = None, ttl: int = 3):
+                 netns: str | None = None, ttl: int = 3, native: bool = True):
         super().__init__(registry, service, name, iface, backend, rx="ovs", netns=netns, ttl=ttl)
         try:
             vfab_port, self.port = self.port, DhcpPort(iface, "ovs", netns=netns)
@@ -63,6 +65,18 @@ class SdhcpLoop(EndpointLoop):
         except BaseException:
             self.close()
             raise
+        self._lane_key: tuple | None = None
+        if native and lane_enabled():
+            try:
+                self.lane = NativeLane(backend, self.port.fileno(), vid_base(self.service.id, self.layout))
+            except LaneError as exc:
+                log.warning("%s: no native lane (%s): every request is served in Python, at several times the "
+                            "CPU per lease", name, exc)
+        if self.lane is not None:
+            backend.store.lane = backend.store.writer_lock = self.lane
+            self.port = LanePort(self.port, self.lane)
+            self.lease.on_extend.append(self.lane.extend)
+            self.lane.on_events = lambda events: self.backend.on_bindings(events)
         self.server_ip = backend.config.server.packed
         backend.allocatable = self.allocatable
         backend.vid_mac = self.vid_mac
@@ -83,8 +97,83 @@ class SdhcpLoop(EndpointLoop):
         own = [r.range for r in self.view.owned_by(self.name)]
         return subtract(own, [rng for rng, _ in self.paused.values()])
 
+    # -- the native lane ---------------------------------------------------------------------------
+    def _lane_ranges(self) -> list[tuple[int, int]]:
+        """(loop thread) What the lane may serve now: owned ranges, authoritative, without mirrors, not paused
+        and not copied to a peer (their writes must reach peers: the loop's work)."""
+        if not self._authoritative():
+            return []
+        holes = [rng for rng, _ in self.paused.values()] + [r for rngs in self.targets.values() for r in rngs]
+        return [(r.lo, r.hi) for r in self.view.owned_by(self.name)
+                if not r.mirrors and not any(r.range.overlaps(h) for h in holes)]
+
+    def _lane_sync(self) -> None:
+        if self.lane is None:
+            return
+        ranges = self._lane_ranges()
+        key = (tuple(ranges), self.lease.generation)
+        if key != self._lane_key:
+            self._lane_key = key
+            self.lane.grant(ranges, self.lease.valid_until, self.lease.generation)
+
+    def _lane_revoke(self) -> None:
+        if self.lane is not None:
+            self._lane_key = None
+            self.lane.grant([], 0.0, 0)
+
+    def serve(self, stop: threading.Event) -> None:
+        if self.lane is not None:
+            self._lane_sync()
+            self.lane.start()
+        super().serve(stop)
+
+    def _timers(self) -> None:
+        super()._timers()
+        self._lane_sync()
+
+    def _set_view(self, view, generation: int | None = None) -> None:
+        super()._set_view(view, generation)
+        if self.lane is not None:
+            self._lane_sync()
+
+    def _patch(self, rec, revision: int) -> None:
+        super()._patch(rec, revision)
+        self._lane_sync()
+
+    def op_command(self, op, cmd: str, rng: Range, to: str, rec, revision: int = 0):
+        """Revoke the lane's grant first (a pause or a copy must see every write before it), then grant again
+        what is left to it."""
+        self._lane_revoke()
+        try:
+            return super().op_command(op, cmd, rng, to, rec, revision)
+        finally:
+            self._lane_sync()
+
+    def take_rates(self) -> dict[int, int]:
+        rates = super().take_rates()
+        if self.lane is not None:
+            for lo, n in self.lane.take_rates().items():
+                rates[lo] = rates.get(lo, 0) + n
+        return rates
+
+    def close(self) -> None:
+        lane = self.lane
+        if lane is not None:
+            self.backend.store.writer_lock = self.backend.store.lane = None
+            lane.acquire()     # a write transaction under way ends first
+            lane.release()
+            lane.close()
+        super().close()
+
     # -- the data path, adapted ----------------------------------------------------------------
     def _handle(self, frames_in: list) -> None:
+        try:
+            self._handle_dhcp(frames_in)
+        finally:
+            if self.lane is not None:
+                self.port.finished()
+
+    def _handle_dhcp(self, frames_in: list) -> None:
         out = []
         for raw, hops in frames_in:
             kind = raw[12:14]
@@ -126,6 +215,12 @@ class SdhcpLoop(EndpointLoop):
             stats["mirrored"] = self.backend.store.usage(mirrored, int(self.backend.clock() * 1000))
             if self.binder is not None:
                 stats["bindings"] = dict(self.binder.counters)
+            if self.lane is not None:
+                native = self.lane.counters()
+                stats["native"] = {**native, "granted": [f"{lo:#x}-{hi:#x}" for lo, hi in self.lane.granted],
+                                   "failed": self.lane.failed}
+                for name in SHARED:
+                    stats["counters"][name] = stats["counters"].get(name, 0) + native[name]
             return env.reply("OK", self.name, counters=dict(self.counters), port=dict(self.port.counters),
                              sdhcp=stats)
         return super()._control(env, ident)
@@ -142,11 +237,12 @@ def parse_opt_list(texts: list[str]) -> dict[str, str]:
 
 
 def open_server(registry: Registry, service: str, name: str, iface: str, datadir: str,
-                config: Config | None = None, netns: str | None = None, ttl: int = 3) -> SdhcpLoop:
-    """An announced sdhcp shard, ready to ``serve``."""
+                config: Config | None = None, netns: str | None = None, ttl: int = 3,
+                native: bool = True) -> SdhcpLoop:
+    """An announced sdhcp shard, ready to ``serve``; ``native``: with its native lane (lane.py)."""
     backend = open_backend(datadir, name, config)
     try:
-        return SdhcpLoop(registry, service, name, iface, backend, netns=netns, ttl=ttl)
+        return SdhcpLoop(registry, service, name, iface, backend, netns=netns, ttl=ttl, native=native)
     except BaseException:
         backend.store.close()
         raise
@@ -190,6 +286,9 @@ example (shard s1 on testbed host vfh1, owning every key):
                         "the store in --data")
     p.add_argument("--listen", action="append", default=[], metavar="LO-HI",
                    help="take this key range at start (repeatable; only for a fresh service)")
+    p.add_argument("--no-native", action="store_true",
+                   help="serve every request in Python, without the native lane (it serves new clients' DISCOVERs "
+                        "and REQUESTs for held addresses in C; also VFAB_SDHCP_NATIVE=0)")
     p.add_argument("--ttl", type=int, default=1, help="endpoint lease TTL in s: a mirror serves a crashed shard's "
                                                       "clients about this long after the crash, plus up to 0.5 s "
                                                       "(default 1: etcd's minimum TTL must allow it, see "
@@ -208,8 +307,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = shard_config(opts, registry.service(args.service).opts, args.service)
         loop = open_server(registry, args.service, args.name, args.iface, args.data, config, netns=args.netns,
-                           ttl=args.ttl)
-        loop.binder = Binder(args.etcd, args.service, args.name, leases=loop.bound_leases).start()
+                           ttl=args.ttl, native=not args.no_native)
+        loop.binder = Binder(args.etcd, args.service, args.name, leases=loop.bound_leases)
+        if loop.lane is not None:
+            loop.binder.on_hosts = loop.lane.watch
+        loop.binder.start()
         loop.backend.on_bindings = loop.binder.offer
         for text in args.listen:
             registry.assign(args.service, Range.parse(text), args.name)

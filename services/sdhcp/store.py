@@ -86,6 +86,19 @@ _FIRST_GAP = (f"SELECT a.ip + 1 FROM addr a WHERE a.ip >= ? AND a.ip < ? AND {_T
               f"(SELECT 1 FROM addr b WHERE b.ip = a.ip + 1 AND {_TAKEN.format(t='b')}) ORDER BY a.ip LIMIT 1")
 
 
+# A row each (Store.lease, Store.addr) and the upserts (Store.put_lease, Store.put_addr): the native lane
+# (lane.py) prepares these very statements, with the same parameters.
+SQL_LEASE = "SELECT ip, state, expires, client_id, version FROM lease WHERE chaddr=?"
+SQL_ADDR = "SELECT holder, state, until, version FROM addr WHERE ip=?"
+SQL_PUT_LEASE = ("INSERT INTO lease (chaddr, vkey, ip, state, expires, client_id, version) VALUES (?,?,?,?,?,?,?) "
+                 "ON CONFLICT(chaddr) DO UPDATE SET ip=excluded.ip, state=excluded.state, "
+                 "expires=excluded.expires, client_id=excluded.client_id, version=excluded.version")
+SQL_PUT_ADDR = ("INSERT INTO addr (ip, vkey, holder, state, until, version) VALUES (?,?,?,?,?,?) "
+                "ON CONFLICT(ip) DO UPDATE SET holder=excluded.holder, state=excluded.state, "
+                "until=excluded.until, version=excluded.version")
+LANE_SQL = (SQL_LEASE, SQL_ADDR, _TAKEN_AT, _FIRST_GAP, SQL_PUT_LEASE, SQL_PUT_ADDR)
+
+
 class StoreError(DhcpError, BackendError):
     """The lease store could not read or write, or refused records; the message names the cause and the fix."""
 
@@ -189,11 +202,15 @@ class Store(SqliteStore):
         # Counts the writes after which an address may have become free (or reclaimable): whatever a caller
         # concluded from "everything is taken" holds only while this has not moved (the backend's full-pool mark).
         self.freed = 0
+        # The shard's native lane (lane.py), once it has one: it writes this store too, under ``writer_lock``.
+        self.lane = None
 
     def _may_free(self) -> None:
-        """An address may have become free: forget the search hints, move ``freed``."""
+        """An address may have become free: forget the search hints (the native lane's too), move ``freed``."""
         self._hints.clear()
         self.freed += 1
+        if self.lane is not None:
+            self.lane.forget()
 
     # -- the data path: one transaction per batch (SqliteStore.begin/commit) -------------------
     def rollback(self) -> None:
@@ -201,12 +218,11 @@ class Store(SqliteStore):
         super().rollback()
 
     def lease(self, chaddr: int) -> Lease | None:
-        row = self._exec("SELECT ip, state, expires, client_id, version FROM lease WHERE chaddr=?",
-                         (chaddr,)).fetchone()
+        row = self._exec(SQL_LEASE, (chaddr,)).fetchone()
         return Lease(chaddr, row[0], row[1], row[2], bytes(row[3]), row[4]) if row else None
 
     def addr(self, ip: int) -> Addr | None:
-        row = self._exec("SELECT holder, state, until, version FROM addr WHERE ip=?", (ip,)).fetchone()
+        row = self._exec(SQL_ADDR, (ip,)).fetchone()
         return Addr(ip, *row) if row else None
 
     def reclaimable(self, lo: int, hi: int, now: int) -> Iterator[tuple[Addr, Lease | None]]:
@@ -265,10 +281,7 @@ class Store(SqliteStore):
         new = Lease(row.chaddr, row.ip, row.state, row.expires, row.client_id[:MAX_CLIENT_ID], row.version + 1)
         if new.state not in (OFFERED, BOUND):
             self._may_free()  # a lease ended: its address may be reclaimed
-        self._exec("INSERT INTO lease (chaddr, vkey, ip, state, expires, client_id, version) VALUES (?,?,?,?,?,?,?) "
-                   "ON CONFLICT(chaddr) DO UPDATE SET ip=excluded.ip, state=excluded.state, "
-                   "expires=excluded.expires, client_id=excluded.client_id, version=excluded.version",
-                   (new.chaddr, new.vkey, new.ip, new.state, new.expires, new.client_id, new.version))
+        self._exec(SQL_PUT_LEASE, (new.chaddr, new.vkey, new.ip, new.state, new.expires, new.client_id, new.version))
         return new, pack_lease(self.fp, new)
 
     def put_addr(self, row: Addr) -> tuple[Addr, bytes]:
@@ -276,10 +289,7 @@ class Store(SqliteStore):
         new = Addr(row.ip, row.holder, row.state, row.until, row.version + 1)
         if new.state != HELD:
             self._may_free()  # an address may have become free below a hint
-        self._exec("INSERT INTO addr (ip, vkey, holder, state, until, version) VALUES (?,?,?,?,?,?) "
-                   "ON CONFLICT(ip) DO UPDATE SET holder=excluded.holder, state=excluded.state, "
-                   "until=excluded.until, version=excluded.version",
-                   (new.ip, self.pool.home_of(new.ip), new.holder, new.state, new.until, new.version))
+        self._exec(SQL_PUT_ADDR, (new.ip, self.pool.home_of(new.ip), new.holder, new.state, new.until, new.version))
         return new, pack_addr(self.fp, new)
 
     # -- what the shard holds (status) -----------------------------------------------------

@@ -149,6 +149,28 @@ _FIXED_KINDS = {"ip", "u32", "u16", "u8"}  # never split across fields when over
 _MSG_TYPES = frozenset(int(t) for t in MessageType)
 
 
+def length_rule(code: int) -> tuple[int | None, int, int] | None:
+    """(exact length or None, multiple of, at least) that RFC 2132 sets for option ``code``; None if unknown
+    (then any length is kept).  ``parse`` checks every option by it; the native lane gets the same table."""
+    spec = SPECS.get(code)
+    return None if spec is None else _KINDS[spec[1]]
+
+
+def pieces(options: dict[int, bytes]) -> Iterator[tuple[int, bytes]]:
+    """(code, value) instances of at most 255 B each, in option order (RFC 3396 split)."""
+    for code, value in options.items():
+        if not value:
+            yield code, b""
+        for i in range(0, len(value), 255):
+            yield code, value[i:i + 255]
+
+
+def encode_options(options: dict[int, bytes]) -> bytes:
+    """The wire bytes of encoded ``options`` in order (without the end option), as ``serialize`` writes them
+    when they fit."""
+    return b"".join(bytes((c, len(v))) + v for c, v in pieces(options))
+
+
 def option_name(code: int) -> str:
     spec = SPECS.get(code)
     return f"option {code} ({spec[0]})" if spec else f"option {code}"
@@ -403,26 +425,20 @@ class Message:
     # ------------------------------------------------------------------ encoding
 
     def _pieces(self) -> Iterator[tuple[int, bytes]]:
-        """(code, value) instances of at most 255 B each, in option order (RFC 3396 split)."""
-        for code, value in self.options.items():
-            if not value:
-                yield code, b""
-            for i in range(0, len(value), 255):
-                yield code, value[i:i + 255]
+        return pieces(self.options)
 
     def serialize(self, max_size: int | None = None) -> bytes:
         """Wire bytes, padded to 300 B.  With ``max_size`` (the DHCP message size the receiver accepts,
         see ``reply.reply_limit``) options that do not fit spill into empty ``file`` then ``sname``
         fields (option 52); DhcpError if even that is too small."""
-        pieces = list(self._pieces())
-        body = b"".join(bytes((c, len(v))) + v for c, v in pieces) + bytes((END,))
+        body = encode_options(self.options) + bytes((END,))
         sname, file = self.sname, self.file
         if max_size is not None:
             if not isinstance(max_size, int) or max_size < BOOTP_MIN_LEN:
                 raise DhcpError(f"max_size {max_size!r} is too small: a DHCP message takes at least "
                                 f"{BOOTP_MIN_LEN} B (RFC 2131 clients accept 548 B)")
             if MIN_LEN + len(body) > max_size:
-                body, sname, file = self._overload(pieces, max_size, len(body))
+                body, sname, file = self._overload(list(self._pieces()), max_size, len(body))
         out = HEADER.pack(self.op, self.htype, len(self.chaddr), self.hops, self.xid, self.secs, self.flags,
                           self.ciaddr.packed, self.yiaddr.packed, self.siaddr.packed, self.giaddr.packed,
                           self.chaddr, sname, file, MAGIC) + body

@@ -53,6 +53,8 @@ class EndpointLease:
         self.valid_until = 0.0           # time.monotonic() up to which we may act as owner
         self.generation = 0              # grows each time the lease is granted anew
         self.on_renewed: list[Callable[[int], None]] = []  # called with the new lease id
+        # called with (valid_until, generation) each time a keepalive moves valid_until (sdhcp's native lane)
+        self.on_extend: list[Callable[[float, int], None]] = []
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._lock = threading.Lock()
@@ -107,6 +109,8 @@ class EndpointLease:
             return
         if ttl > 0:
             self.valid_until = max(self.valid_until, t + min(ttl, self.ttl) - self.margin)
+            for fn in self.on_extend:
+                fn(self.valid_until, self.generation)
             return
         if self._stop.is_set():
             return   # closing: the lease is gone because revoke() revoked it (a SIGTERM during this keepalive)

@@ -43,6 +43,9 @@ class SqliteStore:
 
     def __init__(self, path: str):
         self.path = path
+        # Another writer of the same database in this process (sdhcp's native lane) takes this lock for each of
+        # its transactions; so does every write transaction here (acquire/release, blocking).  None: no other.
+        self.writer_lock = None
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._local = threading.local()
 
@@ -82,21 +85,37 @@ class SqliteStore:
             self._local.relaxed = not durable
 
     # -- the data path: one transaction per batch ------------------------------------------
+    def _lock(self) -> None:
+        if self.writer_lock is not None and not getattr(self._local, "locked", False):
+            self.writer_lock.acquire()
+            self._local.locked = True
+
+    def _unlock(self) -> None:
+        if getattr(self._local, "locked", False):
+            self._local.locked = False
+            self.writer_lock.release()
+
     def begin(self, durable: bool = True) -> None:
         """Open the batch's transaction.  ``durable`` (the default): its commit fsyncs the write-ahead log.
         ``durable=False``: its commit does not wait for the disk (see the module's docstring)."""
+        self._lock()
         try:
-            self._synchronous(durable)
-        except sqlite3.Error as exc:
-            raise self.Error(why(exc, self.path)) from None
-        self._exec("BEGIN IMMEDIATE")
+            try:
+                self._synchronous(durable)
+            except sqlite3.Error as exc:
+                raise self.Error(why(exc, self.path)) from None
+            self._exec("BEGIN IMMEDIATE")
+        except BaseException:
+            self._unlock()
+            raise
 
     def commit(self) -> None:
         """Commit the batch: after a durable ``begin`` the write-ahead log is fsync'd before this returns."""
         try:
             self._commit(self.db)
         except sqlite3.Error as exc:
-            raise self.Error(why(exc, self.path)) from None
+            raise self.Error(why(exc, self.path)) from None   # the caller rolls back (and so unlocks)
+        self._unlock()
 
     def _commit(self, db: sqlite3.Connection) -> None:
         t0 = time.perf_counter()
@@ -124,10 +143,13 @@ class SqliteStore:
                 self.db.execute("ROLLBACK")
         except sqlite3.Error as exc:
             log.warning("rollback of %s failed: %s", self.path, exc)
+        finally:
+            self._unlock()
 
     def _txn(self, fn, durable: bool = True):
         """Run ``fn(db)`` in one write transaction; the error names the cause, never the rollback's."""
         db = self.db
+        self._lock()
         try:
             self._synchronous(durable)
             db.execute("BEGIN IMMEDIATE")
@@ -140,6 +162,8 @@ class SqliteStore:
         except BaseException:
             self.rollback()
             raise
+        finally:
+            self._unlock()
 
     def sync(self) -> None:
         """Make every earlier commit durable: fdatasync the write-ahead log, as SQLite syncs it itself.
