@@ -211,7 +211,8 @@ def stop_sdhcp(tb: Testbed, svc: str, procs: list) -> dict:
     counters = {}
     for (name, _, _), p in zip(SHARDS[int(svc[-1])], procs):
         try:
-            counters[name] = statectl.command(tb.registry, svc, name, "STATS", {}).body["sdhcp"]["counters"]
+            body = statectl.command(tb.registry, svc, name, "STATS", {}).body["sdhcp"]
+            counters[name] = {**body["counters"], "native": body.get("native", {})}   # what the lane served
         except Exception as exc:  # noqa: BLE001 - a dead shard is reported, not fatal to the others' numbers
             counters[name] = {"error": str(exc)}
     for p in procs:

@@ -100,9 +100,10 @@ class SdhcpLoop(EndpointLoop):
     # -- the native lane ---------------------------------------------------------------------------
     def _lane_ranges(self) -> list[tuple[int, int]]:
         """(loop thread) What the lane may serve now: owned ranges, authoritative, without mirrors, not paused
-        and not copied to a peer (their writes must reach peers: the loop's work)."""
-        if not self._authoritative():
-            return []
+        and not copied to a peer (their writes must reach peers: the loop's work); nothing while requests wait
+        in the loop's own queue."""
+        if not self._authoritative() or self.pending:
+            return []   # requests released from a hold or fenced go first: a client's are answered in order
         holes = [rng for rng, _ in self.paused.values()] + [r for rngs in self.targets.values() for r in rngs]
         return [(r.lo, r.hi) for r in self.view.owned_by(self.name)
                 if not r.mirrors and not any(r.range.overlaps(h) for h in holes)]

@@ -298,10 +298,14 @@ def test_the_loop_grants_only_owned_unmirrored_ranges_no_operation_touches():
         return NS(lo=lo, hi=hi, range=Range(lo, hi), mirrors=list(mirrors))
 
     recs = [rec(0, 0x3FFFFF), rec(0x400000, 0x7FFFFF, ["m"]), rec(0x800000, 0xBFFFFF), rec(0xC00000, 0xFFFFFF)]
-    fake = NS(name="s1", paused={}, targets={}, view=NS(owned_by=lambda name: recs), _authoritative=lambda: True)
+    fake = NS(name="s1", paused={}, targets={}, pending=[], view=NS(owned_by=lambda name: recs),
+              _authoritative=lambda: True)
     assert SdhcpLoop._lane_ranges(fake) == [(0, 0x3FFFFF), (0x800000, 0xBFFFFF), (0xC00000, 0xFFFFFF)]
     fake.paused = {0x800000: (Range(0x900000, 0x9FFFFF), [])}        # a split pauses part of a range
     fake.targets = {"s2": [Range(0xC00000, 0xFFFFFF)]}             # a copy runs to s2
     assert SdhcpLoop._lane_ranges(fake) == [(0, 0x3FFFFF)]
+    fake.pending = [(b"held request", 0)]                            # released from a hold, not served yet
+    assert SdhcpLoop._lane_ranges(fake) == []
+    fake.pending = []
     fake._authoritative = lambda: False                              # the lease lapsed or the map is stale
     assert SdhcpLoop._lane_ranges(fake) == []

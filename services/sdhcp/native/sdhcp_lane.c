@@ -450,6 +450,8 @@ static int parse(const struct lane *l, const uint8_t *f, uint32_t n, struct req 
                 return 0;
         }
         const uint8_t *v = d + i + 2;
+        if ((code == 53 && len != 1) || ((code == 50 || code == 54) && len != 4) || (code == 57 && len != 2))
+            return 0;   /* wire.py's rules say so too; checked here so no read depends on them */
         switch (code) {
         case 52:
             return 0;   /* overload: the loop's */
