@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import threading
+import time
 
 from vfab.services.sdhcp import frames
 from vfab.services.sdhcp.backend import SdhcpBackend, open_backend
@@ -47,6 +48,8 @@ from vfab.vid.state.view import read_view
 log = logging.getLogger("vfab.sdhcp.server")
 
 VFAB = ETH_TYPE.to_bytes(2, "big")
+LANE_LOG_S = 10.0     # s between two warnings of the native lane's faults
+LANE_FAULTS = ("store_failed", "sync_failed", "to_loop_dropped", "tx_dropped", "events_dropped")
 IPV4 = b"\x08\x00"
 ARP = frames.ETH_P_ARP.to_bytes(2, "big")
 
@@ -66,6 +69,8 @@ class SdhcpLoop(EndpointLoop):
             self.close()
             raise
         self._lane_key: tuple | None = None
+        self._lane_seen: dict[str, int] = {}
+        self._lane_logged = -LANE_LOG_S
         if native and lane_enabled():
             try:
                 self.lane = NativeLane(backend, self.port.fileno(), vid_base(self.service.id, self.layout))
@@ -131,6 +136,24 @@ class SdhcpLoop(EndpointLoop):
     def _timers(self) -> None:
         super()._timers()
         self._lane_sync()
+        self._lane_faults()
+
+    def _lane_faults(self) -> None:
+        """Say in the log what the lane could not do since the last look (at most every LANE_LOG_S): requests
+        it failed to commit or sync (the loop answers them, or the client asks again), frames it had to drop."""
+        now = time.monotonic()
+        if self.lane is None or now - self._lane_logged < LANE_LOG_S:
+            return
+        c = self.lane.counters()
+        faults = {k: c[k] for k in LANE_FAULTS if c[k]}
+        if faults != self._lane_seen:
+            news = {k: v - self._lane_seen.get(k, 0) for k, v in faults.items() if v > self._lane_seen.get(k, 0)}
+            self._lane_seen, self._lane_logged = faults, now
+            if news:
+                log.warning("%s: native lane: %s since the last look (%s); requests it could not keep went to "
+                            "the loop or get no answer, and their clients ask again", self.name,
+                            ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in news.items()),
+                            self.lane.error() or "no error text")
 
     def _set_view(self, view, generation: int | None = None) -> None:
         super()._set_view(view, generation)

@@ -70,6 +70,8 @@ def test_a_full_disk_acknowledges_nothing_it_cannot_keep(testbed, tmpfs, tmp_pat
         acked_full = {c.mac: c.acks[-1][2] for s in sims for c in s.clients if c.acks and c.acks[-1][1] > t_full}
         log = open(proc.logpath).read()
         assert "disk is full" in log, "the shard must name the cause of its failing commits:\n" + log[-3000:]
+        # the native lane serves this unmirrored shard: its failed commits are said too (they went to the loop)
+        assert "native lane:" in log and "store failed" in log, log[-3000:]
         assert proc.alive(), "the shard died of a full disk:\n" + proc.tail(40)
         st = statectl.command(reg, SVC, "d", "STATS", {}).body
         print(f"\ndisk full: {len(during)} of 16 new clients and {len(acked_full) - len(during)} of 16 renewals "

@@ -224,7 +224,7 @@ struct addr_row { int found; uint64_t holder; int state; uint64_t until; int64_t
 
 static int fail(struct lane *l, const char *what)
 {
-    snprintf(l->err, sizeof l->err, "%s: %s (%s)", what, sqlite3_errmsg(l->db), l->wal);
+    snprintf(l->err, sizeof l->err, "%s: %s (%s)", what, sqlite3_errmsg(l->db), sqlite3_db_filename(l->db, "main"));
     l->counters[C_STORE_FAILED]++;
     return -1;
 }
@@ -781,7 +781,7 @@ static int pass(struct lane *l, uint8_t *const *frames, const uint32_t *lens, co
     if (!open || run(l, l->commit, "committing") == 0)
         return any_durable;
 failed:
-    if (open)
+    if (open && !sqlite3_get_autocommit(l->db))   /* SQLite rolled back itself on a full disk */
         run(l, l->rollback, "rolling back");
     l->hints_at = ~0UL;   /* a hint may name an address the rollback freed */
     *nev = 0;
