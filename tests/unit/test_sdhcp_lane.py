@@ -309,3 +309,33 @@ def test_the_loop_grants_only_owned_unmirrored_ranges_no_operation_touches():
     fake.pending = []
     fake._authoritative = lambda: False                              # the lease lapsed or the map is stale
     assert SdhcpLoop._lane_ranges(fake) == []
+
+
+def test_every_write_transaction_of_the_store_takes_the_lanes_lock(pair):
+    """The Python store's writes and the lane's passes never interleave: begin/commit, rollback and _txn
+    take and give back Store.writer_lock (the lane's mutex), also when a transaction fails."""
+    import threading
+
+    store = pair.b.store
+    store.begin()
+    store.rollback()
+    with pytest.raises(ZeroDivisionError):
+        store._txn(lambda db: 1 / 0)
+    store.begin_copy()                       # a _txn that commits
+    pair.lane.acquire()                      # the lane mid-pass: the Python store's next write waits for it
+    done = threading.Event()
+
+    def write() -> None:
+        store.begin()
+        store.commit()
+        done.set()
+    t = threading.Thread(target=write, daemon=True)
+    t.start()
+    try:
+        assert not done.wait(0.3), "a write transaction began while the lane held the store"
+    finally:
+        pair.lane.release()
+    assert done.wait(10)
+    t.join(10)
+    served = pair.lane.serve([frame(bytes([2, 0, 0, 0x10, 0, 9]), MessageType.DISCOVER)], pair.now)
+    assert served[0] is not None             # and every lock taken above was given back

@@ -86,14 +86,16 @@ class SqliteStore:
 
     # -- the data path: one transaction per batch ------------------------------------------
     def _lock(self) -> None:
-        if self.writer_lock is not None and not getattr(self._local, "locked", False):
-            self.writer_lock.acquire()
-            self._local.locked = True
+        lock = self.writer_lock
+        if lock is not None and getattr(self._local, "held", None) is None:
+            lock.acquire()
+            self._local.held = lock   # released as taken, even if the store lets go of it meanwhile (a closing lane)
 
     def _unlock(self) -> None:
-        if getattr(self._local, "locked", False):
-            self._local.locked = False
-            self.writer_lock.release()
+        lock = getattr(self._local, "held", None)
+        if lock is not None:
+            self._local.held = None
+            lock.release()
 
     def begin(self, durable: bool = True) -> None:
         """Open the batch's transaction.  ``durable`` (the default): its commit fsyncs the write-ahead log.
