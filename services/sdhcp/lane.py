@@ -3,7 +3,8 @@ socket and serves the common requests itself, handing the rest to the shard's lo
 
 Why: a request through the Python loop costs a shard ~0.4 ms of CPU on this kind of machine (every wake-up
 finds the interpreter's working set cold), against ~0.06 ms for Kea; the lane serves a DISCOVER of a new
-client and a REQUEST for the address a client holds (selecting, init-reboot, renewing, rebinding) in C, on
+client, a REQUEST for the address a client holds (selecting, init-reboot, renewing, rebinding) and a
+client's ARP request for the server address (before each unicast renewal) in C, on
 the same SQLite store, with the same SQL (``store.LANE_SQL``), reply options (the backend's, encoded once)
 and option rules (``wire.length_rule``).  What it serves and when:
 
@@ -46,9 +47,10 @@ log = logging.getLogger("vfab.sdhcp.lane")
 NATIVE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
 NATIVE_PATH = os.path.join(NATIVE_DIR, "build", "libvfab_sdhcp.so")
 COUNTERS = ("rx", "offers", "acks", "selecting", "init_reboot", "renewing", "rebinding", "to_loop",
-            "to_loop_dropped", "tx", "tx_dropped", "syncs", "sync_failed", "store_failed", "events_dropped", "passes")
+            "to_loop_dropped", "tx", "tx_dropped", "syncs", "sync_failed", "store_failed", "events_dropped", "passes",
+            "arp_replies")
 # the backend's counters the lane also counts (summed in STATS, so `vfab sdhcp status` shows every request)
-SHARED = ("offers", "acks", "selecting", "init_reboot", "renewing", "rebinding")
+SHARED = ("offers", "acks", "selecting", "init_reboot", "renewing", "rebinding", "arp_replies")
 MAX_RANGES = 64
 FRAME_MAX = 2048
 

@@ -217,6 +217,7 @@ def test_renew_release_and_obtain_again(testbed, dh):
         assert c.addrs() == [addrs[kind]]
     assert counters(testbed, "s1")["renewing"] >= 2 and counters(testbed, "s2")["renewing"] >= 1
     assert counters(testbed, "s1")["arp_replies"] >= 1, "the clients resolved the server address at s1"
+    assert stats(testbed, "s1")["native"]["arp_replies"] >= 1, "s1's native lane answered their ARP"
 
     # rebind: dhcpcd on SIGHUP broadcasts a REQUEST with ciaddr (REBINDING, RFC 2131 §4.4.5)
     before = counters(testbed, "s2").get("rebinding", 0)

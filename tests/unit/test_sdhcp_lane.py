@@ -339,3 +339,26 @@ def test_every_write_transaction_of_the_store_takes_the_lanes_lock(pair):
     t.join(10)
     served = pair.lane.serve([frame(bytes([2, 0, 0, 0x10, 0, 9]), MessageType.DISCOVER)], pair.now)
     assert served[0] is not None             # and every lock taken above was given back
+
+
+def test_the_lane_answers_arp_for_the_server_address_as_the_loop_does(pair):
+    """server.py's _arp: the owner of the asking MAC's key answers from that key's VID; anything else is the
+    loop's (which drops it or answers it the same way)."""
+    mac = bytes([2, 0x5D, 0, 0x20, 0, 7])
+    key = int.from_bytes(mac, "big") & KEY_MAX
+    spa = IPv4Address("192.168.77.40").packed
+
+    def request(sha: bytes, src: bytes, tpa: bytes, op: int = 1) -> bytes:
+        return (b"\xff" * 6 + src + frames.ETH_P_ARP.to_bytes(2, "big") +
+                frames.ARP.pack(1, ipudp.ETH_P_IP, 6, 4, op, sha, spa, b"\0" * 6, tpa)).ljust(60, b"\0")
+
+    want = frames.arp_reply(pair.b.vid_mac(key), SERVER.packed, mac, spa)
+    assert pair.lane.serve([request(mac, mac, SERVER.packed)], pair.now) == [want]
+    assert frames.parse_arp_request(request(mac, mac, SERVER.packed)) == (mac, spa, SERVER.packed)
+    for raw in (request(mac, mac, IPv4Address("192.168.77.2").packed),       # another address
+                request(mac, bytes([2, 0, 0, 0, 0, 1]), SERVER.packed),      # speaking for another MAC
+                request(mac, mac, SERVER.packed, op=2)):                     # a reply, not a request
+        assert pair.lane.serve([raw], pair.now) == [None]
+    pair.grant([(0, 0x1FFFFF)])                                              # its key no longer granted
+    assert pair.lane.serve([request(mac, mac, SERVER.packed)], pair.now) == [None]
+    assert pair.lane.counters()["arp_replies"] == 1

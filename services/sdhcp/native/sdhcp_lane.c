@@ -12,7 +12,9 @@
  *     order (pool.py's segments over the granted ranges), held for OFFER_HOLD, answered with an OFFER;
  *   - REQUEST (selecting with our server id, init-reboot, renewing, rebinding) for the address the client's
  *     lease row names, whose address row this shard owns and holds for that client: the lease is bound and an
- *     ACK leaves once the write-ahead log is fdatasync'd.
+ *     ACK leaves once the write-ahead log is fdatasync'd;
+ *   - an ARP request for the server address from a client whose key it serves (clients resolve it before a
+ *     unicast renewal): answered from that key's VID, as server.py's _arp does.
  * Frames must be well formed by every rule of ipudp.parse, frames.wrap and wire.parse (option lengths by
  * wire.py's own table, handed over at open), not relayed unless by a trusted relay, and chaddr must be the
  * frame's source otherwise.  A reply that would need option overload goes to the loop.
@@ -68,7 +70,7 @@ enum { DISCOVER = 1, OFFER = 2, REQUEST = 3, ACK = 5 };
 
 /* counters, in the order of lane.py's COUNTERS */
 enum { C_RX, C_OFFERS, C_ACKS, C_SELECTING, C_INIT_REBOOT, C_RENEWING, C_REBINDING, C_TO_LOOP, C_TO_LOOP_DROPPED,
-       C_TX, C_TX_DROPPED, C_SYNCS, C_SYNC_FAILED, C_STORE_FAILED, C_EVENTS_DROPPED, C_PASSES, C_N };
+       C_TX, C_TX_DROPPED, C_SYNCS, C_SYNC_FAILED, C_STORE_FAILED, C_EVENTS_DROPPED, C_PASSES, C_ARP_REPLIES, C_N };
 
 struct range { uint32_t lo, hi; };
 struct seg { uint32_t a, b; };
@@ -742,6 +744,39 @@ static int sync_wal(struct lane *l)
     return rc;
 }
 
+/* An ARP request for the server address from a client whose key is granted: the reply (server.py's _arp and
+ * frames.arp_reply), 60 B; 0 for anything else (the loop's). */
+static uint32_t arp(struct lane *l, const uint8_t *f, uint32_t n, uint8_t *out)
+{
+    if (n < ETH + 28 || be16(f + 12) != 0x0806)
+        return 0;
+    const uint8_t *a = f + ETH;
+    if (be16(a) != 1 || be16(a + 2) != 0x0800 || a[4] != 6 || a[5] != 4 || be16(a + 6) != 1 ||
+        memcmp(a + 8, f + 6, 6) != 0 || memcmp(a + 24, l->server_be, 4) != 0)
+        return 0;   /* not Ethernet/IPv4, not a request, a sender speaking for another MAC, not for us */
+    uint32_t key = ((uint32_t)a[11] << 16) | ((uint32_t)a[12] << 8) | a[13];
+    if (!in_ranges(l, key, NULL))
+        return 0;
+    uint8_t vid[6];
+    for (int k = 0; k < 6; k++)
+        vid[k] = (uint8_t)((l->vid_base | key) >> (40 - 8 * k));
+    memset(out, 0, 60);
+    memcpy(out, a + 8, 6);
+    memcpy(out + 6, vid, 6);
+    put16(out + 12, 0x0806);
+    uint8_t *r = out + ETH;
+    put16(r, 1);
+    put16(r + 2, 0x0800);
+    r[4] = 6, r[5] = 4;
+    put16(r + 6, 2);
+    memcpy(r + 8, vid, 6);
+    memcpy(r + 14, l->server_be, 4);
+    memcpy(r + 18, a + 8, 6);    /* to the asker, at its address */
+    memcpy(r + 24, a + 14, 4);
+    l->counters[C_ARP_REPLIES]++;
+    return 60;
+}
+
 /*
  * Serve frames[0..n) as one pass: verdict[i] 1 served (reply in replies + i * REPLY_MAX, rlen[i]), 0 the
  * loop's.  queue: hand the loop's frames to the loop (the thread) rather than only saying so (the tests).
@@ -760,6 +795,10 @@ static int pass(struct lane *l, uint8_t *const *frames, const uint32_t *lens, co
         durable[i] = 0;
         struct req r;
         int rc = 0, has_ev = 0;
+        if (may && (rlen[i] = arp(l, frames[i], lens[i], replies + (size_t)i * REPLY_MAX))) {
+            verdict[i] = 1;   /* no store, no order: answered whatever else waits */
+            continue;
+        }
         if (may && !(queue && loop_busy(l)) && parse(l, frames[i], lens[i], &r)) {
             if (!open) {
                 if (run(l, l->begin, "beginning a transaction"))
