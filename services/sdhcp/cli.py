@@ -89,6 +89,18 @@ def _rate(x) -> str:
     return "-" if x is None else f"{x:g}"
 
 
+def native_share(s: dict) -> str:
+    """The share of a shard's OFFERs and ACKs its native lane sent, "off" without a lane, "failed" if it stopped."""
+    n = s.get("native")
+    if not n:
+        return "off"
+    if n.get("failed"):
+        return "failed"
+    k = s.get("counters", {})
+    total = k.get("offers", 0) + k.get("acks", 0)
+    return f"{round(100.0 * (n.get('offers', 0) + n.get('acks', 0)) / total):g}%" if total else "-"
+
+
 @sdhcp.command("status")
 @click.argument("service", type=NameType("service"))
 @click.option("--interval", type=click.FloatRange(0, 60), default=1.0, show_default=True,
@@ -101,7 +113,9 @@ def status(c, service: str, interval: float, as_json: bool) -> None:
     out) and pool use (addresses held in it); bound and offered leases; declined addresses; requests/s
     (its load report, what the balancer sees); offers, ACKs, NAKs and dropped input per second (over
     --interval); totals since start, "no address" being the DISCOVERs left unanswered because the shard's
-    slice was full (the shard's log says when it fills).  A last row adds the shards up.
+    slice was full (the shard's log says when it fills); "native", the share of its OFFERs and ACKs that its
+    native lane sent ("off": started with --no-native or without the lane's library).  A last row adds the
+    shards up.
 
     Example: vfab sdhcp status dhcp --interval 2
     """
@@ -117,7 +131,7 @@ def status(c, service: str, interval: float, as_json: bool) -> None:
     for s in shards:
         owns = ",".join(s["owns"]) or ("mirror " + ",".join(s["mirrors"]) if s["mirrors"] else "-")
         if "error" in s:
-            rows.append([s["shard"], owns, *["?"] * 8, s["error"]])
+            rows.append([s["shard"], owns, *["?"] * 9, s["error"]])
             continue
         k = s.get("counters", {})
         r = s.get("rates")
@@ -130,16 +144,16 @@ def status(c, service: str, interval: float, as_json: bool) -> None:
         rows.append([s["shard"], owns, s.get("slice", 0), f"{s.get('held', 0)} ({s.get('pool_use', 0.0):g}%)",
                      s.get("bound", 0), s.get("offered", 0), s.get("declined", 0), _rate(s["req_s"]),
                      "/".join(_rate(r[n]) for n in RATED) if r else "-", _rate(r["dropped"]) if r else "-",
-                     f"{k.get('offers', 0)}/{k.get('acks', 0)}/{k.get('naks', 0)}/{k.get('releases', 0)}/"
+                     native_share(s), f"{k.get('offers', 0)}/{k.get('acks', 0)}/{k.get('naks', 0)}/{k.get('releases', 0)}/"
                      f"{dropped(k)}/{k.get('pool_exhausted', 0)}"])
     if len(rows) > 1:
         use = round(100.0 * tot["held"] / tot["slice"], 1) if tot["slice"] else 0.0
         rows.append(["all", "", tot["slice"], f"{tot['held']} ({use:g}%)", tot["bound"], tot["offered"],
                      tot["declined"], _rate(round(tot["req_s"], 1)),
                      "/".join(_rate(round(tot_rates[n], 1)) for n in RATED) if interval > 0 else "-",
-                     _rate(round(tot_rates["dropped"], 1)) if interval > 0 else "-", ""])
+                     _rate(round(tot_rates["dropped"], 1)) if interval > 0 else "-", "", ""])
     pool = next((s["pool"] for s in shards if "pool" in s), "")
     c.console.print(table(f"sdhcp {service}" + (f": {pool}" if pool else ""),
                           ["shard", "owns", "slice", "in use", "bound", "offered", "declined", "req/s",
-                           "offers/acks/naks per s", "dropped/s",
+                           "offers/acks/naks per s", "dropped/s", "native",
                            "offers/acks/naks/releases/dropped/no address"], rows))

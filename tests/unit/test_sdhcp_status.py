@@ -110,7 +110,7 @@ def test_status_shows_shards_pool_use_leases_and_rates(shards, registry):
     assert text.exit_code == 0 and js.exit_code == 0, text.output + js.output
     print(text.output)
     for word in ("sdhcp dst: pool 10.76.0.10-10.76.0.209 (200 addresses)", "slice", "in use", "req/s",
-                 "offers/acks/naks per s", "all"):
+                 "offers/acks/naks per s", "native", "all"):
         assert word in text.output, word
     got = {s["shard"]: s for s in json.loads(js.output)}
     s1, s2 = got["s1"], got["s2"]
@@ -123,6 +123,7 @@ def test_status_shows_shards_pool_use_leases_and_rates(shards, registry):
     assert 30 <= s1["rates"]["acks"] <= 70 and s1["rates"]["naks"] == 0, s1["rates"]
     assert s2["rates"]["acks"] == 0 and s2["req_s"] == 0, (s2["rates"], s2["req_s"])
     assert s1["counters"]["acks"] >= 12 + 60, s1["counters"]
+    assert s1["native"]["acks"] > 0 and s1["native"]["granted"] == ["0x0-0x7fffff"], s1["native"]  # its lane renewed
     assert not low.waiting() and not any(c.naks for c in low.clients)
 
 
