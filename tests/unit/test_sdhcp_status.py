@@ -49,7 +49,9 @@ def shards(ns, registry, tmp_path):
     loops, threads = {}, []
     try:
         for name, iface, rng in (("s1", ns.b, LOW), ("s2", d, HIGH)):
-            loop = open_server(registry, SVC, name, iface, str(tmp_path / "data"), config, netns=path)
+            # s2 runs without its native lane (--no-native): every request through the Python loop
+            loop = open_server(registry, SVC, name, iface, str(tmp_path / "data"), config, netns=path,
+                               native=name == "s1")
             loops[name] = loop
             registry.assign(SVC, rng, name)
             th = threading.Thread(target=loop.serve, args=(stop,), daemon=True)
@@ -124,6 +126,7 @@ def test_status_shows_shards_pool_use_leases_and_rates(shards, registry):
     assert s2["rates"]["acks"] == 0 and s2["req_s"] == 0, (s2["rates"], s2["req_s"])
     assert s1["counters"]["acks"] >= 12 + 60, s1["counters"]
     assert s1["native"]["acks"] > 0 and s1["native"]["granted"] == ["0x0-0x7fffff"], s1["native"]  # its lane renewed
+    assert "native" not in s2 and any("│ s2" in ln and "│ off" in ln for ln in text.output.splitlines()), text.output
     assert not low.waiting() and not any(c.naks for c in low.clients)
 
 
