@@ -2,8 +2,8 @@
 socket and serves the common requests itself, handing the rest to the shard's loop in order.
 
 Why: a request through the Python loop costs a shard ~0.4 ms of CPU on this kind of machine (every wake-up
-finds the interpreter's working set cold), against ~0.06 ms for Kea; the lane serves a DISCOVER of a new
-client, a REQUEST for the address a client holds (selecting, init-reboot, renewing, rebinding) and a
+finds the interpreter's working set cold), against ~0.06 ms for Kea; the lane serves a DISCOVER (a new
+client's, or one of a client that still holds its address here), a REQUEST for the address a client holds (selecting, init-reboot, renewing, rebinding) and a
 client's ARP request for the server address (before each unicast renewal) in C, on
 the same SQLite store, with the same SQL (``store.LANE_SQL``), reply options (the backend's, encoded once)
 and option rules (``wire.length_rule``).  What it serves and when:

@@ -160,6 +160,14 @@ def conversation(p: Pair, mac: bytes, style: str, rnd: random.Random) -> None:
         p.send(frame(mac, MessageType.RELEASE, opts={Opt.SERVER_ID: SERVER.packed}, ciaddr=ip, src_ip=str(ip),
                      dst_ip=str(SERVER)), "release")
         p.send(frame(mac, MessageType.REQUEST, opts={**extra, Opt.REQUESTED_IP: ip.packed}), "after_release")
+        p.send(frame(mac, MessageType.RELEASE, opts={Opt.SERVER_ID: SERVER.packed}, ciaddr=ip, src_ip=str(ip),
+                     dst_ip=str(SERVER)), "release")
+        p.now += 61_000
+        p.send(frame(mac, MessageType.DISCOVER, opts=extra), "released_discover")   # offered its address again
+    elif rnd.random() < 0.5:   # declined: it holds no address, and a fresh one is found for it
+        p.send(frame(mac, MessageType.DECLINE, opts={Opt.REQUESTED_IP: ip.packed, Opt.SERVER_ID: SERVER.packed}),
+               "decline")
+        p.send(frame(mac, MessageType.DISCOVER, opts=extra), "declined_discover")
 
 
 @pytest.fixture
@@ -178,13 +186,16 @@ def test_the_lane_answers_every_common_request_as_the_python_backend_does(pair):
     for i, mac in enumerate(sorted(macs)):
         conversation(pair, mac, styles[i % 4], rnd)
     k = pair.kinds
-    # a released client asking for its address again gets it back (it stays associated): the lane's too
-    for kind in ("discover", "selecting", "renewing", "rebinding", "init_reboot", "after_release"):
-        assert all(k[kind]), f"the lane left a {kind} to the loop"
-    for kind in ("rediscover", "nak", "other_server", "release"):
+    # a released client asking for its address again gets it back (it stays associated), and a bound one
+    # starting over is offered its own address: the lane's too
+    # (and a client whose lease ended or that declined its address gets an address again)
+    offers = ("discover", "rediscover", "released_discover", "declined_discover")
+    for kind in (*offers, "selecting", "renewing", "rebinding", "init_reboot", "after_release"):
+        assert k.get(kind) and all(k[kind]), f"the lane left a {kind} to the loop"
+    for kind in ("nak", "other_server", "release"):
         assert not any(k[kind]), f"the lane served a {kind}: the loop's"
     c = pair.lane.counters()
-    assert c["offers"] == len(k["discover"])
+    assert c["offers"] == sum(len(k[x]) for x in offers)
     assert c["acks"] == sum(len(k[x]) for x in ("selecting", "renewing", "rebinding", "init_reboot", "after_release"))
 
 

@@ -8,8 +8,9 @@
  * (the loop's port reads that queue instead of the socket).
  *
  * What the lane serves (anything else, or any doubt, goes to the loop unchanged):
- *   - DISCOVER of a client with no lease row and no requested address: the first free address of its probe
- *     order (pool.py's segments over the granted ranges), held for OFFER_HOLD, answered with an OFFER;
+ *   - DISCOVER of a client with no address and no requested address: the first free address of its probe
+ *     order (pool.py's segments over the granted ranges), held for OFFER_HOLD, answered with an OFFER; of a
+ *     known client that still holds its address here: that address again (a bound lease stays bound);
  *   - REQUEST (selecting with our server id, init-reboot, renewing, rebinding) for the address the client's
  *     lease row names, whose address row this shard owns and holds for that client: the lease is bound and an
  *     ACK leaves once the write-ahead log is fdatasync'd;
@@ -585,29 +586,47 @@ static int serve(struct lane *l, const struct req *r, uint64_t now, uint8_t *rep
     int cidlen = r->cidlen > 0 ? r->cidlen : 0;
     *has_ev = 0;
     if (r->type == DISCOVER) {
-        if (r->has50)
-            return 0;
         if (read_lease(l, r->chaddr, &lease))
             return -1;
-        if (lease.found)
-            return 0;
-        struct seg segs[MAX_RANGES + 1];
-        int n = segments(l, r->key, segs), rc = 0;
-        uint32_t ip = 0;
-        for (int i = 0; i < n && rc == 0; i++)
-            rc = first_free(l, l->first + segs[i].a, l->first + segs[i].b, r->chaddr, now, &ip);
-        if (rc <= 0)
-            return rc;   /* none free: reclaiming and saying so are the loop's */
-        *rlen = build(l, r, OFFER, ip, reply);
-        if (!*rlen)
-            return 0;
-        if (read_addr(l, ip, &a))
-            return -1;
-        if (!a.found || a.holder != r->chaddr || a.state != ADDR_HELD)
-            if (put_addr(l, ip, r->chaddr, ADDR_HELD, 0, (a.found ? a.version : 0) + 1))
+        if (lease.found && lease.ip) {
+            /* a known client starting over gets its address again if it still holds it here (backend's
+             * _discover: its current or last address first); a bound one keeps its lease meanwhile */
+            uint32_t ip = lease.ip;
+            if (ip < l->first || ip - l->first >= l->size || !in_ranges(l, home_of(l, ip), NULL))
+                return 0;
+            if (read_addr(l, ip, &a))
                 return -1;
-        if (put_lease(l, r->chaddr, ip, LEASE_OFFERED, now + l->offer_hold_ms, cid, cidlen, 1))
-            return -1;
+            if (!a.found || a.holder != r->chaddr || a.state != ADDR_HELD)
+                return 0;
+            *rlen = build(l, r, OFFER, ip, reply);
+            if (!*rlen)
+                return 0;
+            int bound = lease.state == LEASE_BOUND && lease.expires > now;
+            if (put_lease(l, r->chaddr, ip, bound ? LEASE_BOUND : LEASE_OFFERED,
+                          bound ? lease.expires : now + l->offer_hold_ms, cid, cidlen, lease.version + 1))
+                return -1;
+        } else {
+            if (r->has50)
+                return 0;   /* a requested address: the loop's */
+            struct seg segs[MAX_RANGES + 1];
+            int n = segments(l, r->key, segs), rc = 0;
+            uint32_t ip = 0;
+            for (int i = 0; i < n && rc == 0; i++)
+                rc = first_free(l, l->first + segs[i].a, l->first + segs[i].b, r->chaddr, now, &ip);
+            if (rc <= 0)
+                return rc;   /* none free: reclaiming and saying so are the loop's */
+            *rlen = build(l, r, OFFER, ip, reply);
+            if (!*rlen)
+                return 0;
+            if (read_addr(l, ip, &a))
+                return -1;
+            if (!a.found || a.holder != r->chaddr || a.state != ADDR_HELD)
+                if (put_addr(l, ip, r->chaddr, ADDR_HELD, 0, (a.found ? a.version : 0) + 1))
+                    return -1;
+            if (put_lease(l, r->chaddr, ip, LEASE_OFFERED, now + l->offer_hold_ms, cid, cidlen,
+                          (lease.found ? lease.version : 0) + 1))
+                return -1;
+        }
         *durable = 0;
         l->counters[C_OFFERS]++;
     } else {
