@@ -311,8 +311,8 @@ example (shard s1 on testbed host vfh1, owning every key):
     p.add_argument("--listen", action="append", default=[], metavar="LO-HI",
                    help="take this key range at start (repeatable; only for a fresh service)")
     p.add_argument("--no-native", action="store_true",
-                   help="serve every request in Python, without the native lane (it serves new clients' DISCOVERs "
-                        "and REQUESTs for held addresses in C; also VFAB_SDHCP_NATIVE=0)")
+                   help="serve every request in Python, without the native lane (it serves DISCOVERs, REQUESTs for held "
+                        "addresses and ARP for the server address in C; also VFAB_SDHCP_NATIVE=0)")
     p.add_argument("--ttl", type=int, default=1, help="endpoint lease TTL in s: a mirror serves a crashed shard's "
                                                       "clients about this long after the crash, plus up to 0.5 s "
                                                       "(default 1: etcd's minimum TTL must allow it, see "
