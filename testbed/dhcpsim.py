@@ -285,3 +285,27 @@ class SimClients:
 
 
 __all__ = ["SimClients", "Client", "register"]
+
+
+def renew_acked(sims: list["SimClients"], timeout: float = 5.0) -> tuple[dict, list[str], dict]:
+    """Every client of ``sims`` that ever had an ACK renews once (after a crash and restart, say): (MAC ->
+    address of its last ACK before, MACs (hex) that got no answer, MAC (hex) -> (before, now) of those given
+    another address)."""
+    ever = {c.mac: c.acks[-1][2] for s in sims for c in s.clients if c.acks}
+    got: dict = {}
+    for s in sims:
+        got.update(s.renew_once(timeout=timeout, macs=[m for m in ever if m in {c.mac for c in s.clients}]))
+    lost = [m.hex() for m, t in got.items() if t is None]
+    moved = {c.mac.hex(): (str(ever[c.mac]), str(c.acks[-1][2])) for s in sims for c in s.clients
+             if c.mac in ever and c.acks[-1][2] != ever[c.mac]}
+    return ever, lost, moved
+
+
+def holders(sims: list["SimClients"]) -> tuple[list[str], dict]:
+    """(MACs (hex) of clients holding no address, address -> MACs of every address two clients hold)."""
+    held: dict = {}
+    for s in sims:
+        for c in s.clients:
+            held.setdefault(c.ip, []).append(c.mac.hex())
+    none = held.pop(None, [])
+    return none, {str(ip): h for ip, h in held.items() if len(h) > 1}

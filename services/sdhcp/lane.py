@@ -182,7 +182,7 @@ class NativeLane:
     def grant(self, ranges: list[tuple[int, int]], valid_until: float, generation: int) -> None:
         """Serve keys of ``ranges`` until ``valid_until`` (time.monotonic) of lease ``generation``; [] revokes.
         Returns once no pass under the old grant is still running."""
-        ranges = sorted(ranges)[:MAX_RANGES] if len(ranges) <= MAX_RANGES else []
+        ranges = sorted(ranges) if len(ranges) <= MAX_RANGES else []   # more than the lane holds: none
         los = (ctypes.c_uint32 * max(1, len(ranges)))(*[lo for lo, _ in ranges])
         his = (ctypes.c_uint32 * max(1, len(ranges)))(*[hi for _, hi in ranges])
         self.lib.lane_set(self.h, los, his, len(ranges), valid_until, generation)

@@ -52,6 +52,19 @@ def start_server(tb: Testbed, host: str, name: str, service: str = "echo", rx: s
     return proc
 
 
+def start_sdhcp_shard(tb: Testbed, host: str, service: str, name: str, data: str, out: str, opts: dict,
+                      nth: int = 1, listen: str = "0-0xffffff"):
+    """An sdhcp shard on ``host`` owning ``listen``, its store in ``data``; returns once it said ``ready``
+    for the ``nth`` time into ``out`` (appended: a restart on the same data is the next one)."""
+    pairs = [a for k, v in opts.items() for a in ("--opt", f"{k}={v}")]
+    args = ["-m", "vfab.services.sdhcp", "server", "--etcd", tb.etcd_endpoint, "--service", service, "--name", name,
+            "--iface", tb.hosts[host]["iface"], "--data", data, "--listen", listen, *pairs]
+    proc = tb.run_on(host, f"sdhcp-{name}", args, stdout=open(out, "ab"))
+    wait_for(lambda: open(out, "rb").read().count(b"ready") >= nth or not proc.alive(), 30, f"shard {name} ready")
+    assert proc.alive(), proc.tail()
+    return proc
+
+
 def client_args(tb: Testbed, host: str, out: str, service: str = "echo", **opts) -> list[str]:
     args = [*ECHO, "client", "--etcd", tb.etcd_endpoint, "--service", service,
             "--iface", tb.hosts[host]["iface"], "--out", out]

@@ -17,6 +17,7 @@ import sqlite3
 import time
 from ipaddress import IPv4Address
 
+from tests.integration.conftest import start_sdhcp_shard
 from tests.integration.test_kvs_faults import fill, tmpfs  # noqa: F401 - tmpfs is a fixture
 from vfab.testbed import dhcpsim
 from vfab.testbed.procs import wait_for
@@ -35,13 +36,7 @@ def macs(seed: int, n: int) -> list[bytes]:
 
 
 def start_shard(testbed, data: str, out: str, nth: int = 1):
-    opts = [a for k, v in OPTS.items() for a in ("--opt", f"{k}={v}")]
-    args = ["-m", "vfab.services.sdhcp", "server", "--etcd", testbed.etcd_endpoint, "--service", SVC, "--name", "d",
-            "--iface", testbed.hosts[HOST]["iface"], "--data", data, "--listen", "0-0xffffff", *opts]
-    proc = testbed.run_on(HOST, "sdhcp-d", args, stdout=open(out, "ab"))
-    wait_for(lambda: open(out, "rb").read().count(b"ready") >= nth or not proc.alive(), 30, "shard d ready")
-    assert proc.alive(), proc.tail()
-    return proc
+    return start_sdhcp_shard(testbed, HOST, SVC, "d", data, out, OPTS, nth)
 
 
 def test_a_full_disk_acknowledges_nothing_it_cannot_keep(testbed, tmpfs, tmp_path):  # noqa: F811
@@ -83,25 +78,16 @@ def test_a_full_disk_acknowledges_nothing_it_cannot_keep(testbed, tmpfs, tmp_pat
         wait_for(lambda: "d" not in {e.name for e in reg.endpoints(SVC)}, 10, "d's endpoint lease to expire")
         proc = start_shard(testbed, data, out, nth=2)
         testbed.wait_revision(reg.state_revision())
-        ever = {c.mac: c.acks[-1][2] for s in sims for c in s.clients if c.acks}
-        got = {}
-        for s in sims:
-            got.update(s.renew_once(timeout=5, macs=[m for m in ever if m in {c.mac for c in s.clients}]))
-        lost = [m.hex() for m, t in got.items() if t is None]
+        ever, lost, moved = dhcpsim.renew_acked(sims)
         assert not lost, f"{len(lost)} of {len(ever)} ACKed clients got no answer after the restart: {lost}"
-        moved = {m.hex(): (str(ever[m]), str(c.acks[-1][2])) for s in sims for c in s.clients
-                 for m in [c.mac] if m in ever and c.acks[-1][2] != ever[m]}
         assert not moved, f"clients ACKed before the crash got another address after it: {moved}"
         naks = [c.mac.hex() for s in sims for c in s.clients if c.naks]
         assert not naks, f"NAKed: {naks}"
         # the clients the full disk turned away lease now; no address is held by two clients
         sims[1].lease(timeout=20)
-        holders: dict = {}
-        for s in sims:
-            for c in s.clients:
-                assert c.ip is not None, f"{c.mac.hex()} has no address once the disk has space"
-                holders.setdefault(c.ip, []).append(c.mac.hex())
-        assert all(len(h) == 1 for h in holders.values()), {str(ip): h for ip, h in holders.items() if len(h) > 1}
+        none, twice = dhcpsim.holders(sims)
+        assert not none, f"{none} have no address once the disk has space"
+        assert not twice, twice
     finally:
         for s in sims:
             s.close()

@@ -19,6 +19,7 @@ import threading
 import time
 from ipaddress import IPv4Address
 
+from tests.integration.conftest import start_sdhcp_shard
 from vfab.testbed import dhcpsim
 from vfab.testbed.procs import wait_for
 from vfab.vid import codec
@@ -35,13 +36,7 @@ def macs(seed: int, n: int) -> list[bytes]:
 
 
 def start_shard(testbed, data: str, out: str, nth: int):
-    opts = [a for k, v in OPTS.items() for a in ("--opt", f"{k}={v}")]
-    args = ["-m", "vfab.services.sdhcp", "server", "--etcd", testbed.etcd_endpoint, "--service", SVC, "--name", "s",
-            "--iface", testbed.hosts["vfh1"]["iface"], "--data", data, "--listen", "0-0xffffff", *opts]
-    proc = testbed.run_on("vfh1", "sdhcp-s", args, stdout=open(out, "ab"))
-    wait_for(lambda: open(out, "rb").read().count(b"ready") >= nth or not proc.alive(), 30, "shard s ready")
-    assert proc.alive(), proc.tail()
-    return proc
+    return start_sdhcp_shard(testbed, "vfh1", SVC, "s", data, out, OPTS, nth)
 
 
 def test_the_lane_waits_out_a_lapsed_lease_and_a_kill_loses_no_acknowledged_lease(testbed, tmp_path):
@@ -90,22 +85,13 @@ def test_the_lane_waits_out_a_lapsed_lease_and_a_kill_loses_no_acknowledged_leas
         wait_for(lambda: "s" not in {e.name for e in reg.endpoints(SVC)}, 10, "s's endpoint lease to expire")
         proc = start_shard(testbed, data, out, 2)
         testbed.wait_revision(reg.state_revision())
-        ever = {c.mac: c.acks[-1][2] for s in sims for c in s.clients if c.acks}
+        ever, lost, moved = dhcpsim.renew_acked(sims)
         assert len(ever) >= 40, len(ever)
-        lost = []
-        for s in sims:
-            got = s.renew_once(timeout=5, macs=[m for m in ever if m in {c.mac for c in s.clients}])
-            lost += [m.hex() for m, t in got.items() if t is None]
         assert not lost, f"{len(lost)} of {len(ever)} ACKed clients got no answer after the restart: {lost}"
-        moved = {c.mac.hex() for s in sims for c in s.clients if c.mac in ever and c.acks[-1][2] != ever[c.mac]}
         assert not moved, f"clients ACKed before the kill got another address after it: {moved}"
         sims[2].lease(timeout=20)
-        holders: dict = {}
-        for s in sims:
-            for c in s.clients:
-                assert c.ip is not None, c.mac.hex()
-                holders.setdefault(c.ip, []).append(c.mac.hex())
-        assert all(len(h) == 1 for h in holders.values()), {str(ip): h for ip, h in holders.items() if len(h) > 1}
+        none, twice = dhcpsim.holders(sims)
+        assert not none and not twice, (none, twice)
         assert native()["acks"] >= len(ever), native()                     # the restarted lane renewed them
         assert "Traceback" not in open(proc.logpath).read()
     finally:
