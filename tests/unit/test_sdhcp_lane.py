@@ -193,7 +193,7 @@ def test_the_lane_answers_every_common_request_as_the_python_backend_does(pair):
     for kind in (*offers, "selecting", "renewing", "rebinding", "init_reboot", "after_release"):
         assert k.get(kind) and all(k[kind]), f"the lane left a {kind} to the loop"
     for kind in ("nak", "other_server", "release"):
-        assert not any(k[kind]), f"the lane served a {kind}: the loop's"
+        assert k.get(kind) and not any(k[kind]), f"the lane served a {kind} (the loop's), or none was sent"
     c = pair.lane.counters()
     assert c["offers"] == sum(len(k[x]) for x in offers)
     assert c["acks"] == sum(len(k[x]) for x in ("selecting", "renewing", "rebinding", "init_reboot", "after_release"))
