@@ -11,7 +11,18 @@ flags as every testbed's) and times the same calls through
 round after round, each client in turn (order reversed every other round), so drift hits all alike.
 It also times importing ``vfab.vid.registry`` in a fresh interpreter (what every ``vfab`` command pays).
 
-Run: ``/opt/vfab-venv/bin/python bench/etcd_client.py [--calls 1000] [--rounds 3] [--smoke]``.
+**Keepalives on beats.**  ``--keepalivers`` (default 4: sdhcp_lease's 4 shards) threads each keep a lease
+of their own with ``Registry.keepalive_once`` every 1/3 s (a 1-s lease, as an sdhcp shard's), over
+``--beat-seconds`` s per way, in rounds:
+
+- ``spread``  each thread at its own phase of the period (i/K of it), as independent processes were;
+- ``beats``   each on the wall clock's multiples of the period (``until_beat``, what every lease does now);
+- ``idle``    no keepalive: etcd's own ticking.
+
+etcd's CPU per second (``/proc``) for each, and what the keepalives add to idle, spread and on beats.
+
+Run: ``/opt/vfab-venv/bin/python bench/etcd_client.py [--calls 1000] [--rounds 3] [--keepalivers 4]
+[--beat-seconds 10] [--smoke]``.
 """
 
 from __future__ import annotations
@@ -19,9 +30,11 @@ from __future__ import annotations
 import base64
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -32,6 +45,8 @@ if __package__ in (None, ""):
 from bench.common import parser, summary, write  # noqa: E402
 from vfab.testbed.etcd import LocalEtcd, free_port  # noqa: E402
 from vfab.vid.registry import Registry  # noqa: E402
+from vfab.vid.registry.etcd import until_beat  # noqa: E402
+from vfab.vid.state.sched import proc_stat  # noqa: E402
 
 OPS = ("get", "put", "txn")
 
@@ -99,12 +114,52 @@ def import_seconds(runs: int) -> list[float]:
     return out
 
 
+KEEPALIVE_PERIOD = 1 / 3   # s: a 1-s lease's keepalives (vfab.vid.state.lease)
+
+
+def keepalive_cpu(etcd: LocalEtcd, way: str, keepalivers: int, seconds: float) -> float:
+    """etcd's CPU-s per second while ``keepalivers`` threads keep their leases alive the ``way`` given."""
+    stop = threading.Event()
+    regs = [Registry(etcd.endpoint) for _ in range(keepalivers)] if way != "idle" else []
+    leases = [reg.lease(60) for reg in regs]
+
+    def run(i: int) -> None:
+        while True:
+            if way == "beats":
+                wait = until_beat(KEEPALIVE_PERIOD)
+            else:   # spread: thread i at i/K of the period
+                wait = (i / keepalivers * KEEPALIVE_PERIOD - time.time()) % KEEPALIVE_PERIOD or KEEPALIVE_PERIOD
+            if stop.wait(wait):
+                return
+            regs[i].keepalive_once(leases[i])
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(regs))]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)   # every thread in its step
+        c0, t0 = proc_stat(etcd.pid).cpu_s, time.monotonic()
+        time.sleep(seconds)
+        return (proc_stat(etcd.pid).cpu_s - c0) / (time.monotonic() - t0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(5)
+        for reg, lease in zip(regs, leases):
+            reg.revoke(lease)
+            reg.close()
+
+
 def main() -> int:
     ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=None, help="calls per operation per client per round "
                                                               "(default 1000, smoke 50)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds (default 3, smoke 1)")
+    ap.add_argument("--keepalivers", type=int, default=4, help="leases kept alive at once (default 4)")
+    ap.add_argument("--beat-seconds", type=float, default=None, help="s per keepalive way and round "
+                                                                       "(default 10, smoke 2)")
     args = ap.parse_args()
+    beat_s = args.beat_seconds or (2.0 if args.smoke else 10.0)
     calls = args.calls or (50 if args.smoke else 1000)
     rounds = args.rounds or (1 if args.smoke else 3)
     makers = {"registry": registry_client, "urllib": urllib_client}
@@ -132,6 +187,12 @@ def main() -> int:
                     finally:
                         close()
                 print(f"  round {rnd + 1}/{rounds} done")
+            ka: dict[str, list[float]] = {"idle": [], "spread": [], "beats": []}
+            for rnd in range(rounds):
+                for way in (list(ka) if rnd % 2 == 0 else list(reversed(ka))):
+                    ka[way].append(keepalive_cpu(etcd, way, args.keepalivers, beat_s))
+                print(f"  keepalives round {rnd + 1}/{rounds}: etcd CPU-s/s " +
+                      ", ".join(f"{w} {v[-1]:.4f}" for w, v in ka.items()), flush=True)
         finally:
             etcd.stop()
     imports = import_seconds(3 if args.smoke else 10)
@@ -149,7 +210,19 @@ def main() -> int:
             results[f"{name}_over_registry"] = ratios
             print(f"{name} / registry (median): " + ", ".join(f"{op} {r:.2f}x" for op, r in ratios.items()))
     print(f"importing vfab.vid.registry: median {results['import_registry']['median_ms']:.0f} ms")
-    write("etcd_client", {"calls": calls, "rounds": rounds, "smoke": args.smoke}, results, args.out)
+    med = {w: statistics.median(v) for w, v in ka.items()}
+    added = {w: med[w] - med["idle"] for w in ("spread", "beats")}
+    results["keepalives"] = {
+        "keepalivers": args.keepalivers, "per_s_each": round(1 / KEEPALIVE_PERIOD, 2), "seconds": beat_s,
+        "etcd_cpu_s_per_s": {w: round(m, 4) for w, m in med.items()},
+        "added_by_keepalives": {w: round(a, 4) for w, a in added.items()},
+        "beats_over_spread": round(added["beats"] / added["spread"], 2) if added["spread"] > 0 else None}
+    print(f"{args.keepalivers} leases kept alive 3x/s each, etcd CPU-s per s (median of {rounds} rounds): "
+          f"idle {med['idle']:.4f}, spread {med['spread']:.4f}, on beats {med['beats']:.4f}; the keepalives add "
+          f"{added['spread']:.4f} spread, {added['beats']:.4f} on beats "
+          f"({results['keepalives']['beats_over_spread']}x)")
+    write("etcd_client", {"calls": calls, "rounds": rounds, "keepalivers": args.keepalivers, "beat_seconds": beat_s,
+                          "smoke": args.smoke}, results, args.out)
     return 0
 
 

@@ -898,3 +898,31 @@ def test_ping_names_the_ops_whose_record_the_loop_still_writes(endpoint):
         assert loop.op is None and ask("PING", 3, {}).body["ops"] == [op.id]   # its end not yet in etcd
         loop.call(lambda: loop.op_recorded(op.id))
         assert ask("PING", 4, {}).body["ops"] == []
+
+
+def test_keepalives_of_different_leases_go_out_on_the_same_beats(monkeypatch):
+    """Every lease of a period sends on the wall clock's multiples of it, so etcd wakes once for all of
+    them (bench/sdhcp_lease.py's idle CPU); the wait is never longer than one period."""
+    from vfab.vid.registry.etcd import until_beat
+    from vfab.vid.state.lease import EndpointLease
+
+    assert until_beat(0.5, 10.0) == 0.5 and until_beat(0.5, 10.1) == pytest.approx(0.4)
+    assert all(0 < until_beat(1 / 3, 1e9 + i / 7) <= 1 / 3 for i in range(50))
+    sent: dict[str, list[float]] = {"a": [], "b": []}
+    leases = []
+    for name in sent:
+        lease = EndpointLease("127.0.0.1:9", 1, name=name)   # nothing listens: keepalive_once is replaced
+        monkeypatch.setattr(lease.reg, "keepalive_once", lambda _id, name=name: sent[name].append(time.time()) or 1)
+        leases.append(lease)
+    leases[0].start()
+    time.sleep(0.15)                       # started apart ...
+    leases[1].start()
+    time.sleep(1.3)
+    for lease in leases:
+        lease.stop()
+    period = 1 / 3
+    for name, times in sent.items():
+        assert len(times) >= 3, (name, times)
+        # ... they send together: within 30 ms after a beat (a thread's wake-up on a loaded machine)
+        off = [min(t % period, period - t % period) for t in times]
+        assert max(off) < 0.03, (name, [round(o, 3) for o in off])

@@ -37,6 +37,19 @@ def _unb64(text: str) -> bytes:
     return base64.b64decode(text)
 
 
+def until_beat(period: float, now: float | None = None) -> float:
+    """Seconds to the next whole multiple of ``period`` on the wall clock, in (0, period].
+
+    Periodic etcd requests (lease keepalives, load reports) wait for it, so every process with the same
+    period sends at the same instants and etcd wakes once for all of them: 4 leases kept alive 3 times a
+    second added 0.028 CPU-s per second to an idle etcd at phases spread over the period, 0.011 on these
+    beats (bench/etcd_client.py).  The wall clock lines up processes on other hosts too (NTP); a step of
+    it moves one wait, never past one period.
+    """
+    now = time.time() if now is None else now
+    return period - (now % period) or period
+
+
 def _prefix_end(prefix: str) -> str:
     raw = bytearray(prefix.encode())
     raw[-1] += 1
@@ -324,7 +337,7 @@ class Registry:
         stop = threading.Event()
 
         def loop() -> None:
-            while not stop.wait(max(ttl / 3.0, 0.2)):
+            while not stop.wait(until_beat(max(ttl / 3.0, 0.2))):
                 try:
                     left = self.keepalive_once(lease_id)
                 except RegistryError as exc:

@@ -1,7 +1,8 @@
 """A stateful endpoint's background duties, off the data path: load reports, mirror takeover, cleanup.
 
-* every ``LOAD_PERIOD`` s: the endpoint's keys and requests/s per range it owns
-  or mirrors (``/vfab/v1/load/<service>/<endpoint>``, leased);
+* every ``LOAD_PERIOD`` s, on the wall clock's whole multiples of it (as every endpoint's: etcd wakes once
+  for all): the endpoint's keys and requests/s per range it owns or mirrors
+  (``/vfab/v1/load/<service>/<endpoint>``, leased);
 * on every new view: if an owner's endpoint record is gone (its lease expired)
   and this endpoint is the range's first live mirror, it takes the range over
   in one epoch-checked transaction (the old owner stopped serving before its
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from vfab.vid.errors import RegistryError, VfabError
 from vfab.vid.registry import Registry, schema
+from vfab.vid.registry.etcd import until_beat
 from vfab.vid.state.view import read_view
 
 if TYPE_CHECKING:
@@ -98,9 +100,10 @@ class Housekeeper:
 
     def _run(self) -> None:
         reg = Registry(self.loop.etcd)
-        last_load = 0.0
+        next_load = 0.0   # wall-clock time from which the next load report is due
         while not self._stop.is_set():
-            self._wake.wait(LOAD_PERIOD / 2)
+            # on the half beats of the wall clock, as every endpoint's reports and lease keepalives
+            self._wake.wait(until_beat(LOAD_PERIOD / 2))
             self._wake.clear()
             if self._stop.is_set():
                 break
@@ -108,9 +111,12 @@ class Housekeeper:
                 self._answer_asks(reg)
                 self._answer_reread(reg)
                 self._takeover(reg)
-                now = time.monotonic()
-                if now - last_load >= LOAD_PERIOD:
-                    last_load = now
+                now = time.time()
+                if now >= next_load:
+                    # the next one at the next whole beat (a wake-up a little early still counts), at least
+                    # half a period on: a call woken off the beat does not report twice in a row
+                    wait = until_beat(LOAD_PERIOD, now)
+                    next_load = now + wait + (LOAD_PERIOD if wait < LOAD_PERIOD / 2 else 0.0) - LOAD_PERIOD / 10
                     self._report_load(reg)
             except VfabError as exc:
                 if not self._stop.is_set():   # closing: the lease was just revoked under this step's feet

@@ -23,7 +23,9 @@ needs an etcd whose election timeout allows it (its minimum TTL is 1.5 election
 timeouts, rounded up to whole seconds: the testbed's 500 ms allows 1 s, the
 default 1000 ms raises every shorter TTL to 2 s).  The margin scales with the
 TTL (at most 0.5 s, a quarter of a short TTL) so that a 1 s lease still leaves
-the owner 0.75 s of authority per keepalive, sent every TTL/3.
+the owner 0.75 s of authority per keepalive, sent every TTL/3, on the wall clock's multiples of that
+period (``until_beat``): every lease of a fabric with the same TTL is refreshed at the same instants, and
+etcd wakes once for all of them (bench/etcd_client.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Callable
 
 from vfab.vid.errors import RegistryError
 from vfab.vid.registry import Registry
+from vfab.vid.registry.etcd import until_beat
 
 log = logging.getLogger("vfab.state.lease")
 MARGIN = 0.5  # s of the TTL the endpoint does not count on (clock rates, request latency), at most
@@ -92,7 +95,7 @@ class EndpointLease:
     def _run(self) -> None:
         period = max(self.ttl / 3.0, 0.2)
         while not self._stop.is_set():
-            self._wake.wait(period)
+            self._wake.wait(until_beat(period))   # in step with every other lease of this period
             self._wake.clear()
             if self._stop.is_set():
                 return
