@@ -151,6 +151,7 @@ class Store(SqliteStore):
             log.warning("%s: converting the store to the current layout (one transaction)", path)
             gen = "gen" if "gen INTEGER" in old[0] else "0"
             self.db.executescript("BEGIN IMMEDIATE;" + MIGRATE.format(gen=gen) + "COMMIT;")
+        self.grow_wal()
 
     def row(self, k: bytes) -> tuple[bytes | None, int, bytes] | None:
         """(value or None if deleted, version, recent) of a key, or None if never written."""

@@ -196,6 +196,7 @@ class Store(SqliteStore):
             self._exec("INSERT INTO meta (name, value) VALUES ('config', ?) ON CONFLICT(name) DO UPDATE "
                        "SET value=excluded.value", (json.dumps(self.config.to_opts(), sort_keys=True),))
         self.pool = Pool(int(self.config.first), self.config.size)
+        self.grow_wal()
         self.fp = self.config.fingerprint
         # (lo, hi) of a first_free search -> (ip, ms): at ms every address in [lo, ip) was taken
         self._hints: dict[tuple[int, int], tuple[int, int]] = {}

@@ -1,4 +1,4 @@
-"""Unit-test fixtures shared by several files: a private network namespace with a veth pair."""
+"""Unit-test fixtures shared by several files: a private network namespace with a veth pair, a small disk."""
 
 from __future__ import annotations
 
@@ -54,3 +54,15 @@ def ns():
         assert n.name not in left, f"namespace {n.name} was not removed"
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (a disk that fills up), unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.fail("this test mounts a tmpfs: run as root")
+    mnt = tmp_path / f"vfx-full-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
