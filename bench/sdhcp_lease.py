@@ -335,7 +335,8 @@ def check(name: str, res: dict) -> list[str]:
                 ("hook_distinct" in r and r["hook_distinct"] != r["hook_leased"]):
             bad.append(f"{name}/{phase}: an address was given to two clients")
         if phase == "udhcpc" and r["leased"] != r["clients"]:
-            bad.append(f"{name}/{phase}: {r['clients'] - r['leased']} client(s) got no lease")
+            bad.append(f"{name}/{phase}: {r['clients'] - r['leased']} client(s) got no lease "
+                       f"(what crossed vfh3's port for them: {r.get('unleased')})")
     return bad
 
 

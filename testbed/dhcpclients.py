@@ -31,6 +31,7 @@ giaddr:67.  :func:`perfdhcp` runs one in a farm namespace and parses its report.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -420,19 +421,24 @@ def dora(seen: list[Seen], chaddrs: set[bytes] | None = None) -> dict:
     """From the clients' side: time from the first DISCOVER to the last ACK, leases, latencies, addresses.
 
     A client's latency runs from its first DISCOVER to its first ACK.  ``addresses``: chaddr → the address
-    of its last ACK.  ``held_twice``: addresses ACKed to more than one chaddr."""
+    of its last ACK.  ``held_twice``: addresses ACKed to more than one chaddr.  ``unleased``: for up to 10
+    clients with no ACK, what crossed the port for them (where a lease got stuck)."""
     first: dict[bytes, float] = {}
     acked: dict[bytes, float] = {}
     addr: dict[bytes, IPv4Address] = {}
-    discovers = requests = naks = 0
+    per: dict[bytes, collections.Counter] = collections.defaultdict(collections.Counter)
+    discovers = requests = naks = offers = 0
     for s in sorted(seen, key=lambda s: s.t):
         if chaddrs is not None and s.chaddr not in chaddrs:
             continue
+        per[s.chaddr][f"{'out' if s.out else 'in'} {s.type.name}"] += 1
         if s.out and s.type is MessageType.DISCOVER:
             discovers += 1
             first.setdefault(s.chaddr, s.t)
         elif s.out and s.type is MessageType.REQUEST:
             requests += 1
+        elif not s.out and s.type is MessageType.OFFER:
+            offers += 1
         elif not s.out and s.type is MessageType.ACK and s.chaddr in first:
             acked.setdefault(s.chaddr, s.t)
             addr[s.chaddr] = s.yiaddr
@@ -446,7 +452,8 @@ def dora(seen: list[Seen], chaddrs: set[bytes] | None = None) -> dict:
         holders.setdefault(a, set()).add(c)
     return {"clients": len(first), "leased": len(acked), "time_s": round(took, 3) if took else None,
             "leases_per_s": round(len(acked) / took, 1) if took else 0.0, "latencies": lat,
-            "discovers": discovers, "requests": requests, "naks": naks,
+            "discovers": discovers, "offers": offers, "requests": requests, "naks": naks,
+            "unleased": {c.hex(): dict(per[c]) for c in sorted(set(first) - set(acked))[:10]},
             "distinct_addresses": len(holders), "addresses": addr,
             "held_twice": sorted(str(a) for a, cs in holders.items() if len(cs) > 1)}
 
