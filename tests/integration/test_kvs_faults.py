@@ -278,7 +278,8 @@ def test_peer_disk_full_fails_the_split_by_name_and_leaves_no_copy(testbed, serv
     servers("kvs-fullb", [("vfh1", "a", "0-0xffffff"), ("vfh4", "b", None, disk)])
     n = 3000
     assert kvs.preload(testbed, "vfh3", "kvs-fullb", n, value_size=1024) == n
-    filler = fill(disk, 2 * 1024 * 1024)
+    # room for far less than the half's ~1.5 MB of rows (b's WAL took its full size when b opened its store)
+    filler = fill(disk, 512 * 1024)
     started = statectl.split(testbed.registry, "kvs-fullb", HALF, "b")
     op = statectl.wait(testbed.registry, "kvs-fullb", started.op, timeout=60)
     assert op.phase == "failed" and "disk is full" in op.error, op
