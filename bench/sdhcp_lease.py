@@ -55,9 +55,9 @@ counts and mean delays; distinct addresses, and any address ACKed to two
 clients (udhcpc: from the clients' hook records; perfdhcp: from the ACKs the
 relays received); the CPU time (user + system, and system alone) the
 server's processes used during the phase (all shards together), and per
-leased client; the servers' CPU per second while idle (measured for 2 s before
-the first phase: 4 idle shards' timers and etcd keepalives count in every
-phase's CPU).  Everything shares 2 cores: the 245
+leased client; the servers' CPU per second while idle, and etcd's over the
+same 2 s before the first phase (4 idle shards' timers, lease keepalives and
+load reports count in every phase's CPU; etcd's "idle" beside Kea is its own).  Everything shares 2 cores: the 245
 udhcpc processes starting (fork, exec, a hook per event) take a good part of
 their time, for every server alike.  "All started at once" means this process
 starts them one after the other, as fast as it can: how long that took is
@@ -107,7 +107,7 @@ SHARDS = {1: [("a", "vfh1", (0, 0xFFFFFF))],
           4: [("a", "vfh1", (0, Q - 1)), ("b", "vfh4", (Q, 2 * Q - 1)), ("c", "vfh5", (2 * Q, 3 * Q - 1)),
               ("d", "vfh6", (3 * Q, 0xFFFFFF))]}
 PEER_HOST, UDHCPC_HOST, RELAY_HOST = "vfh1", "vfh3", "vfh2"
-NOT_PHASES = ("shards", "idle_cpu_per_s")   # per-run entries that are not a phase's numbers
+NOT_PHASES = ("shards", "idle_cpu_per_s", "idle_etcd_cpu_per_s")   # per-run entries that are not a phase's
 POOL_SIZE = int(ipaddress.IPv4Address(LAST)) - int(ipaddress.IPv4Address(FIRST)) + 1
 FLOOD_RATE = 2000      # new clients per second in the flood phase
 FLOOD_BEYOND = 1000    # flood clients beyond what is left of the pool
@@ -305,7 +305,10 @@ def run_server(tb: Testbed, server: str, farm: dc.ClientFarm, relays: dc.ClientF
         peer = start_peer(tb, server)
         pids = [peer.pid]
     try:
-        res["idle_cpu_per_s"] = idle_cpu(pids)
+        etcd = [tb.etcd.pid] if tb.etcd else []
+        etcd0 = cpu_seconds(etcd)[0]
+        res["idle_cpu_per_s"] = idle_cpu(pids)   # 2 s; etcd's over the same 2 s: what the idle servers cost it
+        res["idle_etcd_cpu_per_s"] = round((cpu_seconds(etcd)[0] - etcd0) / 2.0, 4)
         res["udhcpc"] = udhcpc_phase(tb, farm, cap_u, pids)
         print(line(server, f"{len(farm.macs)} udhcpc", res["udhcpc"]), flush=True)
         for run, rate in enumerate(rates):
@@ -342,7 +345,8 @@ def check(name: str, res: dict) -> list[str]:
 
 def medians(runs: list[dict]) -> dict:
     """Per phase, the median over the runs of: time, leased, leases/s, DORA median and p99, drops, CPU."""
-    out: dict = {"idle_cpu_per_s": statistics.median(r["idle_cpu_per_s"] for r in runs)}
+    out: dict = {"idle_cpu_per_s": statistics.median(r["idle_cpu_per_s"] for r in runs),
+                 "idle_etcd_cpu_per_s": statistics.median(r.get("idle_etcd_cpu_per_s", 0.0) for r in runs)}
     for phase in runs[0]:
         if phase in NOT_PHASES:
             continue
@@ -441,11 +445,12 @@ def main() -> int:
     print(f"\nmedians of {repeat} run(s): time from the first DISCOVER to the last ACK s "
           "(leased, perfdhcp drops, server CPU ms per lease; flood: per client, the pool "
           f"having {max(left, 0)} addresses left for {n_flood} new clients)")
-    print(f"{'server':<9}" + "".join(f"{h:>28}" for h in heads) + f"{'idle CPU/s':>12}")
+    print(f"{'server':<9}" + "".join(f"{h:>28}" for h in heads) + f"{'idle CPU/s':>12}{'etcd idle':>11}")
     for server, res in results.items():
         m = res["median"]
         cells = [f"{m[k]['time_s']} s ({m[k]['leased']:.0f}, {m[k]['drops']:.0f}, {m[k][per[k]]})" for k in phases]
-        print(f"{server:<9}" + "".join(f"{c:>28}" for c in cells) + f"{m['idle_cpu_per_s']:>12}")
+        print(f"{server:<9}" + "".join(f"{c:>28}" for c in cells) + f"{m['idle_cpu_per_s']:>12}"
+              f"{m['idle_etcd_cpu_per_s']:>11}")
     if "kea" in results:
         kea = results["kea"]["median"]
         print("ratio to Kea (time: median of the rounds' ratios; leased; CPU per lease, flood: per client)")
