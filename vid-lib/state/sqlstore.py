@@ -12,6 +12,7 @@ loss can lose them, and only them); the next durable commit, or :meth:`sync`, ma
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sqlite3
@@ -202,7 +203,10 @@ class SqliteStore:
                     try:
                         at = size
                         while at < want:   # a short write (the disk filled up) is followed by one that fails
-                            at += os.pwrite(fd, bytes(min(want - at, 1 << 20)), at)
+                            wrote = os.pwrite(fd, bytes(min(want - at, 1 << 20)), at)
+                            if wrote <= 0:
+                                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                            at += wrote
                         os.fdatasync(fd)
                     except OSError as exc:
                         os.ftruncate(fd, size)
