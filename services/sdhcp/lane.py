@@ -30,6 +30,7 @@ why once and the shard serves in Python.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -140,6 +141,32 @@ def vid_base(service_id: int, layout) -> int:
     return base
 
 
+def _live(default=None, always: bool = False):
+    """A method that calls into the lane.  Other threads (the lease's keepalive moving the deadline, the
+    Binder, the loop) may still call while the shard closes; ``close`` frees the lane only once no call is
+    in one, and from then on a call does nothing and gives ``default`` (a keepalive that came back during
+    a close once crashed the process).  The gate is not held during the call: a call may wait for the
+    store's mutex, which a write transaction holds until its ``release`` (``always``: the writers'
+    ``acquire`` and ``release`` are let in while the lane is being freed, so that a transaction ends and
+    a call waiting for the mutex with it)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(self, *args, **kwargs):
+            with self._gate:
+                if self.h is None or (self._freeing and not always):
+                    return default() if callable(default) else default
+                self._calls += 1
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                with self._gate:
+                    self._calls -= 1
+                    if not self._calls:
+                        self._gate.notify_all()
+        return call
+    return wrap
+
+
 class NativeLane:
     """One shard's lane over its store and data socket (``sock_fd``), with the backend's replies' options."""
 
@@ -155,6 +182,9 @@ class NativeLane:
         rel = (ctypes.c_uint32 * max(1, len(relays)))(*[int(IPv4Address(r)) for r in relays])
         err = ctypes.create_string_buffer(8192)
         self.rules = _rules()
+        self._gate = threading.Condition()   # counts the calls into the lane (_live); close waits them out
+        self._calls = 0
+        self._freeing = False
         self.h = self.lib.lane_open(store.path.encode(), b"\0".join(s.encode() for s in LANE_SQL) + b"\0", cfg, vid,
                                     sock_fd, opts, len(opts), rel, len(relays), self.rules, err, len(err))
         if not self.h:
@@ -169,16 +199,20 @@ class NativeLane:
         self._pkttype = ctypes.c_int()
 
     # -- the store's writers ------------------------------------------------------------------------------
+    @_live(always=True)
     def acquire(self) -> None:
         self.lib.lane_lock(self.h)
 
+    @_live(always=True)
     def release(self) -> None:
         self.lib.lane_unlock(self.h)
 
+    @_live()
     def forget(self) -> None:
         self.lib.lane_forget(self.h)
 
     # -- what it serves ------------------------------------------------------------------------------------
+    @_live()
     def grant(self, ranges: list[tuple[int, int]], valid_until: float, generation: int) -> None:
         """Serve keys of ``ranges`` until ``valid_until`` (time.monotonic) of lease ``generation``; [] revokes.
         Returns once no pass under the old grant is still running."""
@@ -188,38 +222,46 @@ class NativeLane:
         self.lib.lane_set(self.h, los, his, len(ranges), valid_until, generation)
         self.granted = tuple(ranges)
 
+    @_live()
     def extend(self, valid_until: float, generation: int) -> None:
         self.lib.lane_extend(self.h, valid_until, generation)
 
     # -- the loop's frames -------------------------------------------------------------------------------
+    @_live(-1)
     def slow_fd(self) -> int:
         return self.lib.lane_slow_fd(self.h)
 
+    @_live()
     def pop(self) -> tuple[bytes, int] | None:
         n = self.lib.lane_pop(self.h, self._pop_buf, FRAME_MAX, ctypes.byref(self._pkttype))
         return (self._pop_buf.raw[:n], self._pkttype.value) if n else None
 
+    @_live()
     def finish(self, n: int) -> None:
         if n:
             self.lib.lane_finish(self.h, n)
 
     # -- counters, rates, events ----------------------------------------------------------------------------
+    @_live(dict)
     def counters(self) -> dict[str, int]:
         out = (ctypes.c_uint64 * len(COUNTERS))()
         n = self.lib.lane_counters(self.h, out, len(COUNTERS))
         return {COUNTERS[i]: out[i] for i in range(n)}
 
+    @_live(dict)
     def take_rates(self) -> dict[int, int]:
         los, counts = (ctypes.c_uint32 * 128)(), (ctypes.c_uint64 * 128)()
         n = self.lib.lane_take_rates(self.h, los, counts, 128)
         return {los[i]: counts[i] for i in range(n)}
 
+    @_live()
     def watch(self, macs: set[int] | None) -> None:
         """Binding events for these MACs only; None: for every MAC."""
         got = sorted(macs or ())
         arr = (ctypes.c_uint64 * max(1, len(got)))(*got)
         self.lib.lane_watch(self.h, arr, len(got), 1 if macs is None else 0)
 
+    @_live(list)
     def take_events(self) -> list[tuple[int, int, int]]:
         buf = (ctypes.c_uint64 * (3 * 256))()
         out = []
@@ -229,12 +271,14 @@ class NativeLane:
             if n < 256:
                 return out
 
+    @_live("")
     def error(self) -> str:
         buf = ctypes.create_string_buffer(8192)
         self.lib.lane_error(self.h, buf, len(buf))
         return buf.value.decode(errors="replace")
 
     # -- tests and benchmarks: one pass over given frames -----------------------------------------------------
+    @_live(list)
     def serve(self, frames: list[bytes], now_ms: int) -> list[bytes | None]:
         """Serve ``frames`` as one pass at ``now_ms`` (no socket, no queue, no fsync): each one's reply frame,
         or None for one the lane leaves to the loop.  LaneError if the store failed."""
@@ -283,17 +327,22 @@ class NativeLane:
 
     def close(self) -> None:
         """Stop the threads (the socket stays open: it is the port's) and free the lane."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._gate:
+            if self._closed:
+                return
+            self._closed = True
         self.lib.lane_stop(self.h)
         if self._thread is not None:
             self._thread.join(5)
         if self._events_thread is not None:
             os.eventfd_write(self.lib.lane_event_fd(self.h), 1)
             self._events_thread.join(5)
-        self.lib.lane_close(self.h)
-        self.h = None
+        with self._gate:
+            self._freeing = True          # no new call from here on ...
+            while self._calls:            # ... and none still in one when it is freed
+                self._gate.wait()
+            self.lib.lane_close(self.h)
+            self.h = None
 
 
 class LanePort:

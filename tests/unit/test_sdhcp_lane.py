@@ -373,3 +373,43 @@ def test_the_lane_answers_arp_for_the_server_address_as_the_loop_does(pair):
     pair.grant([(0, 0x1FFFFF)])                                              # its key no longer granted
     assert pair.lane.serve([request(mac, mac, SERVER.packed)], pair.now) == [None]
     assert pair.lane.counters()["arp_replies"] == 1
+
+
+def test_calls_while_and_after_the_lane_closes_do_nothing(tmp_path):
+    """The lease's keepalive moves the lane's deadline from its own thread; one that came back while the
+    shard closed called into the freed lane and crashed the process (a fresh-clone run of the unit tests).
+    Here threads keep calling through a close and after it, in a child process, so a crash fails the test;
+    a call that waits for the store's mutex (held by a write transaction) lets the close wait, not hang."""
+    code = f"""
+import sys, threading, time
+sys.path.insert(0, {os.getcwd()!r})
+import pathlib
+from tests.unit.test_sdhcp_lane import Pair, KEY_MAX
+pair = Pair(pathlib.Path({str(tmp_path)!r}))
+lane, stop = pair.lane, threading.Event()
+def hammer():
+    while not stop.is_set():
+        lane.extend(time.monotonic() + 60, 1)
+        lane.watch({{1, 2}})
+        lane.counters()
+        lane.pop()
+threads = [threading.Thread(target=hammer) for _ in range(3)]
+for t in threads:
+    t.start()
+lane.acquire()                       # a write transaction holds the mutex: extend waits for it
+closer = threading.Thread(target=lane.close)
+closer.start()
+time.sleep(0.2)
+assert closer.is_alive(), "the lane was freed while a call was in it"
+lane.release()
+closer.join(10)
+assert not closer.is_alive(), "the close hung"
+time.sleep(0.2)                      # calls after the close
+stop.set()
+for t in threads:
+    t.join(10)
+assert lane.h is None and lane.extend(1.0, 1) is None and lane.counters() == {{}} and lane.pop() is None
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.returncode, out.stderr[-3000:])
