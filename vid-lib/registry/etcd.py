@@ -40,8 +40,8 @@ def _unb64(text: str) -> bytes:
 def until_beat(period: float, now: float | None = None) -> float:
     """Seconds to the next whole multiple of ``period`` on the wall clock, in (0, period].
 
-    Periodic etcd requests (lease keepalives, load reports) wait for it, so every process with the same
-    period sends at the same instants and etcd wakes once for all of them: 4 leases kept alive 3 times a
+    Lease keepalives wait for it, so every process with the same period sends at the same instants and
+    etcd wakes once for all of them (load reports do not: see vfab.vid.state.housekeeper): 4 leases kept alive 3 times a
     second added 0.028 CPU-s per second to an idle etcd at phases spread over the period, 0.011 on these
     beats (bench/etcd_client.py).  The wall clock lines up processes on other hosts too (NTP); a step of
     it moves one wait, never past one period.
