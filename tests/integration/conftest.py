@@ -65,6 +65,16 @@ def start_sdhcp_shard(tb: Testbed, host: str, service: str, name: str, data: str
     return proc
 
 
+def stop_sdhcp_shard(tb: Testbed, service: str, proc, sims=()) -> None:
+    """The end of a start_sdhcp_shard test: its client simulators closed, the shard stopped, the service gone
+    from etcd and from the switches."""
+    for s in sims:
+        s.close()
+    tb.sup.stop(proc)
+    tb.registry.delete_service(service)
+    tb.wait_revision(tb.registry.state_revision())
+
+
 def client_args(tb: Testbed, host: str, out: str, service: str = "echo", **opts) -> list[str]:
     args = [*ECHO, "client", "--etcd", tb.etcd_endpoint, "--service", service,
             "--iface", tb.hosts[host]["iface"], "--out", out]

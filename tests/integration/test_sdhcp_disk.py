@@ -17,7 +17,7 @@ import sqlite3
 import time
 from ipaddress import IPv4Address
 
-from tests.integration.conftest import start_sdhcp_shard
+from tests.integration.conftest import start_sdhcp_shard, stop_sdhcp_shard
 from tests.integration.test_kvs_faults import fill, tmpfs  # noqa: F401 - tmpfs is a fixture
 from vfab.testbed import dhcpsim
 from vfab.testbed.procs import wait_for
@@ -89,8 +89,4 @@ def test_a_full_disk_acknowledges_nothing_it_cannot_keep(testbed, tmpfs, tmp_pat
         assert not none, f"{none} have no address once the disk has space"
         assert not twice, twice
     finally:
-        for s in sims:
-            s.close()
-        testbed.sup.stop(proc)
-        reg.delete_service(SVC)
-        testbed.wait_revision(reg.state_revision())
+        stop_sdhcp_shard(testbed, SVC, proc, sims)

@@ -19,7 +19,7 @@ import threading
 import time
 from ipaddress import IPv4Address
 
-from tests.integration.conftest import start_sdhcp_shard
+from tests.integration.conftest import start_sdhcp_shard, stop_sdhcp_shard
 from vfab.testbed import dhcpsim
 from vfab.testbed.procs import wait_for
 from vfab.vid import codec
@@ -95,8 +95,4 @@ def test_the_lane_waits_out_a_lapsed_lease_and_a_kill_loses_no_acknowledged_leas
         assert native()["acks"] >= len(ever), native()                     # the restarted lane renewed them
         assert "Traceback" not in open(proc.logpath).read()
     finally:
-        for s in sims:
-            s.close()
-        testbed.sup.stop(proc)
-        reg.delete_service(SVC)
-        testbed.wait_revision(reg.state_revision())
+        stop_sdhcp_shard(testbed, SVC, proc, sims)
