@@ -4,7 +4,9 @@ vfab talks to etcd through its v3 JSON gateway (``vfab.vid.registry``: ``http.cl
 connection per thread).  This starts a private etcd member (``vfab.testbed.etcd.LocalEtcd``, the same
 flags as every testbed's) and times the same calls through
 
-- ``registry``  ``Registry.get`` / ``put`` / ``txn`` (2 puts), and
+- ``registry``  ``Registry.get`` / ``put`` / ``txn`` (2 puts),
+- ``httpclient`` the same JSON bodies over one ``http.client`` keep-alive connection (what the registry
+  used until 2026-11-29, when its own ``_Http`` replaced it),
 - ``urllib``    the same JSON bodies posted with ``urllib.request`` (a new connection per call), and
 - ``requests``  a ``requests.Session`` (what etcd3gw used until 2026-11-28), if the package is installed,
 
@@ -21,14 +23,21 @@ of their own with ``Registry.keepalive_once`` every 1/3 s (a 1-s lease, as an sd
 
 etcd's CPU per second (``/proc``) for each, and what the keepalives add to idle, spread and on beats.
 
+**The client's CPU per keepalive.**  A keepalive thread wakes 3 times a second and finds its code cold, so
+a call costs it far more than back to back.  ``--spaced`` (default 30, smoke 6) keepalives per client and
+round, 1/3 s apart, through ``registry`` and ``httpclient``: the calling thread's CPU (``thread_time``)
+per call.
+
 Run: ``/opt/vfab-venv/bin/python bench/etcd_client.py [--calls 1000] [--rounds 3] [--keepalivers 4]
-[--beat-seconds 10] [--smoke]``.
+[--beat-seconds 10] [--spaced 30] [--smoke]``.
 """
 
 from __future__ import annotations
 
 import base64
+import http.client
 import json
+import socket
 import os
 import statistics
 import subprocess
@@ -76,6 +85,26 @@ def registry_client(endpoint: str):
         else:
             reg.txn([], {k + "a": "v" * 100, k + "b": "v" * 100})
     return call, reg.close
+
+
+def httpclient_client(endpoint: str):
+    host, _, port = endpoint.rpartition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=5)
+    conn.connect()
+    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def post(path: str, body: dict) -> dict:
+        conn.request("POST", path, json.dumps(body, separators=(",", ":")), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"etcd answered {resp.status}: {data[:200]!r}")
+        return json.loads(data)
+
+    def call(op: str, i: int) -> None:
+        post(*bodies(i)[op])
+    call.post = post
+    return call, conn.close
 
 
 def urllib_client(endpoint: str):
@@ -150,6 +179,34 @@ def keepalive_cpu(etcd: LocalEtcd, way: str, keepalivers: int, seconds: float) -
             reg.close()
 
 
+def spaced_keepalive_ms(endpoint: str, client: str, n: int) -> list[float]:
+    """The calling thread's CPU in ms for each of ``n`` keepalives of one lease, 1/3 s apart."""
+    reg = Registry(endpoint)
+    lease = reg.lease(60)
+    if client == "registry":
+        def once() -> None:
+            reg.keepalive_once(lease)
+        close = reg.close
+    else:
+        call, close = httpclient_client(endpoint)
+
+        def once() -> None:
+            call.post("/v3/lease/keepalive", {"ID": str(lease)})
+    out = []
+    try:
+        once()   # connected before the clock runs
+        for _ in range(n):
+            time.sleep(until_beat(KEEPALIVE_PERIOD))
+            t0 = time.thread_time()
+            once()
+            out.append((time.thread_time() - t0) * 1e3)
+    finally:
+        close()
+        reg.revoke(lease)
+        reg.close()
+    return out
+
+
 def main() -> int:
     ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=None, help="calls per operation per client per round "
@@ -158,11 +215,14 @@ def main() -> int:
     ap.add_argument("--keepalivers", type=int, default=4, help="leases kept alive at once (default 4)")
     ap.add_argument("--beat-seconds", type=float, default=None, help="s per keepalive way and round "
                                                                        "(default 10, smoke 2)")
+    ap.add_argument("--spaced", type=int, default=None, help="keepalives 1/3 s apart per client and round "
+                                                               "(default 30, smoke 6)")
     args = ap.parse_args()
     beat_s = args.beat_seconds or (2.0 if args.smoke else 10.0)
     calls = args.calls or (50 if args.smoke else 1000)
     rounds = args.rounds or (1 if args.smoke else 3)
-    makers = {"registry": registry_client, "urllib": urllib_client}
+    spaced = args.spaced or (6 if args.smoke else 30)
+    makers = {"registry": registry_client, "httpclient": httpclient_client, "urllib": urllib_client}
     try:
         import requests  # noqa: F401
         makers["requests"] = requests_client
@@ -187,6 +247,11 @@ def main() -> int:
                     finally:
                         close()
                 print(f"  round {rnd + 1}/{rounds} done")
+            cold: dict[str, list[float]] = {"registry": [], "httpclient": []}
+            for rnd in range(rounds):
+                for client in (list(cold) if rnd % 2 == 0 else list(reversed(cold))):
+                    cold[client] += spaced_keepalive_ms(etcd.endpoint, client, spaced)
+                print(f"  spaced keepalives round {rnd + 1}/{rounds} done", flush=True)
             ka: dict[str, list[float]] = {"idle": [], "spread": [], "beats": []}
             for rnd in range(rounds):
                 for way in (list(ka) if rnd % 2 == 0 else list(reversed(ka))):
@@ -209,6 +274,14 @@ def main() -> int:
                       for op in OPS}
             results[f"{name}_over_registry"] = ratios
             print(f"{name} / registry (median): " + ", ".join(f"{op} {r:.2f}x" for op, r in ratios.items()))
+    cold_med = {c: statistics.median(v) for c, v in cold.items()}
+    results["spaced_keepalive_client_cpu_ms"] = {
+        **{c: summary([x / 1e3 for x in v]) for c, v in cold.items()},
+        "registry_over_httpclient": round(cold_med["registry"] / cold_med["httpclient"], 2)
+        if cold_med["httpclient"] else None}
+    print(f"keepalives 1/3 s apart, the calling thread's CPU per call (median of {len(cold['registry'])}): "
+          f"registry {cold_med['registry']:.3f} ms, http.client {cold_med['httpclient']:.3f} ms "
+          f"({results['spaced_keepalive_client_cpu_ms']['registry_over_httpclient']}x)")
     print(f"importing vfab.vid.registry: median {results['import_registry']['median_ms']:.0f} ms")
     med = {w: statistics.median(v) for w, v in ka.items()}
     added = {w: med[w] - med["idle"] for w in ("spread", "beats")}
@@ -222,7 +295,7 @@ def main() -> int:
           f"{added['spread']:.4f} spread, {added['beats']:.4f} on beats "
           f"({results['keepalives']['beats_over_spread']}x)")
     write("etcd_client", {"calls": calls, "rounds": rounds, "keepalivers": args.keepalivers, "beat_seconds": beat_s,
-                          "smoke": args.smoke}, results, args.out)
+                          "spaced": spaced, "smoke": args.smoke}, results, args.out)
     return 0
 
 

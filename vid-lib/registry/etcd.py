@@ -26,6 +26,9 @@ from vfab.vid.ranges import Range
 
 log = logging.getLogger("vfab.registry")
 DEFAULT_ENDPOINT = "127.0.0.1:2379"
+# one encoder for every request: json.dumps with separators builds a new one per call (~0.2 ms of a cold
+# keepalive thread's 1 ms)
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def _b64(text: str | bytes) -> str:
@@ -56,13 +59,134 @@ def _prefix_end(prefix: str) -> str:
     return _b64(bytes(raw))
 
 
-class _Gateway:
-    """POSTs to etcd's JSON gateway over HTTP/1.1 keep-alive connections, one per thread.
+class _Http:
+    """One HTTP/1.1 keep-alive connection to the gateway, reading no more of HTTP than etcd's gateway
+    speaks: a status line, headers (Content-Length, chunked Transfer-Encoding, Connection), a body.
 
-    A request costs one round trip and a JSON encode/decode (about half of what a ``requests`` session
-    spent on top of etcd's own work).  A connection the member closed meanwhile is noticed before it is
-    used again (it reads as ready); a request that fails once sent is never repeated here, because a
-    transaction may have been applied: the caller is told and decides.
+    ``http.client`` spent ~1.5 ms of a thread's CPU on a lease keepalive sent every 1/3 s (its header
+    parsing goes through ``email``, and every wake-up finds that code cold), this ~0.5 ms
+    (bench/etcd_client.py); each shard sends 3 a second.  Failures raise what ``http.client`` raises:
+    OSError (timeouts, resets) or an ``http.client.HTTPException``.
+    """
+
+    MAX_HEAD = 65536   # bytes of status line and headers
+
+    def __init__(self, host: str, port: int, timeout: float | None):
+        self.sock = socket.create_connection((host, port), timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._host = f"Host: {host}:{port}\r\nContent-Type: application/json\r\n".encode()
+        self._buf = bytearray()
+        self._pos = 0
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def stale(self) -> bool:
+        """True when the member closed the connection (EOF reads as ready) or sent what nobody asked for."""
+        return bool(select.select([self.sock], [], [], 0)[0])
+
+    def post(self, path: str, body: bytes) -> tuple[int, bytes, bool]:
+        """(status, body, whether the member closes the connection after it)."""
+        self.sock.sendall(b"POST %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s"
+                          % (path.encode(), self._host, len(body), body))
+        self._buf.clear()
+        self._pos = 0
+        while True:
+            version, status, fields = self._head()
+            if status >= 200:
+                break   # 1xx: an interim answer, the real one follows
+        conn = fields.get(b"connection", b"").lower()
+        close = conn == b"close" or (version == b"HTTP/1.0" and conn != b"keep-alive")
+        if status in (204, 304):
+            data = b""
+        elif b"chunked" in fields.get(b"transfer-encoding", b"").lower():
+            data = self._chunked()
+        elif b"content-length" in fields:
+            try:
+                length = int(fields[b"content-length"])
+            except ValueError:
+                raise http.client.HTTPException(f"bad Content-Length {fields[b'content-length']!r}") from None
+            data = self._exactly(length)
+        else:
+            data, close = self._to_eof(), True
+        if self._pos != len(self._buf):
+            close = True   # bytes past the answer: nothing may read them as the next one's
+        return status, data, close
+
+    def _fill(self) -> None:
+        if self._pos:
+            del self._buf[:self._pos]
+            self._pos = 0
+        got = self.sock.recv(65536)
+        if not got:
+            raise http.client.RemoteDisconnected("the member closed the connection in the middle of its answer")
+        self._buf += got
+
+    def _until(self, mark: bytes, limit: int) -> bytes:
+        """The bytes up to ``mark`` (taken, with the mark); at most ``limit`` of them."""
+        while True:
+            end = self._buf.find(mark, self._pos)
+            if 0 <= end <= self._pos + limit:
+                out = bytes(self._buf[self._pos:end])
+                self._pos = end + len(mark)
+                return out
+            if len(self._buf) - self._pos > limit:
+                raise http.client.LineTooLong(f"more than {limit} bytes without {mark!r}")
+            self._fill()
+
+    def _head(self) -> tuple[bytes, int, dict[bytes, bytes]]:
+        lines = self._until(b"\r\n\r\n", self.MAX_HEAD).split(b"\r\n")
+        parts = lines[0].split(b" ", 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit() or len(parts[1]) != 3:
+            raise http.client.BadStatusLine(lines[0][:80].decode(errors="replace"))
+        fields: dict[bytes, bytes] = {}
+        for field in lines[1:]:
+            name, sep, value = field.partition(b":")
+            if not sep:
+                raise http.client.HTTPException(f"malformed header {field[:80]!r}")
+            fields[name.strip().lower()] = value.strip()
+        return parts[0], int(parts[1]), fields
+
+    def _exactly(self, n: int) -> bytes:
+        while len(self._buf) - self._pos < n:
+            self._fill()
+        data = bytes(self._buf[self._pos:self._pos + n])
+        self._pos += n
+        return data
+
+    def _chunked(self) -> bytes:
+        out = bytearray()
+        while True:
+            line = self._until(b"\r\n", 1024)
+            try:
+                size = int(line.split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                raise http.client.HTTPException(f"bad chunk size {line[:40]!r}") from None
+            if size == 0:
+                while self._until(b"\r\n", self.MAX_HEAD):   # trailers, up to the empty line
+                    pass
+                return bytes(out)
+            out += self._exactly(size)
+            if self._until(b"\r\n", 2):
+                raise http.client.HTTPException("a chunk longer than its size")
+
+    def _to_eof(self) -> bytes:
+        while True:
+            try:
+                self._fill()
+            except http.client.RemoteDisconnected:
+                break
+        data = bytes(self._buf[self._pos:])
+        self._pos = len(self._buf)
+        return data
+
+
+class _Gateway:
+    """POSTs to etcd's JSON gateway over HTTP/1.1 keep-alive connections (``_Http``), one per thread.
+
+    A request costs one round trip and a JSON encode/decode.  A connection the member closed meanwhile is
+    noticed before it is used again (it reads as ready); a request that fails once sent is never repeated
+    here, because a transaction may have been applied: the caller is told and decides.
     """
 
     HEADERS = {"Content-Type": "application/json"}
@@ -72,20 +196,20 @@ class _Gateway:
         self._local = threading.local()
 
     def connect(self, timeout: float | None) -> http.client.HTTPConnection:
+        """A connection of ``http.client``'s, for a watch stream (read a line at a time as events come)."""
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         conn.connect()
         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn
 
-    def _conn(self) -> http.client.HTTPConnection:
+    def _conn(self) -> _Http:
         local = self._local
         conn = getattr(local, "conn", None)
-        if conn is not None and (local.pid != os.getpid() or conn.sock is None
-                                 or select.select([conn.sock], [], [], 0)[0]):
+        if conn is not None and (local.pid != os.getpid() or conn.stale()):
             conn.close()   # closed by the member (EOF reads as ready), or inherited across a fork
             conn = None
         if conn is None:
-            conn = local.conn = self.connect(self.timeout)
+            conn = local.conn = _Http(self.host, self.port, self.timeout)
             local.pid = os.getpid()
         return conn
 
@@ -93,16 +217,13 @@ class _Gateway:
         """(HTTP status, body); OSError and http.client.HTTPException pass through.  After a failure the
         connection is dropped: an answer that comes late must not be read as the next request's."""
         try:
-            conn = self._conn()
-            conn.request("POST", path, json.dumps(body, separators=(",", ":")), self.HEADERS)
-            resp = conn.getresponse()
-            data = resp.read()
+            status, data, close = self._conn().post(path, _ENCODE(body).encode())
         except BaseException:
             self.close()
             raise
-        if resp.will_close:
+        if close:
             self.close()
-        return resp.status, data
+        return status, data
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
