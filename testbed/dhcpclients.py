@@ -180,13 +180,18 @@ class ClientFarm:
                      extra: tuple[str, ...] = ()) -> None:
         """One busybox udhcpc per client (``once``: exit after the lease, or when none came after 5 tries)."""
         hook = self.hook(configure)
-        for i in range(len(self.names)) if which is None else which:
-            n = self.names[i]
-            cmd = ["nsenter", f"--net={self.ns(i)}", "busybox", "udhcpc", "-f", "-i", n, "-s", hook,
-                   "-t", "5", "-T", "2", *(("-q", "-n") if once else ("-A", "2")), *extra]
-            p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-            self.tb.track(p.pid, f"udhcpc@{n}")
-            self.procs[i] = p
+        started = []
+        try:   # recorded together (one rewrite of the run record, not one per client: 245 cost 0.15 CPU-s)
+            for i in range(len(self.names)) if which is None else which:
+                n = self.names[i]
+                cmd = ["nsenter", f"--net={self.ns(i)}", "busybox", "udhcpc", "-f", "-i", n, "-s", hook,
+                       "-t", "5", "-T", "2", *(("-q", "-n") if once else ("-A", "2")), *extra]
+                p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+                started.append((p.pid, f"udhcpc@{n}"))
+                self.procs[i] = p
+        finally:
+            self.tb.track_many(started)
 
     def start_dhclient(self, i: int) -> None:
         """ISC dhclient for client ``i`` (foreground, its own lease, pid and DUID files; the hook sets the
@@ -229,13 +234,14 @@ class ClientFarm:
                 p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        left = 0
+        left, ended = 0, []
         for i, p in list(self.procs.items()):
             if p.poll() is None:
                 left += 1
             else:
-                self.tb.untrack(p.pid)
+                ended.append(p.pid)
                 del self.procs[i]
+        self.tb.untrack_many(ended)
         return left
 
     def signal(self, sig: int, which: list[int] | None = None) -> int:
@@ -258,7 +264,7 @@ class ClientFarm:
                 _signal_group(p, signal.SIGKILL)
                 p.wait(5)
             _signal_group(p, signal.SIGKILL)   # helpers that outlived the leader
-            self.tb.untrack(p.pid)
+        self.tb.untrack_many([p.pid for p in self.procs.values()])
         self.procs.clear()
 
     def events(self, i: int) -> list[tuple[str, str, float]]:

@@ -161,10 +161,19 @@ class Testbed:
         if record is not None:
             record.add_proc(pid, name)
 
-    def untrack(self, pid: int) -> None:
+    def track_many(self, procs: list[tuple[int, str]]) -> None:
+        """``track`` for several (pid, name) at once, in one rewrite of the record."""
         record = self.record
-        if record is not None:
-            record.drop_proc(pid)
+        if record is not None and procs:
+            record.add_procs(procs)
+
+    def untrack(self, pid: int) -> None:
+        self.untrack_many([pid])
+
+    def untrack_many(self, pids: list[int]) -> None:
+        record = self.record
+        if record is not None and pids:
+            record.drop_procs(pids)
 
     def _refuse_unrecorded(self) -> None:
         """Fail clearly (not with "RTNETLINK answers: File exists") if our names exist but no record owns them."""

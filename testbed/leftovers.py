@@ -139,13 +139,22 @@ class RunRecord:
 
     # Processes do not outlive a power loss: their entries need not wait for the disk.
     def add_proc(self, pid: int, name: str) -> None:
+        self.add_procs([(pid, name)])
+
+    def add_procs(self, procs: list[tuple[int, str]]) -> None:
+        """Several (pid, name) in one rewrite (each rewrite dumps the whole record: a client farm's 245
+        processes one at a time cost 0.15 CPU-s)."""
         with self._mutex:
-            self.data["procs"].append(identity(pid, name))
+            self.data["procs"] += [identity(pid, name) for pid, name in procs]
             self.write(sync=False)
 
     def drop_proc(self, pid: int) -> None:
+        self.drop_procs([pid])
+
+    def drop_procs(self, pids: list[int]) -> None:
+        gone = set(pids)
         with self._mutex:
-            self.data["procs"] = [p for p in self.data["procs"] if p["pid"] != pid]
+            self.data["procs"] = [p for p in self.data["procs"] if p["pid"] not in gone]
             self.write(sync=False)
 
     def set(self, key: str, value) -> None:

@@ -195,6 +195,25 @@ def test_the_record_is_written_before_each_resource(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_several_processes_recorded_and_dropped_in_one_write(tmp_path):
+    """A farm's clients go into the record together; each one is identified (start time), and dropping some
+    keeps the others."""
+    rec = leftovers.RunRecord.create(str(tmp_path), topo="single,1")
+    kids = [subprocess.Popen(["sleep", "30"]) for _ in range(3)]
+    try:
+        rec.add_procs([(k.pid, f"k{i}") for i, k in enumerate(kids)])
+        on_disk = json.load(open(rec.path))["procs"]
+        assert [p["name"] for p in on_disk] == ["k0", "k1", "k2"]
+        assert all(leftovers.same_process(p) for p in on_disk)
+        rec.drop_procs([kids[0].pid, kids[2].pid])
+        assert [p["pid"] for p in json.load(open(rec.path))["procs"]] == [kids[1].pid]
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait()
+    rec.remove()
+
+
 def test_a_recorded_dir_with_a_mount_inside_is_not_deleted(tmp_path, caplog):
     if os.geteuid() != 0:
         pytest.fail("this test needs root (mount)")
