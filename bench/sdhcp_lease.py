@@ -1,7 +1,15 @@
 """Time to lease 245 real udhcpc clients and 1,000 perfdhcp clients: sdhcp (1, 2, 4 shards) vs Kea vs dnsmasq.
 
-One fabric (``line,2,3``) and one run; every server sees the same clients,
-through the same ports, in the same namespaces:
+One fabric and one run; every server sees the same clients, through the same
+ports, in the same namespaces.  The fabric is one switch with 6 hosts
+(``single,6``, ``--topo``), so every server's frames take one pass through
+the switch.  Until 2026-11-29 it was ``line,2,3`` (vfh4-6 behind a second
+switch, ``--topo line,2,3``): three of the four shards sat behind the link
+between the switches and Kea did not, and each crossing is a second pass
+through OVS's userspace datapath on the same two cores that run the clients
+and servers, which a hardware switch would not charge the hosts (a profile of
+the 245-udhcpc phase: ovs-vswitchd 119 ms of CPU beside 4 shards, 72 ms beside
+Kea; README, sdhcp).
 
 * **245 udhcpc** (busybox 1.35, unmodified): one process per client, each in
   its own namespace ``vfxu<i>`` with a macvlan child of vfh3's interface and
@@ -32,8 +40,8 @@ in the results file.
 
 Servers, one after the other:
 
-* **sdhcp** with 1 shard (vfh1), 2 (vfh1, vfh4: one per switch) and 4 (vfh1,
-  vfh4, vfh5, vfh6), equal key ranges.  Durability: each batch of requests is
+* **sdhcp** with 1 shard (vfh1), 2 (vfh1, vfh4) and 4 (vfh1, vfh4, vfh5,
+  vfh6), equal key ranges.  Durability: each batch of requests is
   one SQLite transaction; no ACK or NAK of a batch holding a REQUEST, RELEASE
   or DECLINE leaves before an fsync of the WAL that began after the batch
   committed (group commit: the shard serves the next batches while that fsync
@@ -70,7 +78,7 @@ time is about that CPU work over two cores (2026-11-29: the 245 clients' own
 processes and their start ~1.3 CPU-s for either server).
 
 Run: ``/opt/vfab-venv/bin/python bench/sdhcp_lease.py [--smoke] [--rates 1000,2000] [--repeat N]
-[--servers sdhcp4,kea] [--profile DIR]`` (root; ``--smoke``: 20 udhcpc, 100 perfdhcp at 1,000/s, sdhcp with 1
+[--servers sdhcp4,kea] [--topo single,6] [--profile DIR]`` (root; ``--smoke``: 20 udhcpc, 100 perfdhcp at 1,000/s, sdhcp with 1
 and 2 shards, Kea, dnsmasq, one run each, ~35 s).
 """
 
@@ -91,6 +99,7 @@ from bench.common import cpu_busy_s, parser, summary, write  # noqa: E402
 from vfab.testbed import dhcpclients as dc  # noqa: E402
 from vfab.testbed.fabric import Testbed  # noqa: E402
 from vfab.testbed.procs import wait_for  # noqa: E402
+from vfab.testbed.net import TopoError, TopoSpec  # noqa: E402
 from vfab.vid import codec  # noqa: E402
 from vfab.vid.state import ctl as statectl  # noqa: E402
 from vfab.vid.state.sched import proc_stat  # noqa: E402
@@ -159,10 +168,12 @@ class MachineCpu:
     def __init__(self, tb: Testbed):
         self.pids = fabric_pids(tb)
         self.busy0 = cpu_busy_s()
+        self.own0 = time.process_time()
         self.fabric0 = {name: cpu_seconds([pid])[0] for name, pid in self.pids.items()}
 
     def used(self) -> dict:
         return {"machine_busy_cpu_s": round(cpu_busy_s() - self.busy0, 3),
+                "bench_cpu_s": round(time.process_time() - self.own0, 3),
                 "fabric_cpu_s": {name: round(cpu_seconds([pid])[0] - self.fabric0[name], 3)
                                  for name, pid in self.pids.items()}}
 
@@ -397,8 +408,18 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=None, help="fresh runs per server (default 3, smoke 1)")
     ap.add_argument("--no-flood", action="store_true", help="skip the flood phase (new clients until the pool "
                                                               "is full, then 1,000 more)")
+    ap.add_argument("--topo", default="single,6", help="the fabric (default single,6: every host on one switch; "
+                                                       "line,2,3 puts vfh4-6 behind a second switch)")
     ap.add_argument("--servers", default=None, help="comma-separated subset of sdhcp1,sdhcp2,sdhcp4,kea,dnsmasq")
     args = ap.parse_args()
+    need = {h for placed in SHARDS.values() for _, h, _ in placed} | {PEER_HOST, UDHCPC_HOST, RELAY_HOST}
+    try:
+        missing = need - {h for h, _ in TopoSpec.parse(args.topo).hosts}
+    except TopoError as exc:
+        ap.error(str(exc))
+    if missing:
+        ap.error(f"--topo {args.topo} has no host {', '.join(sorted(missing))}: this bench places servers and clients "
+                 f"on {', '.join(sorted(need))} (use single,6 or line,2,3)")
     n_u = args.udhcpc or (20 if args.smoke else 245)
     n_p = (args.perf or (100 if args.smoke else 1000)) // 4 * 4
     rates = [int(x) for x in (args.rates or ("1000" if args.smoke else "1000,2000,4000")).split(",")]
@@ -411,7 +432,7 @@ def main() -> int:
     macs = [bytes([0x02, 0x5B, 0x00]) + k.to_bytes(3, "big") for k in rnd.sample(range(1, codec.KEY_MAX), n_u)]
     results: dict = {}
     bad: list[str] = []
-    with Testbed("line,2,3", poll=1.0) as tb:
+    with Testbed(args.topo, poll=1.0) as tb:
         farm = dc.ClientFarm(tb, UDHCPC_HOST, "u", macs, tb.workdir)
         relays = dc.ClientFarm(tb, RELAY_HOST, "r", [relay_mac(q) for q in range(4)], tb.workdir)
         caps = []
@@ -463,7 +484,7 @@ def main() -> int:
             print(f"{server:<9}" + "".join(f"{c:>28}" for c in cells))
     print("durability: " + "; ".join(f"{k}: {v}" for k, v in DURABILITY.items()))
     write("sdhcp_lease", {"udhcpc_clients": n_u, "perfdhcp_clients": n_p, "rates": rates, "repeat": repeat,
-                          "flood_clients": n_flood, "flood_rate": FLOOD_RATE, "pool_left_for_flood": max(left, 0),
+                          "flood_clients": n_flood, "flood_rate": FLOOD_RATE, "topo": args.topo, "pool_left_for_flood": max(left, 0),
                           "smoke": args.smoke,
                           "pool": OPTS["pool"], "servers": servers, "durability": DURABILITY,
                           "clients": "busybox udhcpc, one process and namespace each (macvlan behind vfh3); "
