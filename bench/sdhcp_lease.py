@@ -71,11 +71,12 @@ their time, for every server alike.  "All started at once" means this process
 starts them one after the other, as fast as it can: how long that took is
 printed beside each udhcpc phase (``spawn_s``), a floor under its time, and
 it stretches when the server's processes take CPU meanwhile.  So each phase
-also reports the whole machine's busy CPU-seconds (``/proc/stat``, both cores)
-and the fabric's daemons' (etcd, the controller, ovs-vswitchd, which an sdhcp
-shard's leases also keep busy): when both cores are busy through a phase, its
-time is about that CPU work over two cores (2026-11-29: the 245 clients' own
-processes and their start ~1.3 CPU-s for either server).
+also reports the whole machine's busy CPU-seconds (``/proc/stat``, both cores),
+the fabric's daemons' (etcd, the controller, ovs-vswitchd, which an sdhcp
+shard's leases also keep busy) and this process's own (``bench_cpu_s``:
+starting the clients, the capture): when both cores are busy through a phase,
+its time is about that CPU work over two cores (2026-11-29, sixth session: ~1.2
+busy CPU-s in the ~0.6 s of the 245 clients, for either server).
 
 Run: ``/opt/vfab-venv/bin/python bench/sdhcp_lease.py [--smoke] [--rates 1000,2000] [--repeat N]
 [--servers sdhcp4,kea] [--topo single,6] [--profile DIR]`` (root; ``--smoke``: 20 udhcpc, 100 perfdhcp at 1,000/s, sdhcp with 1
