@@ -1,6 +1,6 @@
 """The registry's etcd client against the stdlib's one-connection-per-call HTTP client, on one local member.
 
-vfab talks to etcd through its v3 JSON gateway (``vfab.vid.registry``: ``http.client``, one keep-alive
+vfab talks to etcd through its v3 JSON gateway (``vfab.vid.registry``: its own HTTP/1.1 code, one keep-alive
 connection per thread).  This starts a private etcd member (``vfab.testbed.etcd.LocalEtcd``, the same
 flags as every testbed's) and times the same calls through
 
@@ -37,8 +37,8 @@ from __future__ import annotations
 import base64
 import http.client
 import json
-import socket
 import os
+import socket
 import statistics
 import subprocess
 import sys

@@ -9,7 +9,7 @@ between the switches and Kea did not, and each crossing is a second pass
 through OVS's userspace datapath on the same two cores that run the clients
 and servers, which a hardware switch would not charge the hosts (a profile of
 the 245-udhcpc phase: ovs-vswitchd 119 ms of CPU beside 4 shards, 72 ms beside
-Kea; README, sdhcp).
+Kea; docs/measurements.md, 2026-11-29, sixth session).
 
 * **245 udhcpc** (busybox 1.35, unmodified): one process per client, each in
   its own namespace ``vfxu<i>`` with a macvlan child of vfh3's interface and
