@@ -39,6 +39,8 @@ from bench.common import cpu_busy_s, parser, summary, write  # noqa: E402
 from vfab.services.elastic_kvs.store import Store  # noqa: E402
 
 WAYS = ("grown", "growing")
+TICK = 1.0 / os.sysconf("SC_CLK_TCK")   # s: /proc/stat's resolution
+MIN_TICKS = 5                           # of them per way and round before a CPU ratio means anything
 
 
 def one_store(directory: str, way: str, commits: int) -> tuple[list[float], float, float]:
@@ -99,7 +101,7 @@ def main() -> int:
                 res[way]["busy"] += busy_r
                 res[way]["commits"] += len(lat_r)
                 per[way] = {"median_ms": round(statistics.median(lat_r) * 1e3, 3),
-                            "busy_ms_per_commit": round(busy_r / len(lat_r) * 1e3, 3)}
+                            "busy_ms_per_commit": round(busy_r / len(lat_r) * 1e3, 3), "busy_s": busy_r}
                 print(f"round {r + 1} {way:8s} commit median {per[way]['median_ms']} ms, machine CPU "
                       f"{per[way]['busy_ms_per_commit']} ms per commit", flush=True)
             rounds.append(per)
@@ -110,14 +112,18 @@ def main() -> int:
         d = res[way]
         out[way] = {"commit": summary(d["lat"]), "busy_ms_per_commit": round(d["busy"] / d["commits"] * 1e3, 3),
                     "open": summary(d["open"])}
+    # a round's CPU ratio only where both ways' busy CPU is well above /proc/stat's resolution (a smoke run's
+    # 40 commits are not: it printed 0.0x)
+    cpu = [p["grown"]["busy_ms_per_commit"] / p["growing"]["busy_ms_per_commit"] for p in rounds
+           if min(p["grown"]["busy_s"], p["growing"]["busy_s"]) >= MIN_TICKS * TICK]
     out["ratio_grown_to_growing"] = {
         "commit_median": round(statistics.median(p["grown"]["median_ms"] / p["growing"]["median_ms"]
                                                  for p in rounds), 2),
-        "busy_per_commit": round(statistics.median(p["grown"]["busy_ms_per_commit"] /
-                                                   max(p["growing"]["busy_ms_per_commit"], 1e-9)
-                                                   for p in rounds), 2)}
+        "busy_per_commit": round(statistics.median(cpu), 2) if cpu else None}
+    cpu_text = (f"{out['ratio_grown_to_growing']['busy_per_commit']}x" if cpu else
+                f"- (under {MIN_TICKS} of /proc/stat's {TICK * 1e3:.0f} ms ticks per way and round: too few commits)")
     print(f"grown/growing (median of the rounds' ratios): commit time {out['ratio_grown_to_growing']['commit_median']}x,"
-          f" machine CPU per commit {out['ratio_grown_to_growing']['busy_per_commit']}x; opening a store "
+          f" machine CPU per commit {cpu_text}; opening a store "
           f"{out['grown']['open']['median_ms']} ms grown, {out['growing']['open']['median_ms']} ms growing")
     write("store_sync", {"commits": args.commits, "stores": args.stores, "rounds": args.rounds, "dir": args.dir,
                          "smoke": args.smoke}, out, args.out)
