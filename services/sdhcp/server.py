@@ -181,6 +181,7 @@ class SdhcpLoop(EndpointLoop):
         return rates
 
     def close(self) -> None:
+        self.leave_serve()   # the loop's thread out of its pass before the lane it reads goes
         lane = self.lane
         if lane is not None:
             self.backend.store.writer_lock = self.backend.store.lane = None

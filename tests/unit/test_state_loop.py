@@ -17,6 +17,7 @@ from vfab.vid.frame import Frame, FrameType
 from vfab.vid.ranges import Range
 from vfab.vid.state.backend import BadRequest, Refusal
 from vfab.vid.state.loop import EndpointLoop
+from vfab.vid.state.machine import Failure
 
 LOW = Range(0, 0x7FFFFF)
 
@@ -218,6 +219,36 @@ def test_the_lease_is_registered_again_after_it_expired(endpoint, registry):
     send(client, svc, 0x000099, b"000099:w:back", 4)
     got = replies(client, 1.0)
     assert [f.payload for f in got] == [b"ok:back"]
+
+
+def test_close_from_another_thread_waits_for_the_loop_to_leave_its_pass(ns, registry):
+    """close() called while serve() runs on another thread (no stop, no join): serve returns first, then the
+    sockets are closed (closing a ZeroMQ socket another thread polls aborts the process); a call after
+    that is refused, not hung."""
+    registry.create_service("t")
+    loop = EndpointLoop(registry, "t", "e1", ns.b, MemBackend(), rx="bpf", netns=f"/var/run/netns/{ns.name}")
+    ended = threading.Event()
+    real_serve = loop._serve
+
+    def serve(stop: threading.Event) -> None:
+        try:
+            real_serve(stop)
+        finally:
+            ended.set()
+
+    loop._serve = serve
+    th = threading.Thread(target=loop.serve, args=(threading.Event(),), daemon=True)   # never set
+    th.start()
+    until(lambda: loop._thread is not None and loop.lease.valid, 5)
+    time.sleep(0.1)   # in its poll
+    closed_at = []
+    real_close = loop.port.close
+    loop.port.close = lambda: (closed_at.append(ended.is_set()), real_close())
+    loop.close()
+    assert ended.wait(1) and closed_at == [True], "the port was closed while serve() still ran"
+    th.join(5)
+    assert not th.is_alive()
+    assert isinstance(loop.call(lambda: 1), Failure)
 
 
 def test_a_lease_revoked_at_close_is_not_registered_again(registry):

@@ -62,6 +62,7 @@ log = logging.getLogger("vfab.state.loop")
 
 BATCH = 64
 TICK = 0.05              # s between timer checks while something is timed (fenced requests, incoming copies)
+CLOSE_WAIT = 10.0        # s close() waits for the loop's thread to leave serve()
 IDLE_WAIT = 1.0          # s an idle loop with nothing timed sleeps (frames, control and calls wake it at once)
 # The loop gives up the GIL at every socket or SQLite call and must win it back each time; while an
 # operation's thread is busy packing a snapshot, Python's default 5 ms switch interval made every such
@@ -158,6 +159,8 @@ class EndpointLoop(PeerSide, Replication):
         self._thread: threading.Thread | None = None
         self._wakefd = os.eventfd(0, os.EFD_NONBLOCK)
         self._stopping = threading.Event()
+        self._served = threading.Event()   # serve() has returned: its sockets may be closed
+        self._gave_up = False              # leave_serve() waited in vain
         self._last_timers = 0.0
         self._last_stall_log = 0.0
         self._run_delay: RunDelay | None = None   # the serving thread's wait for a core (serve opens it)
@@ -249,7 +252,14 @@ class EndpointLoop(PeerSide, Replication):
 
     # -- the loop -------------------------------------------------------------------------------------
     def serve(self, stop: threading.Event) -> None:
+        """Serve on this thread until ``stop`` is set or ``close`` (from any thread) asks it to end."""
         self._thread = threading.current_thread()
+        try:
+            self._serve(stop)
+        finally:
+            self._served.set()
+
+    def _serve(self, stop: threading.Event) -> None:
         sys.setswitchinterval(SWITCH_INTERVAL)
         # What start-up made (modules, the registry client, tables) lives as long as the process: out of the
         # collector's scans, so a full collection (~17 ms over them here, more on a busy machine, every
@@ -270,7 +280,7 @@ class EndpointLoop(PeerSide, Replication):
         log.info("%s: serving %s on %s (ctl %s, lease %x)", self.name, self.service.name, self.port.iface, self.ctl,
                  self.lease.id)
         q_end = self._queued()
-        while not stop.is_set():
+        while not stop.is_set() and not self._stopping.is_set():
             waiting, serving = bool(self.inflights), self._may_batch()
             if (self.pending and serving) or (self.calls and not waiting):
                 timeout = 0.0
@@ -672,8 +682,31 @@ class EndpointLoop(PeerSide, Replication):
             self.targets.pop(peer, None)
 
     # -- the end --------------------------------------------------------------------------------------------------
-    def close(self) -> None:
+    def leave_serve(self, timeout: float = CLOSE_WAIT) -> bool:
+        """(any thread) Make ``serve`` return and wait for it; False if it is still running after ``timeout`` s
+        (a pass stuck in a backend).  Closing the loop's sockets from another thread while its own polls them
+        is what ZeroMQ does not allow (an assertion aborts the process)."""
         self._stopping.set()
+        thread = self._thread
+        if thread is None or thread is threading.current_thread() or self._served.is_set():
+            return True
+        if self._gave_up:
+            return False   # waited once already (a subclass's close, then this class's)
+        try:
+            os.eventfd_write(self._wakefd, 1)
+        except OSError:
+            pass
+        self._gave_up = not self._served.wait(timeout)
+        return not self._gave_up
+
+    def close(self) -> None:
+        if not self.leave_serve():
+            log.warning("%s: the loop's thread did not leave its pass within %.0f s: its sockets are left to the "
+                        "process's exit", self.name, CLOSE_WAIT)
+            self.watcher.stop()
+            self.housekeeper.stop()
+            self.lease.revoke()
+            return
         if self.op is not None:
             self.op.cancel.set()
         self.watcher.stop()
