@@ -362,6 +362,63 @@ def test_a_load_report_divides_the_counts_by_the_time_they_cover():
     assert 14.0 < rate <= 15.0
 
 
+def test_a_load_report_counts_a_range_again_only_when_the_store_changed_and_not_too_often(monkeypatch):
+    """An idle shard's load report reuses its count (a SQL count over 100,000 rows costs ~18 ms once the
+    cache is cold, every second); after a write it counts again, but not sooner than 100x the last count's
+    CPU time; a backend without count_version is counted every time."""
+    from types import SimpleNamespace
+
+    from vfab.vid.state import housekeeper as hk_mod
+
+    clock = [1000.0]
+    monkeypatch.setattr(hk_mod, "time", SimpleNamespace(monotonic=lambda: clock[0], thread_time=time.thread_time,
+                                                        time=time.time))
+    version, calls, cost = [7], [], [0.0]
+
+    def count(r):
+        calls.append(r)
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < cost[0]:
+            pass
+        return 100 + len(calls)
+
+    rng = Range(0, 0xFF)
+    backend = SimpleNamespace(count=count, count_version=lambda: version[0])
+    hk = hk_mod.Housekeeper(SimpleNamespace(backend=backend))
+    assert hk._count(rng) == 101
+    clock[0] += 1.0
+    assert hk._count(rng) == 101 and len(calls) == 1        # unchanged: not counted again
+    version[0] = 8
+    assert hk._count(rng) == 102 and len(calls) == 2        # a write since: counted again
+    cost[0] = 0.02                                           # an expensive count ...
+    version[0] = 9
+    clock[0] += 1.0
+    assert hk._count(rng) == 103 and len(calls) == 3
+    version[0] = 10
+    clock[0] += 1.0
+    assert hk._count(rng) == 103 and len(calls) == 3        # ... is not repeated within 100x its CPU time
+    clock[0] += 1.5
+    cost[0] = 0.0
+    assert hk._count(rng) == 104 and len(calls) == 4        # after that it is
+    plain = hk_mod.Housekeeper(SimpleNamespace(backend=SimpleNamespace(count=count)))
+    assert plain._count(rng) == 105 and plain._count(rng) == 106
+
+
+def test_the_store_data_version_moves_with_other_connections_commits_only(tmp_path):
+    from vfab.vid.state.sqlstore import SqliteStore
+
+    store = SqliteStore(str(tmp_path / "s.db"))
+    store._exec_script("CREATE TABLE t (x INTEGER)")
+    before = store.data_version()
+    store._exec("INSERT INTO t VALUES (1)")                   # this thread's own commit
+    assert store.data_version() == before
+    th = threading.Thread(target=lambda: store._exec("INSERT INTO t VALUES (2)"))   # another connection's
+    th.start()
+    th.join()
+    after = store.data_version()
+    assert after != before and store.data_version() == after
+
+
 def test_replicated_writes_overtake_queued_copy_chunks(endpoint):
     """A client waits on each replicated write; a copy's chunks (tens of ms each on a busy disk) must not
     queue in front of it.  Sent CHUNK x5 then REPL in one burst, the REPL is answered after at most the one

@@ -132,6 +132,11 @@ class StoreBackend:
     def count(self, rng: Range) -> int:
         return self.store.count(rng)
 
+    def count_version(self) -> int:
+        """Changes whenever a count may have (the store's ``data_version`` on the calling thread, which must
+        not write); a backend without it is counted every time."""
+        return self.store.data_version()
+
     def snapshot(self, rng: Range, chunk_bytes: int) -> Iterator[tuple[bytes, int]]:
         return self.store.snapshot(rng, chunk_bytes)
 

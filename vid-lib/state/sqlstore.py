@@ -69,6 +69,12 @@ class SqliteStore:
             self._local.conn = conn
         return conn
 
+    def data_version(self) -> int:
+        """SQLite's ``data_version`` on this thread's connection: it changes when another connection (another
+        thread's, sdhcp's native lane's, another process's) committed since this thread last asked, never for
+        this connection's own commits.  A thread that only reads may keep what it counted while it stays."""
+        return self._exec("PRAGMA data_version").fetchone()[0]
+
     def _exec(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
         try:
             return self.db.execute(sql, args)
