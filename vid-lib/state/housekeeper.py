@@ -1,8 +1,8 @@
 """A stateful endpoint's background duties, off the data path: load reports, mirror takeover, cleanup.
 
 * every ``LOAD_PERIOD`` s: the endpoint's keys and requests/s per range it owns
-  or mirrors (``/vfab/v1/load/<service>/<endpoint>``, leased); the keys are counted again only when the
-  store changed since (``_count``).  Not on the wall clock's beats, as the
+  or mirrors (``/vfab/v1/load/<service>/<endpoint>``, leased; the keys are counted again only when the
+  store changed since, ``_count``).  Reports are not on the wall clock's beats, as the
   lease keepalives are: a burst that begins at a fixed offset from a beat (sdhcp's demo starts its
   clients right after the shards' reports show up) was then cut at the same place every time, half of a
   one-second burst in each of two reports, and the balancer missed its split (2026-11-29);

@@ -700,18 +700,16 @@ class EndpointLoop(PeerSide, Replication):
         return not self._gave_up
 
     def close(self) -> None:
-        if not self.leave_serve():
-            log.warning("%s: the loop's thread did not leave its pass within %.0f s: its sockets are left to the "
-                        "process's exit", self.name, CLOSE_WAIT)
-            self.watcher.stop()
-            self.housekeeper.stop()
-            self.lease.revoke()
-            return
+        served = self.leave_serve()
         if self.op is not None:
             self.op.cancel.set()
         self.watcher.stop()
         self.housekeeper.stop()
         self.lease.revoke()
+        if not served:
+            log.warning("%s: the loop's thread did not leave its pass within %.0f s: its sockets are left to the "
+                        "process's exit", self.name, CLOSE_WAIT)
+            return
         for peer in list(self.dealers):
             self._drop_dealer(peer) if hasattr(self, "_pollers") else self.dealers.pop(peer).close(0)
         self.router.close(0)
