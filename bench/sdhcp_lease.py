@@ -264,10 +264,18 @@ def udhcpc_phase(tb: Testbed, farm: dc.ClientFarm, cap: dc.Capture, pids: list[i
     held = dc.held_twice(farm)
     lat = res.pop("latencies")
     res.pop("addresses")
+    turnaround(res)
     res.update(clients=len(farm.macs), dora=summary(lat), hook_leased=len(addrs), spawn_s=round(spawn, 3),
                **cpu_used(pids, cpu0, res["leased"]),
                hook_distinct=len(set(addrs.values())), hook_held_twice=held, still_running=left, **used)
     return res
+
+
+def turnaround(res: dict) -> None:
+    """The servers' part of the latency, seen at the clients' port (dhcpclients.dora): DISCOVER to OFFER and
+    REQUEST to ACK/NAK, summarized."""
+    turn = res.pop("turnaround")
+    res["offer_turnaround"], res["ack_turnaround"] = summary(turn["offer"]), summary(turn["ack"])
 
 
 def perf_phase(tb: Testbed, relays: dc.ClientFarm, cap: dc.Capture, n: int, rate: int, run: int,
@@ -284,6 +292,7 @@ def perf_phase(tb: Testbed, relays: dc.ClientFarm, cap: dc.Capture, n: int, rate
     res = dc.dora(cap.messages(mark), chaddrs)
     lat = res.pop("latencies")
     res.pop("addresses")
+    turnaround(res)
     drops = {k: int(sum(r.get(k, {}).get("drops", 0) for r in reps)) for k in ("DISCOVER-OFFER", "REQUEST-ACK")}
     mean = {k: round(sum(r.get(k, {}).get("avg delay", 0) for r in reps) / 4, 3)
             for k in ("DISCOVER-OFFER", "REQUEST-ACK")}
@@ -301,6 +310,8 @@ def line(name: str, what: str, r: dict) -> str:
     extra += f"; machine busy {r.get('machine_busy_cpu_s')} CPU-s (fabric daemons: {fabric or 'none'})"
     return (f"{name:>9} {what:<18} {r['leased']:>4}/{r['clients']} leased in {r['time_s']} s "
             f"({r['leases_per_s']}/s), DORA median {d.get('median_ms')} ms p99 {d.get('p99_ms')} ms, "
+            f"server turnaround median OFFER {r['offer_turnaround'].get('median_ms')} ms "
+            f"ACK {r['ack_turnaround'].get('median_ms')} ms, "
             f"{r['distinct_addresses']} distinct{extra}" +
             (f"; starting the clients took {r['spawn_s']} s" if "spawn_s" in r else ""))
 
@@ -368,6 +379,9 @@ def medians(runs: list[dict]) -> dict:
                       "leases_per_s": statistics.median(r["leases_per_s"] for r in rs),
                       "dora_median_ms": statistics.median(r["dora"].get("median_ms", 0) for r in rs),
                       "dora_p99_ms": statistics.median(r["dora"].get("p99_ms", 0) for r in rs),
+                      "offer_turnaround_ms": statistics.median(r["offer_turnaround"].get("median_ms", 0) for r in rs),
+                      "ack_turnaround_ms": statistics.median(r["ack_turnaround"].get("median_ms", 0) for r in rs),
+                      "ack_turnaround_p99_ms": statistics.median(r["ack_turnaround"].get("p99_ms", 0) for r in rs),
                       "drops": statistics.median(sum(r.get("perfdhcp_drops", {}).values()) for r in rs),
                       "server_cpu_s": statistics.median(r["server_cpu_s"] for r in rs),
                       "server_cpu_sys_s": statistics.median(r["server_cpu_sys_s"] for r in rs),
@@ -483,6 +497,14 @@ def main() -> int:
             cells = [f"{_fmt(m[k]['time_ratio_to_kea'])}; {_ratio(m[k]['leased'], kea[k]['leased'])}; "
                      f"{_ratio(m[k][per[k]], kea[k][per[k]])}" for k in phases]
             print(f"{server:<9}" + "".join(f"{c:>28}" for c in cells))
+    print("server turnaround at the clients' port, medians of the rounds' medians (ms): DISCOVER to OFFER / "
+          "REQUEST to ACK (REQUEST to ACK p99)")
+    print(f"{'server':<9}" + "".join(f"{h:>28}" for h in heads))
+    for server, res in results.items():
+        m = res["median"]
+        cells = [f"{m[k]['offer_turnaround_ms']} / {m[k]['ack_turnaround_ms']} ({m[k]['ack_turnaround_p99_ms']})"
+                 for k in phases]
+        print(f"{server:<9}" + "".join(f"{c:>28}" for c in cells))
     print("durability: " + "; ".join(f"{k}: {v}" for k, v in DURABILITY.items()))
     write("sdhcp_lease", {"udhcpc_clients": n_u, "perfdhcp_clients": n_p, "rates": rates, "repeat": repeat,
                           "flood_clients": n_flood, "flood_rate": FLOOD_RATE, "topo": args.topo, "pool_left_for_flood": max(left, 0),

@@ -106,6 +106,16 @@ ipv4only
 """
 
 
+def quiet_ipv6() -> None:
+    """No IPv6 in the calling thread's network namespace (its interfaces, and any added later).  Every client
+    interface brought up with it sends duplicate-address probes, MLD reports and router solicitations (the
+    last again and again, backing off, for as long as it lives): 245 of them put ~640 IPv6 megaflows, each an
+    upcall, into the switch in the 10 s around a bench phase, on the CPU the servers under test share."""
+    for which in ("default", "all"):
+        with open(f"/proc/sys/net/ipv6/conf/{which}/disable_ipv6", "w") as fh:
+            fh.write("1")
+
+
 def _ip_batch(lines: list[str], netns_pid: int | None = None) -> None:
     cmd = ["ip", "-batch", "-"]
     if netns_pid is not None:
@@ -143,6 +153,7 @@ class ClientFarm:
         _ip_batch(lines, pid)
         for n in self.names:
             with netns(os.path.join(NETNS_DIR, n)):
+                quiet_ipv6()
                 _ip_batch(["link set lo up", f"link set {n} up"])
         info = self.tb.hosts[self.host]
         for n, mac in zip(self.names, self.macs):
@@ -428,8 +439,13 @@ def dora(seen: list[Seen], chaddrs: set[bytes] | None = None) -> dict:
 
     A client's latency runs from its first DISCOVER to its first ACK.  ``addresses``: chaddr → the address
     of its last ACK.  ``held_twice``: addresses ACKed to more than one chaddr.  ``unleased``: for up to 10
-    clients with no ACK, what crossed the port for them (where a lease got stuck)."""
+    clients with no ACK, what crossed the port for them (where a lease got stuck).  ``turnaround``: the
+    server's part, seen from the port: from each DISCOVER to the first OFFER with its xid after it, and from
+    each REQUEST to the first ACK or NAK with its xid after it (a retransmission starts a new wait; a reply
+    answers every wait of its xid before it)."""
     first: dict[bytes, float] = {}
+    waiting: dict[tuple[bytes, int, bool], list[float]] = collections.defaultdict(list)   # (chaddr, xid, request?)
+    turn: dict[str, list[float]] = {"offer": [], "ack": []}
     acked: dict[bytes, float] = {}
     addr: dict[bytes, IPv4Address] = {}
     per: dict[bytes, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -438,6 +454,11 @@ def dora(seen: list[Seen], chaddrs: set[bytes] | None = None) -> dict:
         if chaddrs is not None and s.chaddr not in chaddrs:
             continue
         per[s.chaddr][f"{'out' if s.out else 'in'} {s.type.name}"] += 1
+        if s.out and s.type in (MessageType.DISCOVER, MessageType.REQUEST):
+            waiting[(s.chaddr, s.xid, s.type is MessageType.REQUEST)].append(s.t)
+        elif not s.out and s.type in (MessageType.OFFER, MessageType.ACK, MessageType.NAK):
+            asked = waiting.pop((s.chaddr, s.xid, s.type is not MessageType.OFFER), [])
+            turn["offer" if s.type is MessageType.OFFER else "ack"] += [s.t - t for t in asked]
         if s.out and s.type is MessageType.DISCOVER:
             discovers += 1
             first.setdefault(s.chaddr, s.t)
@@ -457,7 +478,7 @@ def dora(seen: list[Seen], chaddrs: set[bytes] | None = None) -> dict:
     for c, a in addr.items():
         holders.setdefault(a, set()).add(c)
     return {"clients": len(first), "leased": len(acked), "time_s": round(took, 3) if took else None,
-            "leases_per_s": round(len(acked) / took, 1) if took else 0.0, "latencies": lat,
+            "leases_per_s": round(len(acked) / took, 1) if took else 0.0, "latencies": lat, "turnaround": turn,
             "discovers": discovers, "offers": offers, "requests": requests, "naks": naks,
             "unleased": {c.hex(): dict(per[c]) for c in sorted(set(first) - set(acked))[:10]},
             "distinct_addresses": len(holders), "addresses": addr,
