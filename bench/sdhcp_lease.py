@@ -17,6 +17,9 @@ Kea; docs/measurements.md, 2026-11-29, sixth session).
   registered on vfh3's port (``testbed/dhcpclients.py`` says why not 245
   Mininet hosts).  All started at once; each exits after its lease (``-q``).
   Its hook script records the address it got (that is the clients' side).
+  IPv6 is off in these namespaces (``quiet_ipv6``: otherwise each interface's
+  router solicitations and MLD reports put ~640 megaflows into the switch
+  around a phase).
 * **1,000 perfdhcp clients** (ISC perfdhcp 2.2, ``kea-admin``): perfdhcp poses
   as a relay agent (giaddr = its address, UDP port 67, its interface's MAC,
   chaddr counting up from ``-b mac=``), so the 1,000 clients come from 4 relay
@@ -35,8 +38,9 @@ Kea; docs/measurements.md, 2026-11-29, sixth session).
 Each server runs 3 times from scratch (no leases), in rounds (every server
 once per round, the order reversed every other round, so a slow spell of the
 shared machine weighs on all of them); the medians are printed last, and the
-time ratio to Kea is the median of the rounds' ratios; every run's numbers are
-in the results file.
+time ratio to Kea is the median of the rounds' ratios, with a 95 % bootstrap
+interval of that median from 3 rounds on; every run's numbers are in the
+results file.
 
 Servers, one after the other:
 
@@ -44,8 +48,9 @@ Servers, one after the other:
   vfh6), equal key ranges.  Durability: each batch of requests is
   one SQLite transaction; no ACK or NAK of a batch holding a REQUEST, RELEASE
   or DECLINE leaves before an fsync of the WAL that began after the batch
-  committed (group commit: the shard serves the next batches while that fsync
-  runs, and one fsync covers all of them), a batch of only DISCOVERs (OFFERs:
+  committed (group commit: the shard's loop serves the next batches while that
+  fsync runs, and one fsync covers all of them; its native lane runs the fsync
+  itself and then serves, in one batch, what came meanwhile), a batch of only DISCOVERs (OFFERs:
   no lease yet) needs none; no mirrors here (with mirrors, every lease is also
   on each mirror's disk before the ACK).  sdhcp has no setting that skips the fsync
   before an ACK, so there is no row at Kea's durability.
@@ -58,7 +63,9 @@ Servers, one after the other:
 Measured on the wire (``Capture``: kernel timestamps on vfh3's and vfh2's
 interfaces, which every client frame crosses both ways): time from the first
 DISCOVER to the last ACK, clients leased (an ACK seen), leases/s, each
-client's first-DISCOVER-to-ACK latency (median, p99); perfdhcp's own drop
+client's first-DISCOVER-to-ACK latency (median, p99); the server's
+turnaround (each DISCOVER to its OFFER, each REQUEST to its ACK or NAK, seen
+at the same interfaces, so the switch's two passes count in it); perfdhcp's own drop
 counts and mean delays; distinct addresses, and any address ACKed to two
 clients (udhcpc: from the clients' hook records; perfdhcp: from the ACKs the
 relays received); the CPU time (user + system, and system alone) the
@@ -403,12 +410,28 @@ def _fmt(r: float | None) -> str:
     return f"{r:.2f}x" if r else "-"
 
 
+def round_ratios(runs: list[dict], peer: list[dict], phase: str) -> list[float]:
+    """Per round, this server's time over the peer's in the same round (both ran back to back, so a slow
+    spell of the shared machine weighs on both)."""
+    return [a[phase]["time_s"] / b[phase]["time_s"] for a, b in zip(runs, peer)
+            if a[phase]["time_s"] and b[phase]["time_s"]]
+
+
 def round_ratio(runs: list[dict], peer: list[dict], phase: str) -> float | None:
-    """Median over the rounds of this server's time over the peer's in the same round (both ran back to
-    back, so a slow spell of the shared machine weighs on both)."""
-    got = [a[phase]["time_s"] / b[phase]["time_s"] for a, b in zip(runs, peer)
-           if a[phase]["time_s"] and b[phase]["time_s"]]
+    """The median of :func:`round_ratios`."""
+    got = round_ratios(runs, peer, phase)
     return round(statistics.median(got), 3) if got else None
+
+
+def median_interval(xs: list[float], level: float = 0.95, resamples: int = 2000) -> tuple[float, float] | None:
+    """A percentile-bootstrap interval (fixed seed) of the median of ``xs``: how far the median of these
+    rounds could be from the machine's typical ratio.  None for fewer than 3 rounds."""
+    if len(xs) < 3:
+        return None
+    rnd = random.Random(1)
+    meds = sorted(statistics.median(rnd.choices(xs, k=len(xs))) for _ in range(resamples))
+    cut = int((1 - level) / 2 * resamples)
+    return round(meds[cut], 3), round(meds[-1 - cut], 3)
 
 
 def main() -> int:
@@ -494,8 +517,17 @@ def main() -> int:
             m = res["median"]
             for k in phases:
                 m[k]["time_ratio_to_kea"] = round_ratio(res["runs"], results["kea"]["runs"], k)
+                m[k]["time_ratios_to_kea"] = [round(x, 3) for x in round_ratios(res["runs"], results["kea"]["runs"], k)]
+                m[k]["time_ratio_to_kea_ci95"] = median_interval(m[k]["time_ratios_to_kea"])
             cells = [f"{_fmt(m[k]['time_ratio_to_kea'])}; {_ratio(m[k]['leased'], kea[k]['leased'])}; "
                      f"{_ratio(m[k][per[k]], kea[k][per[k]])}" for k in phases]
+            print(f"{server:<9}" + "".join(f"{c:>28}" for c in cells))
+        print("time ratio to Kea: 95% bootstrap interval of the median over the rounds (3 rounds at least)")
+        for server, res in results.items():
+            if server == "kea":
+                continue
+            m = res["median"]
+            cells = [(f"{ci[0]:.2f}-{ci[1]:.2f}x" if (ci := m[k]["time_ratio_to_kea_ci95"]) else "-") for k in phases]
             print(f"{server:<9}" + "".join(f"{c:>28}" for c in cells))
     print("server turnaround at the clients' port, medians of the rounds' medians (ms): DISCOVER to OFFER / "
           "REQUEST to ACK (REQUEST to ACK p99)")

@@ -1,0 +1,31 @@
+"""The lease bench's round statistics: per-round ratios to the peer and the interval of their median."""
+
+from __future__ import annotations
+
+import statistics
+
+from bench.sdhcp_lease import median_interval, round_ratio, round_ratios
+
+
+def runs(*times):
+    return [{"udhcpc": {"time_s": t}} for t in times]
+
+
+def test_ratios_pair_rounds_and_skip_rounds_without_a_time():
+    mine, peer = runs(0.6, 0.7, None, 0.5), runs(0.5, 0.7, 0.6, 0.0)
+    assert round_ratios(mine, peer, "udhcpc") == [1.2, 1.0]
+    assert round_ratio(mine, peer, "udhcpc") == 1.1
+
+
+def test_the_interval_holds_the_median_and_tells_spread_rounds_from_steady_ones():
+    spread = [0.90, 1.10, 0.95, 1.08, 1.02, 0.97, 1.05]
+    steady = [1.03, 1.04, 1.03, 1.05, 1.04, 1.03, 1.04]
+    lo, hi = median_interval(spread)
+    assert lo <= statistics.median(spread) <= hi and lo < 1.0 < hi
+    lo2, hi2 = median_interval(steady)
+    assert 1.0 < lo2 <= statistics.median(steady) <= hi2 and hi2 - lo2 < hi - lo
+    assert median_interval(spread) == (lo, hi)   # a fixed seed: the same rounds print the same interval
+
+
+def test_no_interval_from_fewer_than_three_rounds():
+    assert median_interval([1.0, 1.1]) is None and median_interval([]) is None
