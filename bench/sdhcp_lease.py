@@ -65,7 +65,7 @@ interfaces, which every client frame crosses both ways): time from the first
 DISCOVER to the last ACK, clients leased (an ACK seen), leases/s, each
 client's first-DISCOVER-to-ACK latency (median, p99); the server's
 turnaround (each DISCOVER to its OFFER, each REQUEST to its ACK or NAK, seen
-at the same interfaces, so the switch's two passes count in it); perfdhcp's own drop
+at the same interfaces, so the switch's pass each way counts in it); perfdhcp's own drop
 counts and mean delays; distinct addresses, and any address ACKed to two
 clients (udhcpc: from the clients' hook records; perfdhcp: from the ACKs the
 relays received); the CPU time (user + system, and system alone) the
