@@ -26,8 +26,12 @@
 
 Checksums are the Internet checksum (RFC 1071): the IP one over the IP
 header, the UDP one over the pseudo-header (source, destination, 0, 17, UDP
-length), the UDP header and the payload; a computed UDP checksum of 0 is sent
-as 0xFFFF, a received 0 means "none".  :func:`parse` drops IP fragments (DHCP
+length), the UDP header and the payload; a received 0 means "none".  A computed
+UDP checksum of 0 is sent as 0 ("none", which RFC 768 allows over IPv4), not as
+the 0xFFFF RFC 768 asks for: busybox udhcpc and dhcpcd compare the field with
+the value they compute (0) and drop the reply, so a client whose xid made its
+OFFER sum to that (1 in 65,535) never got a lease (seen in the lease bench,
+2026-11-29; tests/unit/test_dhcp_clients.py); every receiver skips a 0.  :func:`parse` drops IP fragments (DHCP
 is never fragmented and a raw socket gets no reassembly) and Ethernet padding.
 Frames sent by a namespace's own kernel through a veth may carry a partial
 UDP checksum (TESTBED-NOTES: ``ethtool -K IF tx off`` in that namespace fixes
@@ -126,7 +130,7 @@ def udp_frame(eth_dst: bytes, eth_src: bytes, src: bytes, dst: bytes, src_port: 
     ip = IPV4.pack(0x45, tos, IPV4.size + udp_len, ident, 0, ttl, IPPROTO_UDP, 0, src, dst)
     ip = ip[:10] + struct.pack("!H", checksum(ip)) + ip[12:]
     udp = UDP.pack(src_port, dst_port, udp_len, 0) + bytes(payload)
-    csum = checksum(_pseudo(src, dst, udp_len) + udp) or 0xFFFF
+    csum = checksum(_pseudo(src, dst, udp_len) + udp)   # 0 stays 0 ("none"): see the module's docstring
     return ETH.pack(eth_dst, eth_src, ETH_P_IP) + ip + udp[:6] + struct.pack("!H", csum) + udp[8:]
 
 

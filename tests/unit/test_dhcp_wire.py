@@ -625,15 +625,20 @@ def test_built_frame_fields_and_checksums() -> None:
     assert ipudp.parse(f + bytes(20)) == d  # Ethernet padding / trailer ignored
 
 
-def test_udp_checksum_zero_is_sent_as_ffff() -> None:
+def test_udp_checksum_zero_is_sent_as_none_and_ffff_is_read() -> None:
+    """A computed 0 goes out as 0, "none" (not RFC 768's 0xFFFF, which busybox udhcpc and dhcpcd drop:
+    test_dhcp_clients); a sender's 0xFFFF for it is read as RFC 768 means it."""
     src, dst = IPv4Address("0.0.0.0"), BROADCAST_IP
     probe = ipudp.Datagram(BROADCAST_MAC, MAC, src, dst, 68, 67, b"\0\0" + b"payload!").serialize()
     c = int.from_bytes(probe[40:42], "big")
     # putting the checksum into the payload makes the one's complement sum 0xFFFF, i.e. a computed 0
     d = ipudp.Datagram(BROADCAST_MAC, MAC, src, dst, 68, 67, c.to_bytes(2, "big") + b"payload!")
     f = d.serialize()
-    assert f[40:42] == b"\xff\xff"
+    assert f[40:42] == b"\0\0"
     assert ipudp.parse(f) == d
+    assert ipudp.parse(f[:40] + b"\xff\xff" + f[42:]) == d
+    with pytest.raises(DhcpError, match="checksum"):
+        ipudp.parse(f[:40] + b"\xff\xfe" + f[42:])
 
 
 def test_ipudp_rejects_bad_frames_saying_what() -> None:

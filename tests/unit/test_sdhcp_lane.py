@@ -413,3 +413,24 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.returncode, out.stderr[-3000:])
+
+
+def test_an_offer_whose_udp_checksum_computes_to_zero_says_none_on_both_paths(tmp_path):
+    """The xid is chosen so that the OFFER's UDP checksum computes to 0: the lane sends 0 ("none") as the
+    Python side does (ipudp says why not RFC 768's 0xFFFF), byte for byte."""
+    mac = bytes([2, 0x5D, 0, 0, 0, 9])
+    probe = Pair(tmp_path / "probe")   # a fresh store offers the same address to the same client
+    try:
+        offer = bytearray(probe.send(frame(mac, MessageType.DISCOVER, xid=0)))
+    finally:
+        probe.close()
+    offer[40:42] = b"\0\0"
+    folded = ~ipudp.checksum(offer[26:34] + bytes([0, 17]) + offer[38:40] + offer[34:]) & 0xFFFF
+    xid = (0xFFFF - folded) % 0xFFFF   # the xid's low 16 bits add to the sum once
+    p = Pair(tmp_path / "real")
+    try:
+        got = p.send(frame(mac, MessageType.DISCOVER, xid=xid), "discover")   # lane and Python agree
+        assert p.kinds["discover"] == [True], "the loop served it, not the lane"
+        assert got[40:42] == b"\0\0" and ipudp.parse(got).payload[4:8] == xid.to_bytes(4, "big")
+    finally:
+        p.close()
