@@ -50,8 +50,8 @@ Servers, one after the other:
   or DECLINE leaves before an fsync of the WAL that began after the batch
   committed (group commit: the shard's loop serves the next batches while that
   fsync runs, and one fsync covers all of them; its native lane runs the fsync
-  itself and then serves, in one batch, what came meanwhile), a batch of only DISCOVERs (OFFERs:
-  no lease yet) needs none; no mirrors here (with mirrors, every lease is also
+  itself and then serves, in one batch, what came meanwhile), a batch of only
+  DISCOVERs (OFFERs: no lease yet) needs none; no mirrors here (with mirrors, every lease is also
   on each mirror's disk before the ACK).  sdhcp has no setting that skips the fsync
   before an ACK, so there is no row at Kea's durability.
 * **Kea** (kea-dhcp4 2.2) in vfh1, memfile lease file (each lease written

@@ -31,9 +31,9 @@ UDP checksum of 0 is sent as 0 ("none", which RFC 768 allows over IPv4), not as
 the 0xFFFF RFC 768 asks for: busybox udhcpc and dhcpcd compare the field with
 the value they compute (0) and drop the reply, so a client whose xid made its
 OFFER sum to that (1 in 65,535) never got a lease (seen in the lease bench,
-2026-11-29; tests/unit/test_dhcp_clients.py); every receiver skips a 0.  :func:`parse` drops IP fragments (DHCP
-is never fragmented and a raw socket gets no reassembly) and Ethernet padding.
-Frames sent by a namespace's own kernel through a veth may carry a partial
+2026-11-29; tests/unit/test_dhcp_clients.py); every receiver skips a 0.
+:func:`parse` drops IP fragments (DHCP is never fragmented and a raw socket
+gets no reassembly) and Ethernet padding.  Frames sent by a namespace's own kernel through a veth may carry a partial
 UDP checksum (TESTBED-NOTES: ``ethtool -K IF tx off`` in that namespace fixes
 it); ``parse(frame, verify=False)`` reads such frames anyway.
 """

@@ -466,11 +466,12 @@ def zero_sum_offer(disc: Message, lease: dict, server_mac: bytes) -> bytes:
     dest = destination(disc, answer)
     payload = bytearray(answer.serialize(max_size=reply_limit(disc)))
     payload += bytes(2 + len(payload) % 2)   # an even length, ending in two pad bytes of our own
-    udp_len = ipudp.UDP.size + len(payload)
-    header = ipudp.UDP.pack(67, dest.port, udp_len, 0)
-    folded = ~ipudp.checksum(ipudp._pseudo(SERVER_IP.packed, dest.ip.packed, udp_len) + header + payload) & 0xFFFF
-    payload[-2:] = ((0xFFFF - folded) % 0xFFFF).to_bytes(2, "big")
-    frame = ipudp.udp_frame(dest.mac, server_mac, SERVER_IP.packed, dest.ip.packed, 67, dest.port, bytes(payload))
+
+    def build() -> bytes:
+        return ipudp.udp_frame(dest.mac, server_mac, SERVER_IP.packed, dest.ip.packed, 67, dest.port, bytes(payload))
+
+    payload[-2:] = build()[40:42]   # the checksum added to the data makes the sum 0xFFFF: a computed 0
+    frame = build()
     assert frame[40:42] == b"\0\0", "the checksum did not compute to 0"
     assert ipudp.parse(frame).payload == bytes(payload)
     return frame
