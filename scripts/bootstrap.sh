@@ -51,5 +51,7 @@ fi
 make -s -C "$HERE/services/elastic-kvs/native"
 # sdhcp's native lane (ctypes; without it every DHCP request is served in Python, at several times the CPU)
 make -s -C "$HERE/services/sdhcp/native"
+# the testbed's gate that starts DHCP clients together in their namespaces (testbed/nsgate.py)
+make -s -C "$HERE/testbed/native"
 ln -sf "$VENV/bin/vfab" /usr/local/bin/vfab
 echo "bootstrap: ready ($("$VENV/bin/python" --version), $(ovs-vsctl --version | head -1), $(etcd --version | head -1))"

@@ -47,6 +47,7 @@ from ipaddress import IPv4Address
 from vfab.services.sdhcp import wire
 from vfab.services.sdhcp.errors import DhcpError
 from vfab.services.sdhcp.wire import MessageType
+from vfab.testbed.nsgate import GateProc, HeldStart
 from vfab.vid import codec
 from vfab.vid.netns import netns
 from vfab.vid.registry import schema
@@ -135,7 +136,8 @@ class ClientFarm:
         self.lower = tb.hosts[host]["iface"]
         self.names = [f"vfx{tag}{i}" for i in range(len(macs))]
         self.dir = os.path.join(workdir, f"farm-{tag}")
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[int, subprocess.Popen | GateProc] = {}
+        self.gates: list[HeldStart] = []   # held starts (their exit readers), until stop_all
         self.created = False
 
     # -- life cycle ---------------------------------------------------------
@@ -194,15 +196,29 @@ class ClientFarm:
         started = []
         try:   # recorded together (one rewrite of the run record, not one per client: 245 cost 0.15 CPU-s)
             for i in range(len(self.names)) if which is None else which:
-                n = self.names[i]
-                cmd = ["nsenter", f"--net={self.ns(i)}", "busybox", "udhcpc", "-f", "-i", n, "-s", hook,
-                       "-t", "5", "-T", "2", *(("-q", "-n") if once else ("-A", "2")), *extra]
-                p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
-                started.append((p.pid, f"udhcpc@{n}"))
+                p = subprocess.Popen(["nsenter", f"--net={self.ns(i)}", *self._udhcpc(i, hook, once, extra)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                started.append((p.pid, f"udhcpc@{self.names[i]}"))
                 self.procs[i] = p
         finally:
             self.tb.track_many(started)
+
+    def hold_udhcpc(self, which: list[int] | None = None, once: bool = True, configure: bool = False,
+                    extra: tuple[str, ...] = ()) -> HeldStart:
+        """``start_udhcpc``, held at a gate in their namespaces (``nsgate``): the clients start together
+        at the returned gate's ``release()``, like hosts that boot at the same moment."""
+        hook = self.hook(configure)
+        idx = list(range(len(self.names)) if which is None else which)
+        with open(os.path.join(self.dir, "nsgate.log"), "ab") as err:
+            gate = HeldStart([(self.ns(i), self._udhcpc(i, hook, once, extra)) for i in idx], stderr=err)
+        self.gates.append(gate)
+        self.tb.track_many([(p.pid, f"udhcpc@{self.names[i]}") for i, p in zip(idx, gate.procs)])
+        self.procs.update(zip(idx, gate.procs))
+        return gate
+
+    def _udhcpc(self, i: int, hook: str, once: bool, extra: tuple[str, ...]) -> list[str]:
+        return ["busybox", "udhcpc", "-f", "-i", self.names[i], "-s", hook, "-t", "5", "-T", "2",
+                *(("-q", "-n") if once else ("-A", "2")), *extra]
 
     def start_dhclient(self, i: int) -> None:
         """ISC dhclient for client ``i`` (foreground, its own lease, pid and DUID files; the hook sets the
@@ -253,6 +269,7 @@ class ClientFarm:
                 ended.append(p.pid)
                 del self.procs[i]
         self.tb.untrack_many(ended)
+        self.gates = [g for g in self.gates if any(p.poll() is None for p in g.procs)]
         return left
 
     def signal(self, sig: int, which: list[int] | None = None) -> int:
@@ -277,6 +294,9 @@ class ClientFarm:
             _signal_group(p, signal.SIGKILL)   # helpers that outlived the leader
         self.tb.untrack_many([p.pid for p in self.procs.values()])
         self.procs.clear()
+        for gate in self.gates:
+            gate.abandon()
+        self.gates.clear()
 
     def events(self, i: int) -> list[tuple[str, str, float]]:
         """(event, address or '-', unix time) as the client's hook recorded them."""
@@ -331,7 +351,7 @@ def _script(path: str, text: str) -> str:
     return path
 
 
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
+def _signal_group(p: subprocess.Popen | GateProc, sig: int) -> None:
     """``sig`` to the process group ``p`` leads (started with ``start_new_session``: it is ours alone)."""
     try:
         os.killpg(p.pid, sig)
