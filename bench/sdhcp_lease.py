@@ -15,11 +15,18 @@ Kea; docs/measurements.md, 2026-11-29, sixth session).
   its own namespace ``vfxu<i>`` with a macvlan child of vfh3's interface and
   its own MAC (random low 24 bits, so the keys spread over every shard), all
   registered on vfh3's port (``testbed/dhcpclients.py`` says why not 245
-  Mininet hosts).  All started at once; each exits after its lease (``-q``).
+  Mininet hosts).  Started one by one from this process, as fast as it can
+  (below); each exits after its lease (``-q``).
   Its hook script records the address it got (that is the clients' side).
   IPv6 is off in these namespaces (``quiet_ipv6``: otherwise each interface's
   router solicitations and MLD reports put ~640 megaflows into the switch
   around a phase).
+* **245 udhcpc together** (since 2026-11-29, eighth session): 245 other
+  clients (``vfxg<i>``, other MACs, same setup), forked beforehand and held in
+  their namespaces by ``testbed/nsgate.py`` and released at one moment, as
+  245 hosts that boot together would start (the paper's 245 nodes): after the
+  release only the exec and the clients themselves run.  This phase follows
+  the one-by-one phase on the same server, which then holds 245 leases.
 * **1,000 perfdhcp clients** (ISC perfdhcp 2.2, ``kea-admin``): perfdhcp poses
   as a relay agent (giaddr = its address, UDP port 67, its interface's MAC,
   chaddr counting up from ``-b mac=``), so the 1,000 clients come from 4 relay
@@ -74,10 +81,15 @@ leased client; the servers' CPU per second while idle, and etcd's over the
 same 2 s before the first phase (4 idle shards' timers, lease keepalives and
 load reports count in every phase's CPU; etcd's "idle" beside Kea is its own).  Everything shares 2 cores: the 245
 udhcpc processes starting (fork, exec, a hook per event) take a good part of
-their time, for every server alike.  "All started at once" means this process
+their time, for every server alike.  "One by one" means this process
 starts them one after the other, as fast as it can: how long that took is
-printed beside each udhcpc phase (``spawn_s``), a floor under its time, and
-it stretches when the server's processes take CPU meanwhile.  So each phase
+printed beside that phase (``spawn_s``), a floor under its time (~0.6 s of
+~0.6 s), and it stretches when the server's processes take CPU meanwhile.
+Released together, the clients' DISCOVERs and REQUESTs come as a burst, and
+a server that cannot take it loses frames; a client whose frame was lost
+asks again after 2 s (``-T 2``), so such a round takes ~2.2 s: the frames
+the server's own sockets dropped (full receive buffer, ``ss`` skmem ``d``)
+are printed and kept (``server_socket_drops``).  So each phase
 also reports the whole machine's busy CPU-seconds (``/proc/stat``, both cores),
 the fabric's daemons' (etcd, the controller, ovs-vswitchd, which an sdhcp
 shard's leases also keep busy) and this process's own (``bench_cpu_s``:
@@ -95,8 +107,10 @@ from __future__ import annotations
 import ipaddress
 import os
 import random
+import re
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 
@@ -125,6 +139,8 @@ SHARDS = {1: [("a", "vfh1", (0, 0xFFFFFF))],
               ("d", "vfh6", (3 * Q, 0xFFFFFF))]}
 PEER_HOST, UDHCPC_HOST, RELAY_HOST = "vfh1", "vfh3", "vfh2"
 NOT_PHASES = ("shards", "idle_cpu_per_s", "idle_etcd_cpu_per_s")   # per-run entries that are not a phase's
+TOGETHER = "udhcpc_together"
+UDHCPC_PHASES = ("udhcpc", TOGETHER)   # one by one, and released together (each its own clients)
 POOL_SIZE = int(ipaddress.IPv4Address(LAST)) - int(ipaddress.IPv4Address(FIRST)) + 1
 FLOOD_RATE = 2000      # new clients per second in the flood phase
 FLOOD_BEYOND = 1000    # flood clients beyond what is left of the pool
@@ -152,6 +168,25 @@ def cpu_used(pids: list[int], since: tuple[float, float], leased: int, clients: 
     return {"server_cpu_s": round(total, 3), "server_cpu_sys_s": round(system, 3),
             "cpu_ms_per_lease": round(1000 * total / leased, 3) if leased else None,
             "cpu_ms_per_client": round(1000 * total / clients, 3) if clients else None}
+
+
+def socket_drops(pids: list[int]) -> int:
+    """Frames the servers' sockets dropped so far (``ss``'s skmem ``d``: a full receive buffer), summed over
+    the packet and UDP sockets these processes hold, in their network namespaces."""
+    spaces = {}
+    for pid in pids:
+        try:
+            spaces.setdefault(os.stat(f"/proc/{pid}/ns/net").st_ino, pid)
+        except FileNotFoundError:
+            continue
+    want, total = {str(p) for p in pids}, 0
+    for pid in spaces.values():
+        out = subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", "ss", "-H", "-0", "-u", "-a", "-m", "-p"],
+                             capture_output=True, text=True).stdout
+        for ln in re.sub(r"\n\s+", " ", out).splitlines():   # a socket's skmem may come on a line of its own
+            if set(re.findall(r"pid=(\d+)", ln)) & want and (m := re.search(r"skmem:\(.*\bd(\d+)\)", ln)):
+                total += int(m.group(1))
+    return total
 
 
 OVS_PIDFILE = "/run/openvswitch/ovs-vswitchd.pid"
@@ -255,16 +290,24 @@ def start_peer(tb: Testbed, kind: str):
     return proc
 
 
-def udhcpc_phase(tb: Testbed, farm: dc.ClientFarm, cap: dc.Capture, pids: list[int]) -> dict:
+def udhcpc_phase(tb: Testbed, farm: dc.ClientFarm, cap: dc.Capture, pids: list[int], together: bool) -> dict:
+    """Every client of ``farm`` until it leased or gave up: started one by one from this process, or
+    (``together``) forked and held in their namespaces beforehand and released at once."""
     farm.clear_events()
+    gate = farm.hold_udhcpc(once=True) if together else None
+    drops0 = socket_drops(pids)
     cpu0 = cpu_seconds(pids)
     machine = MachineCpu(tb)
     mark = cap.mark()
     t0 = time.monotonic()
-    farm.start_udhcpc(once=True)
-    spawn = time.monotonic() - t0   # this process starting the clients one by one: a floor under the time
+    if gate is not None:
+        gate.release()
+    else:
+        farm.start_udhcpc(once=True)
+    spawn = time.monotonic() - t0   # one by one: this process starting the clients, a floor under the time
     left = farm.wait_exit(40)
     used = machine.used()
+    used["server_socket_drops"] = socket_drops(pids) - drops0
     time.sleep(0.2)  # the capture thread's last frames
     res = dc.dora(cap.messages(mark), set(farm.macs))
     addrs = farm.addresses()
@@ -272,9 +315,10 @@ def udhcpc_phase(tb: Testbed, farm: dc.ClientFarm, cap: dc.Capture, pids: list[i
     lat = res.pop("latencies")
     res.pop("addresses")
     turnaround(res)
-    res.update(clients=len(farm.macs), dora=summary(lat), hook_leased=len(addrs), spawn_s=round(spawn, 3),
-               **cpu_used(pids, cpu0, res["leased"]),
+    res.update(clients=len(farm.macs), dora=summary(lat), hook_leased=len(addrs), **cpu_used(pids, cpu0, res["leased"]),
                hook_distinct=len(set(addrs.values())), hook_held_twice=held, still_running=left, **used)
+    if gate is None:
+        res["spawn_s"] = round(spawn, 3)
     return res
 
 
@@ -315,6 +359,8 @@ def line(name: str, what: str, r: dict) -> str:
     extra += f", server CPU {r['server_cpu_s']} s ({r['server_cpu_sys_s']} s system, {r['cpu_ms_per_lease']} ms/lease)"
     fabric = ", ".join(f"{k} {v}" for k, v in r.get("fabric_cpu_s", {}).items())
     extra += f"; machine busy {r.get('machine_busy_cpu_s')} CPU-s (fabric daemons: {fabric or 'none'})"
+    if r.get("server_socket_drops"):
+        extra += f"; the server's sockets dropped {r['server_socket_drops']} frames (receive buffer full)"
     return (f"{name:>9} {what:<18} {r['leased']:>4}/{r['clients']} leased in {r['time_s']} s "
             f"({r['leases_per_s']}/s), DORA median {d.get('median_ms')} ms p99 {d.get('p99_ms')} ms, "
             f"server turnaround median OFFER {r['offer_turnaround'].get('median_ms')} ms "
@@ -323,10 +369,11 @@ def line(name: str, what: str, r: dict) -> str:
             (f"; starting the clients took {r['spawn_s']} s" if "spawn_s" in r else ""))
 
 
-def run_server(tb: Testbed, server: str, farm: dc.ClientFarm, relays: dc.ClientFarm, cap_u: dc.Capture,
-               cap_p: dc.Capture, n_p: int, rates: list[int], n_flood: int, profile: str | None) -> dict:
-    """One fresh server (no leases): the udhcpc clients, perfdhcp at each rate, then the flood that fills
-    the pool (``n_flood`` new clients, 0: none)."""
+def run_server(tb: Testbed, server: str, farms: dict[str, dc.ClientFarm], relays: dc.ClientFarm,
+               cap_u: dc.Capture, cap_p: dc.Capture, n_p: int, rates: list[int], n_flood: int,
+               profile: str | None) -> dict:
+    """One fresh server (no leases): the udhcpc clients started one by one, the other udhcpc clients released
+    together, perfdhcp at each rate, then the flood that fills the pool (``n_flood`` new clients, 0: none)."""
     res: dict = {}
     if server.startswith("sdhcp"):
         svc, procs = start_sdhcp(tb, int(server[5:]), profile)
@@ -339,8 +386,10 @@ def run_server(tb: Testbed, server: str, farm: dc.ClientFarm, relays: dc.ClientF
         etcd0 = cpu_seconds(etcd)[0]
         res["idle_cpu_per_s"] = idle_cpu(pids)   # 2 s; etcd's over the same 2 s: what the idle servers cost it
         res["idle_etcd_cpu_per_s"] = round((cpu_seconds(etcd)[0] - etcd0) / 2.0, 4)
-        res["udhcpc"] = udhcpc_phase(tb, farm, cap_u, pids)
-        print(line(server, f"{len(farm.macs)} udhcpc", res["udhcpc"]), flush=True)
+        for phase, farm in farms.items():
+            res[phase] = udhcpc_phase(tb, farm, cap_u, pids, together=phase == TOGETHER)
+            print(line(server, f"{len(farm.macs)} udhcpc" + (" together" if phase == TOGETHER else ""), res[phase]),
+                  flush=True)
         for run, rate in enumerate(rates):
             r = perf_phase(tb, relays, cap_p, n_p, rate, run, pids)
             res[f"perfdhcp_{rate}"] = r
@@ -367,7 +416,7 @@ def check(name: str, res: dict) -> list[str]:
         if r.get("held_twice") or r.get("hook_held_twice") or r["distinct_addresses"] != r["leased"] or \
                 ("hook_distinct" in r and r["hook_distinct"] != r["hook_leased"]):
             bad.append(f"{name}/{phase}: an address was given to two clients")
-        if phase == "udhcpc" and r["leased"] != r["clients"]:
+        if phase in UDHCPC_PHASES and r["leased"] != r["clients"]:
             bad.append(f"{name}/{phase}: {r['clients'] - r['leased']} client(s) got no lease "
                        f"(what crossed vfh3's port for them: {r.get('unleased')})")
     return bad
@@ -462,43 +511,46 @@ def main() -> int:
     n_p = (args.perf or (100 if args.smoke else 1000)) // 4 * 4
     rates = [int(x) for x in (args.rates or ("1000" if args.smoke else "1000,2000,4000")).split(",")]
     repeat = args.repeat or (1 if args.smoke else 3)
-    left = POOL_SIZE - n_u - n_p * len(rates)
+    left = POOL_SIZE - 2 * n_u - n_p * len(rates)
     n_flood = 0 if args.no_flood or left < 0 else (left + FLOOD_BEYOND) // 4 * 4
     servers = (args.servers or ("sdhcp1,sdhcp2,kea,dnsmasq" if args.smoke else
                                 "sdhcp1,sdhcp2,sdhcp4,kea,dnsmasq")).split(",")
     rnd = random.Random(9)
-    macs = [bytes([0x02, 0x5B, 0x00]) + k.to_bytes(3, "big") for k in rnd.sample(range(1, codec.KEY_MAX), n_u)]
+    macs = [bytes([0x02, 0x5B, 0x00]) + k.to_bytes(3, "big") for k in rnd.sample(range(1, codec.KEY_MAX), 2 * n_u)]
     results: dict = {}
     bad: list[str] = []
     with Testbed(args.topo, poll=1.0) as tb:
-        farm = dc.ClientFarm(tb, UDHCPC_HOST, "u", macs, tb.workdir)
+        farms = {"udhcpc": dc.ClientFarm(tb, UDHCPC_HOST, "u", macs[:n_u], tb.workdir),
+                 TOGETHER: dc.ClientFarm(tb, UDHCPC_HOST, "g", macs[n_u:], tb.workdir)}
         relays = dc.ClientFarm(tb, RELAY_HOST, "r", [relay_mac(q) for q in range(4)], tb.workdir)
         caps = []
         try:
             t0 = time.monotonic()
-            farm.create()
+            for farm in farms.values():
+                farm.create()
             relays.create()
             for q in range(4):
                 relays.sh(q, "ip", "addr", "add", f"{RELAYS[q]}/{PREFIX}", "dev", relays.names[q])
             tb.wait_revision(tb.registry.state_revision(), timeout=60)
-            print(f"{n_u} client namespaces and 4 relays behind vfh3/vfh2 in {time.monotonic() - t0:.1f} s",
+            print(f"{2 * n_u} client namespaces and 4 relays behind vfh3/vfh2 in {time.monotonic() - t0:.1f} s",
                   flush=True)
             cap_u, cap_p = dc.Capture(tb, UDHCPC_HOST), dc.Capture(tb, RELAY_HOST)
             caps = [cap_u, cap_p]
             runs: dict[str, list] = {server: [] for server in servers}
             for rep in range(repeat):   # rounds: every server once, the order reversed every other round
                 for server in (servers if rep % 2 == 0 else servers[::-1]):
-                    res = run_server(tb, server, farm, relays, cap_u, cap_p, n_p, rates, n_flood, args.profile)
+                    res = run_server(tb, server, farms, relays, cap_u, cap_p, n_p, rates, n_flood, args.profile)
                     runs[server].append(res)
                     bad += check(f"{server}#{rep + 1}", res)
             results = {server: {"runs": runs[server], "median": medians(runs[server])} for server in servers}
         finally:
             for c in caps:
                 c.stop()
-            farm.remove()
+            for farm in farms.values():
+                farm.remove()
             relays.remove()
-    phases = ["udhcpc"] + [f"perfdhcp_{r}" for r in rates] + (["flood"] if n_flood else [])
-    heads = [f"{n_u} udhcpc"] + [f"{n_p} perfdhcp@{r}/s" for r in rates] + \
+    phases = [*UDHCPC_PHASES] + [f"perfdhcp_{r}" for r in rates] + (["flood"] if n_flood else [])
+    heads = [f"{n_u} udhcpc", f"{n_u} udhcpc together"] + [f"{n_p} perfdhcp@{r}/s" for r in rates] + \
         ([f"{n_flood} flood@{FLOOD_RATE}/s"] if n_flood else [])
     per = {k: "cpu_ms_per_client" if k == "flood" else "cpu_ms_per_lease" for k in phases}
     print(f"\nmedians of {repeat} run(s): time from the first DISCOVER to the last ACK s "

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import statistics
+import subprocess
 
-from bench.sdhcp_lease import median_interval, round_ratio, round_ratios
+from bench.sdhcp_lease import median_interval, round_ratio, round_ratios, socket_drops
 
 
 def runs(*times):
@@ -29,3 +32,25 @@ def test_the_interval_holds_the_median_and_tells_spread_rounds_from_steady_ones(
 
 def test_no_interval_from_fewer_than_three_rounds():
     assert median_interval([1.0, 1.1]) is None and median_interval([]) is None
+
+
+def test_socket_drops_counts_what_a_full_receive_buffer_dropped_for_these_processes_only():
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # the kernel doubles it; a few datagrams fit
+        rx.bind(("127.0.0.1", 0))
+        before = socket_drops([os.getpid()])
+        for _ in range(200):
+            tx.sendto(b"x" * 512, rx.getsockname())
+        after = socket_drops([os.getpid()])
+        assert after - before >= 150, (before, after)
+        other = subprocess.Popen(["sleep", "30"])
+        try:
+            assert socket_drops([other.pid]) == 0, "another process's sockets are not counted"
+        finally:
+            other.kill()
+            other.wait()
+    finally:
+        rx.close()
+        tx.close()
