@@ -108,8 +108,9 @@ def test_245_udhcpc_clients_across_split_move_merge(testbed, scale):
     split = statectl.split(reg, SVC, QUARTER, "s3")
     farm.start_udhcpc(list(WAVES[1]), once=False, configure=True)
     wait_op(testbed, split)
-    move = statectl.move(reg, SVC, "s2", "s4")
-    farm.start_udhcpc(list(WAVES[2]), once=False, configure=True)
+    burst = farm.hold_udhcpc(list(WAVES[2]), once=False, configure=True)   # the last wave boots together,
+    move = statectl.move(reg, SVC, "s2", "s4")                              # while a range moves
+    burst.release()
     wait_op(testbed, move)
     wait_for(lambda: len(farm.addresses()) == N, 60, f"all {N} udhcpc clients to be bound")
     leased_in = time.monotonic() - t0
