@@ -6,8 +6,9 @@ import os
 import socket
 import statistics
 import subprocess
+import time
 
-from bench.sdhcp_lease import median_interval, round_ratio, round_ratios, socket_drops
+from bench.sdhcp_lease import median_interval, round_ratio, round_ratios, run_seconds, socket_drops
 
 
 def runs(*times):
@@ -54,3 +55,13 @@ def test_socket_drops_counts_what_a_full_receive_buffer_dropped_for_these_proces
     finally:
         rx.close()
         tx.close()
+
+
+def test_run_seconds_counts_cpu_to_well_below_a_clock_tick():
+    before = run_seconds(os.getpid())
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < 0.003:   # 3 ms of CPU: a third of a 10 ms clock tick
+        pass
+    after = run_seconds(os.getpid())
+    assert before is not None and 0.003 <= after - before < 0.5
+    assert run_seconds(2 ** 22 + 12345) is None   # no such process
