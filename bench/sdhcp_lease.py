@@ -359,12 +359,14 @@ def turnaround(res: dict) -> None:
 def perf_phase(tb: Testbed, relays: dc.ClientFarm, cap: dc.Capture, n: int, rate: int, run: int,
                pids: list[int]) -> dict:
     per = n // 4
+    drops0 = socket_drops(pids)
     cpu0 = cpu_seconds(pids)
     machine = MachineCpu(tb)
     mark = cap.mark()
     runs = [dc.perfdhcp(relays, q, per, perf_base(run, q), max(1, rate // 4)) for q in range(4)]
     reps = [dc.finish_perfdhcp(relays, r, timeout=per / max(1, rate // 4) + 30) for r in runs]
     used = machine.used()
+    used["server_socket_drops"] = socket_drops(pids) - drops0
     time.sleep(0.2)
     chaddrs = {perf_base(run, q)[:4] + i.to_bytes(2, "big") for q in range(4) for i in range(per)}
     res = dc.dora(cap.messages(mark), chaddrs)
