@@ -124,7 +124,7 @@ from vfab.testbed.procs import wait_for  # noqa: E402
 from vfab.testbed.net import TopoError, TopoSpec  # noqa: E402
 from vfab.vid import codec  # noqa: E402
 from vfab.vid.state import ctl as statectl  # noqa: E402
-from vfab.vid.state.sched import proc_stat  # noqa: E402
+from vfab.vid.state.sched import proc_stat, run_seconds  # noqa: E402
 
 SERVER, PREFIX = "10.77.0.1", 20
 FIRST, LAST = "10.77.0.10", "10.77.15.250"
@@ -153,25 +153,6 @@ DURABILITY = {
     "kea": "memfile: each lease written before the reply, never fsync'd (survives kill -9, not power loss)",
     "dnsmasq": "lease file rewritten and fsync'd on every change, before the reply",
 }
-
-
-def run_seconds(pid: int) -> float | None:
-    """The CPU time of this process's live threads so far, to the nanosecond (``schedstat``'s run time; the
-    user and system times of ``stat`` come in clock ticks, 10 ms here, too coarse for 4 shards' share of a
-    0.6 s phase); None without schedstat or such a process."""
-    total, seen = 0, False
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return None
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
-                total += int(fh.read().split()[0])
-            seen = True
-        except (OSError, ValueError, IndexError):
-            continue   # a thread that ended meanwhile
-    return total / 1e9 if seen else None
 
 
 def cpu_seconds(pids: list[int]) -> tuple[float, float]:

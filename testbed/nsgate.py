@@ -61,6 +61,7 @@ class HeldStart:
                                      text=True, bufsize=1)
         self.procs: list[GateProc] = []
         self.released = False
+        self._reader: threading.Thread | None = None   # reads the exits, from "ready" on
         try:
             self.proc.stdin.write("".join(lines) + "\n")
             self.proc.stdin.flush()
@@ -101,9 +102,10 @@ class HeldStart:
                 self.proc.stdin.close()
         except BrokenPipeError:
             pass
-        if not self.released and not hasattr(self, "_reader"):
+        if self.released:
+            return
+        if self._reader is None:
             self.proc.stdout.read()   # its exit lines, so it never blocks on a full pipe
-        if not self.released:
-            self.proc.wait(10)
-            if hasattr(self, "_reader"):
-                self._reader.join(10)   # every exit read: each handle has its code
+        self.proc.wait(10)
+        if self._reader is not None:
+            self._reader.join(10)   # every exit read: each handle has its code
