@@ -69,7 +69,8 @@ Servers, one after the other:
 
 Measured on the wire (``Capture``: kernel timestamps on vfh3's and vfh2's
 interfaces, which every client frame crosses both ways): time from the first
-DISCOVER to the last ACK, clients leased (an ACK seen), leases/s, each
+DISCOVER to the last ACK, split into the clients' start spread (to the last
+client's first DISCOVER) and the tail after it, clients leased (an ACK seen), leases/s, each
 client's first-DISCOVER-to-ACK latency (median, p99); the server's
 turnaround (each DISCOVER to its OFFER, each REQUEST to its ACK or NAK, seen
 at the same interfaces, so the switch's pass each way counts in it); perfdhcp's own drop
@@ -375,7 +376,8 @@ def line(name: str, what: str, r: dict) -> str:
             f"({r['leases_per_s']}/s), DORA median {d.get('median_ms')} ms p99 {d.get('p99_ms')} ms, "
             f"server turnaround median OFFER {r['offer_turnaround'].get('median_ms')} ms "
             f"ACK {r['ack_turnaround'].get('median_ms')} ms, "
-            f"{r['distinct_addresses']} distinct{extra}" +
+            f"{r['distinct_addresses']} distinct{extra}; the last client started {r.get('start_spread_s')} s after "
+            f"the first, its tail to the last ACK {r.get('tail_s')} s" +
             (f"; starting the clients took {r['spawn_s']} s" if "spawn_s" in r else ""))
 
 
@@ -455,6 +457,8 @@ def medians(runs: list[dict]) -> dict:
                       "cpu_ms_per_client": statistics.median(r.get("cpu_ms_per_client") or 0 for r in rs),
                       "machine_busy_cpu_s": statistics.median(r.get("machine_busy_cpu_s") or 0 for r in rs),
                       "fabric_cpu_s": statistics.median(sum(r.get("fabric_cpu_s", {}).values()) for r in rs),
+                      "start_spread_s": statistics.median(r.get("start_spread_s") or 0 for r in rs),
+                      "tail_s": statistics.median(r.get("tail_s") or 0 for r in rs),
                       "times_s": [r["time_s"] for r in rs]}
         if all("spawn_s" in r for r in rs):
             out[phase]["spawn_s"] = statistics.median(r["spawn_s"] for r in rs)

@@ -457,6 +457,10 @@ class Capture:
 def dora(seen: list[Seen], chaddrs: set[bytes] | None = None) -> dict:
     """From the clients' side: time from the first DISCOVER to the last ACK, leases, latencies, addresses.
 
+    ``start_spread_s``: from the first DISCOVER to the last client's first one (how long the clients took to
+    start, which the server barely changes); ``tail_s``: from that one to the last ACK (``time_s`` minus the
+    spread: the part that waits on the server).
+
     A client's latency runs from its first DISCOVER to its first ACK.  ``addresses``: chaddr → the address
     of its last ACK.  ``held_twice``: addresses ACKed to more than one chaddr.  ``unleased``: for up to 10
     clients with no ACK, what crossed the port for them (where a lease got stuck).  ``turnaround``: the
@@ -494,11 +498,14 @@ def dora(seen: list[Seen], chaddrs: set[bytes] | None = None) -> dict:
     lat = [acked[c] - first[c] for c in acked]
     t0 = min(first.values()) if first else None
     took = (max(acked.values()) - t0) if acked else None
+    spread = (max(first.values()) - t0) if first else None
     holders: dict[IPv4Address, set] = {}
     for c, a in addr.items():
         holders.setdefault(a, set()).add(c)
     return {"clients": len(first), "leased": len(acked), "time_s": round(took, 3) if took else None,
             "leases_per_s": round(len(acked) / took, 1) if took else 0.0, "latencies": lat, "turnaround": turn,
+            "start_spread_s": round(spread, 3) if spread is not None else None,
+            "tail_s": round(took - spread, 3) if took and spread is not None else None,
             "discovers": discovers, "offers": offers, "requests": requests, "naks": naks,
             "unleased": {c.hex(): dict(per[c]) for c in sorted(set(first) - set(acked))[:10]},
             "distinct_addresses": len(holders), "addresses": addr,

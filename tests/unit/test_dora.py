@@ -36,6 +36,7 @@ def test_turnaround_pairs_each_request_with_the_reply_to_its_xid():
     assert sorted(got["turnaround"]["offer"]) == pytest.approx([0.003, 0.005])
     assert sorted(got["turnaround"]["ack"]) == pytest.approx([0.001, 0.010])
     assert got["time_s"] == 0.03 and got["leased"] == 2 and got["held_twice"] == []
+    assert got["start_spread_s"] == 0.001 and got["tail_s"] == 0.029   # B started last, 1 ms after A
 
 
 def test_a_reply_to_another_xid_or_client_answers_nothing_and_a_retransmission_waits_too():
