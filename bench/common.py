@@ -34,6 +34,19 @@ def parser(description: str) -> argparse.ArgumentParser:
     return ap
 
 
+def pin_threads(pid: int, cpus: set[int]) -> int:
+    """Every thread of process ``pid`` onto ``cpus`` (threads it starts later inherit their creator's set);
+    how many threads were pinned.  A thread that exits meanwhile is skipped."""
+    pinned = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+            pinned += 1
+        except ProcessLookupError:
+            pass
+    return pinned
+
+
 def not_root(name: str, needs: str) -> bool:
     """True (and says why on stderr) when the benchmark ``name`` does not run as root: it needs ``needs``."""
     if os.geteuid() == 0:

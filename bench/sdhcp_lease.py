@@ -98,7 +98,13 @@ starting the clients, the capture): when both cores are busy through a phase,
 its time is about that CPU work over two cores (2026-11-29, sixth session: ~1.2
 busy CPU-s in the ~0.6 s of the 245 clients, for either server).
 
-Run: ``/opt/vfab-venv/bin/python bench/sdhcp_lease.py [--smoke] [--rates 1000,2000] [--repeat N]
+``--pin`` (since 2026-11-29, ninth session) gives the servers a core of their own, as on machines of
+their own: this process and every client it starts on CPU 0, every server (each shard, Kea, dnsmasq) and
+the fabric's daemons (etcd, the controller, ovs-vswitchd) on CPU 1, so what a server's processes spend no
+longer slows the process starting the clients.  The clients then share one core, so the times are not
+comparable with an unpinned run's, only the servers within the run.
+
+Run: ``/opt/vfab-venv/bin/python bench/sdhcp_lease.py [--smoke] [--pin] [--rates 1000,2000] [--repeat N]
 [--servers sdhcp4,kea] [--topo single,6] [--profile DIR]`` (root; ``--smoke``: 20 udhcpc, 100 perfdhcp at 1,000/s, sdhcp with 1
 and 2 shards, Kea, dnsmasq, one run each, ~35 s).
 """
@@ -118,7 +124,7 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import cpu_busy_s, parser, summary, write  # noqa: E402
+from bench.common import cpu_busy_s, parser, pin_threads, summary, write  # noqa: E402
 from vfab.testbed import dhcpclients as dc  # noqa: E402
 from vfab.testbed.fabric import Testbed  # noqa: E402
 from vfab.testbed.procs import wait_for  # noqa: E402
@@ -139,6 +145,7 @@ SHARDS = {1: [("a", "vfh1", (0, 0xFFFFFF))],
           4: [("a", "vfh1", (0, Q - 1)), ("b", "vfh4", (Q, 2 * Q - 1)), ("c", "vfh5", (2 * Q, 3 * Q - 1)),
               ("d", "vfh6", (3 * Q, 0xFFFFFF))]}
 PEER_HOST, UDHCPC_HOST, RELAY_HOST = "vfh1", "vfh3", "vfh2"
+CLIENT_CPUS, SERVER_CPUS = {0}, {1}   # --pin
 NOT_PHASES = ("shards", "idle_cpu_per_s", "idle_etcd_cpu_per_s")   # per-run entries that are not a phase's
 TOGETHER = "udhcpc_together"
 UDHCPC_PHASES = ("udhcpc", TOGETHER)   # one by one, and released together (each its own clients)
@@ -383,9 +390,11 @@ def line(name: str, what: str, r: dict) -> str:
 
 def run_server(tb: Testbed, server: str, farms: dict[str, dc.ClientFarm], relays: dc.ClientFarm,
                cap_u: dc.Capture, cap_p: dc.Capture, n_p: int, rates: list[int], n_flood: int,
-               profile: str | None) -> dict:
+               profile: str | None, pin: bool = False) -> dict:
     """One fresh server (no leases): the udhcpc clients started one by one, the other udhcpc clients released
-    together, perfdhcp at each rate, then the flood that fills the pool (``n_flood`` new clients, 0: none)."""
+    together, perfdhcp at each rate, then the flood that fills the pool (``n_flood`` new clients, 0: none).
+    ``pin``: the server's and the fabric's threads on SERVER_CPUS before each phase (threads they start
+    later inherit it)."""
     res: dict = {}
     if server.startswith("sdhcp"):
         svc, procs = start_sdhcp(tb, int(server[5:]), profile)
@@ -393,20 +402,29 @@ def run_server(tb: Testbed, server: str, farms: dict[str, dc.ClientFarm], relays
     else:
         peer = start_peer(tb, server)
         pids = [peer.pid]
+
+    def pin_servers() -> None:
+        if pin:
+            for pid in pids + list(fabric_pids(tb).values()):
+                pin_threads(pid, SERVER_CPUS)
     try:
+        pin_servers()
         etcd = [tb.etcd.pid] if tb.etcd else []
         etcd0 = cpu_seconds(etcd)[0]
         res["idle_cpu_per_s"] = idle_cpu(pids)   # 2 s; etcd's over the same 2 s: what the idle servers cost it
         res["idle_etcd_cpu_per_s"] = round((cpu_seconds(etcd)[0] - etcd0) / 2.0, 4)
         for phase, farm in farms.items():
+            pin_servers()
             res[phase] = udhcpc_phase(tb, farm, cap_u, pids, together=phase == TOGETHER)
             print(line(server, f"{len(farm.macs)} udhcpc" + (" together" if phase == TOGETHER else ""), res[phase]),
                   flush=True)
         for run, rate in enumerate(rates):
+            pin_servers()
             r = perf_phase(tb, relays, cap_p, n_p, rate, run, pids)
             res[f"perfdhcp_{rate}"] = r
             print(line(server, f"{n_p} perfdhcp@{rate}/s", r), flush=True)
         if n_flood:
+            pin_servers()
             r = perf_phase(tb, relays, cap_p, n_flood, FLOOD_RATE, len(rates), pids)
             res["flood"] = r
             print(line(server, f"{n_flood} flood@{FLOOD_RATE}/s", r) + f", {r['cpu_ms_per_client']} CPU-ms per client",
@@ -511,6 +529,8 @@ def main() -> int:
                                                               "is full, then 1,000 more)")
     ap.add_argument("--topo", default="single,6", help="the fabric (default single,6: every host on one switch; "
                                                        "line,2,3 puts vfh4-6 behind a second switch)")
+    ap.add_argument("--pin", action="store_true", help="this process and the clients on CPU 0, the servers and the "
+                                                       "fabric's daemons on CPU 1 (servers with a core of their own)")
     ap.add_argument("--servers", default=None, help="comma-separated subset of sdhcp1,sdhcp2,sdhcp4,kea,dnsmasq")
     args = ap.parse_args()
     need = {h for placed in SHARDS.values() for _, h, _ in placed} | {PEER_HOST, UDHCPC_HOST, RELAY_HOST}
@@ -521,6 +541,11 @@ def main() -> int:
     if missing:
         ap.error(f"--topo {args.topo} has no host {', '.join(sorted(missing))}: this bench places servers and clients "
                  f"on {', '.join(sorted(need))} (use single,6 or line,2,3)")
+    if args.pin:
+        if not CLIENT_CPUS | SERVER_CPUS <= os.sched_getaffinity(0):
+            ap.error(f"--pin needs CPUs {sorted(CLIENT_CPUS | SERVER_CPUS)}; this process may run on "
+                     f"{sorted(os.sched_getaffinity(0))} only (run it without --pin)")
+        os.sched_setaffinity(0, CLIENT_CPUS)   # before the testbed: its threads and every client inherit it
     n_u = args.udhcpc or (20 if args.smoke else 245)
     n_p = (args.perf or (100 if args.smoke else 1000)) // 4 * 4
     rates = [int(x) for x in (args.rates or ("1000" if args.smoke else "1000,2000,4000")).split(",")]
@@ -553,7 +578,8 @@ def main() -> int:
             runs: dict[str, list] = {server: [] for server in servers}
             for rep in range(repeat):   # rounds: every server once, the order reversed every other round
                 for server in (servers if rep % 2 == 0 else servers[::-1]):
-                    res = run_server(tb, server, farms, relays, cap_u, cap_p, n_p, rates, n_flood, args.profile)
+                    res = run_server(tb, server, farms, relays, cap_u, cap_p, n_p, rates, n_flood, args.profile,
+                                     args.pin)
                     runs[server].append(res)
                     bad += check(f"{server}#{rep + 1}", res)
             results = {server: {"runs": runs[server], "median": medians(runs[server])} for server in servers}
@@ -606,7 +632,8 @@ def main() -> int:
     print("durability: " + "; ".join(f"{k}: {v}" for k, v in DURABILITY.items()))
     write("sdhcp_lease", {"udhcpc_clients": n_u, "perfdhcp_clients": n_p, "rates": rates, "repeat": repeat,
                           "flood_clients": n_flood, "flood_rate": FLOOD_RATE, "topo": args.topo, "pool_left_for_flood": max(left, 0),
-                          "smoke": args.smoke,
+                          "smoke": args.smoke, "pinned": {"clients": sorted(CLIENT_CPUS), "servers": sorted(SERVER_CPUS)}
+                          if args.pin else None,
                           "pool": OPTS["pool"], "servers": servers, "durability": DURABILITY,
                           "clients": "busybox udhcpc, one process and namespace each (macvlan behind vfh3); "
                                      "perfdhcp as 4 relays behind vfh2"}, results, args.out)

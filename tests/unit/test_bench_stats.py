@@ -6,7 +6,10 @@ import os
 import socket
 import statistics
 import subprocess
+import sys
 import time
+
+import pytest
 
 from bench.sdhcp_lease import median_interval, round_ratio, round_ratios, run_seconds, socket_drops
 
@@ -65,3 +68,33 @@ def test_run_seconds_counts_cpu_to_well_below_a_clock_tick():
     after = run_seconds(os.getpid())
     assert before is not None and 0.003 <= after - before < 0.5
     assert run_seconds(2 ** 22 + 12345) is None   # no such process
+
+
+def test_pin_threads_moves_every_thread_of_a_process_and_its_later_threads_follow():
+    """--pin: a server's threads (those it has and those it starts after) run on the servers' CPUs only."""
+    from bench.common import pin_threads
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.fail("needs 2 CPUs")
+    cpu = max(os.sched_getaffinity(0))
+    code = ("import sys, threading, time\n"
+            "ev = threading.Event()\n"
+            "threading.Thread(target=ev.wait, daemon=True).start()\n"
+            "print('up', flush=True); sys.stdin.readline()\n"
+            "threading.Thread(target=ev.wait, daemon=True).start()\n"
+            "print('more', flush=True); time.sleep(30)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        assert pin_threads(child.pid, {cpu}) == 2
+
+        def allowed():
+            return {tid: os.sched_getaffinity(int(tid)) for tid in os.listdir(f"/proc/{child.pid}/task")}
+        assert all(v == {cpu} for v in allowed().values())
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "more"
+        got = allowed()
+        assert len(got) == 3 and all(v == {cpu} for v in got.values())
+    finally:
+        child.kill()
+        child.wait()
