@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from bench.common import pin_threads
 from bench.sdhcp_lease import median_interval, round_ratio, round_ratios, run_seconds, socket_drops
 
 
@@ -72,7 +73,6 @@ def test_run_seconds_counts_cpu_to_well_below_a_clock_tick():
 
 def test_pin_threads_moves_every_thread_of_a_process_and_its_later_threads_follow():
     """--pin: a server's threads (those it has and those it starts after) run on the servers' CPUs only."""
-    from bench.common import pin_threads
     if len(os.sched_getaffinity(0)) < 2:
         pytest.fail("needs 2 CPUs")
     cpu = max(os.sched_getaffinity(0))
