@@ -39,11 +39,18 @@ class LocalEtcd:
 
     ``heartbeat_ms``/``election_ms`` default low so that leases can be as short
     as 1 s (etcd's minimum TTL is 1.5 election ticks' worth of heartbeats).
+
+    ``history`` is how long etcd keeps old revisions (``--auto-compaction-mode periodic``, etcd's
+    duration syntax; ``"0"`` keeps them all, etcd's own default).  Every endpoint's load report is a put
+    each second, and without compaction each one stays in the database (~190 bytes per revision here):
+    4 shards add ~65 MB a day, and at etcd's 2 GiB quota it raises its NOSPACE alarm and refuses every
+    write, the fabric's range changes and re-registrations included.  A watcher that falls more than
+    ``history`` behind is cancelled by etcd and reads the prefix again (``Registry.follow``).
     """
 
     def __init__(self, data_dir: str | os.PathLike, client_port: int, peer_port: int, *,
                  name: str = "vfab", binary: str = "etcd", heartbeat_ms: int = 50,
-                 election_ms: int = 500):
+                 election_ms: int = 500, history: str = "1h"):
         self.data_dir = Path(data_dir)
         self.client_port = client_port
         self.peer_port = peer_port
@@ -51,6 +58,7 @@ class LocalEtcd:
         self.binary = binary
         self.heartbeat_ms = heartbeat_ms
         self.election_ms = election_ms
+        self.history = history
         self.proc: subprocess.Popen | None = None
         self._log_file = None
         self.on_spawn: Callable[[int], None] | None = None  # called with the PID right after the spawn
@@ -81,6 +89,7 @@ class LocalEtcd:
             "--initial-cluster", f"{self.name}={peer}", "--initial-cluster-state", "new",
             "--heartbeat-interval", str(self.heartbeat_ms),
             "--election-timeout", str(self.election_ms),
+            "--auto-compaction-mode", "periodic", "--auto-compaction-retention", self.history,
             "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn",
         ]
 

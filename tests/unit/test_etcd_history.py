@@ -1,0 +1,51 @@
+"""The local etcd compacts its history: load reports (a put a second per endpoint) must not fill its quota."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import urllib.error
+import urllib.request
+
+from vfab.testbed.etcd import LocalEtcd, free_port
+
+
+def call(etcd: LocalEtcd, path: str, body: dict) -> dict:
+    req = urllib.request.Request(f"{etcd.client_url}/v3{path}", data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def b64(s: str) -> str:
+    return base64.b64encode(s.encode()).decode()
+
+
+def test_the_default_keeps_an_hour_of_history():
+    cmd = LocalEtcd("/nonexistent", 1, 2).command()
+    at = cmd.index("--auto-compaction-retention")
+    assert cmd[at + 1] == "1h" and cmd[cmd.index("--auto-compaction-mode") + 1] == "periodic"
+
+
+def test_old_revisions_are_compacted_away_and_the_latest_value_stays(tmp_path):
+    etcd = LocalEtcd(tmp_path / "etcd", free_port(), free_port(), history="1s")
+    etcd.start(timeout=20)
+    try:
+        first = int(call(etcd, "/kv/put", {"key": b64("/vfab/v1/load/s/a"), "value": b64("1")})["header"]["revision"])
+        for v in ("2", "3"):
+            call(etcd, "/kv/put", {"key": b64("/vfab/v1/load/s/a"), "value": b64(v)})
+        old = call(etcd, "/kv/range", {"key": b64("/vfab/v1/load/s/a"), "revision": first})
+        assert base64.b64decode(old["kvs"][0]["value"]) == b"1"   # still there right after
+        deadline, err = time.monotonic() + 20, ""
+        while time.monotonic() < deadline and "compacted" not in err:
+            call(etcd, "/kv/put", {"key": b64("/vfab/v1/load/s/a"), "value": b64("4")})  # the compactor needs revisions
+            try:
+                call(etcd, "/kv/range", {"key": b64("/vfab/v1/load/s/a"), "revision": first})
+            except urllib.error.HTTPError as exc:
+                err = exc.read().decode(errors="replace")
+            time.sleep(0.5)
+        assert "compacted" in err, "etcd kept revision %d past its 1 s of history" % first
+        now = call(etcd, "/kv/range", {"key": b64("/vfab/v1/load/s/a")})
+        assert base64.b64decode(now["kvs"][0]["value"]) == b"4"
+    finally:
+        etcd.stop()
