@@ -44,8 +44,8 @@ class LocalEtcd:
     duration syntax; ``"0"`` keeps them all, etcd's own default).  Every endpoint's load report is a put
     each second, and without compaction each one stays in the database (~190 bytes per revision here):
     4 shards add ~65 MB a day, and at etcd's 2 GiB quota it raises its NOSPACE alarm and refuses every
-    write, the fabric's range changes and re-registrations included.  A watcher that falls more than
-    ``history`` behind is cancelled by etcd and reads the prefix again (``Registry.follow``).
+    write, the fabric's range changes and re-registrations included.  A watch resumed from a revision
+    older than ``history`` is cancelled by etcd, and ``Registry.follow`` reads its prefix again.
     """
 
     def __init__(self, data_dir: str | os.PathLike, client_port: int, peer_port: int, *,

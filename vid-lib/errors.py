@@ -25,6 +25,11 @@ class Conflict(RegistryError):
     """A transaction lost: somebody changed the same ranges first (epoch moved)."""
 
 
+class Compacted(RegistryError):
+    """A watch asked for revisions etcd has compacted away (it keeps a bounded history): read the keys
+    again and watch from there."""
+
+
 class TransportError(VfabError):
     """A raw socket could not be opened, bound or filtered."""
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
 
 from vfab.testbed.etcd import LocalEtcd, free_port
+from vfab.vid.registry import Registry
 
 
 def call(etcd: LocalEtcd, path: str, body: dict) -> dict:
@@ -49,3 +51,44 @@ def test_old_revisions_are_compacted_away_and_the_latest_value_stays(tmp_path):
         assert base64.b64decode(now["kvs"][0]["value"]) == b"4"
     finally:
         etcd.stop()
+
+
+def test_a_follower_of_a_quiet_prefix_reads_again_at_once_when_its_revision_is_compacted(tmp_path):
+    """A quiet prefix's follower resumes its watch from its last revision; once etcd compacted past it
+    (other keys kept moving), it reads the prefix again at once and says nothing: that is no failure."""
+    etcd = LocalEtcd(tmp_path / "etcd", free_port(), free_port(), history="1s")
+    etcd.start(timeout=20)
+    reg, writer = Registry(etcd.endpoint), Registry(etcd.endpoint)
+    resets, events, errors = [], [], []
+    stop = threading.Event()
+    follower = threading.Thread(target=reg.follow, args=("/vfab/v1/hosts/", lambda items, rev: resets.append(rev),
+                                                          events.extend, stop),
+                                kwargs={"idle": 0.3, "retry": 5.0, "on_error": lambda exc, first: errors.append(exc)},
+                                daemon=True)
+    try:
+        follower.start()
+        assert wait_for(lambda: resets, 10)
+        deadline, i = time.monotonic() + 25, 0
+        while len(resets) < 2 and not errors and time.monotonic() < deadline:
+            writer.put("/vfab/v1/load/s/a", str(i))   # another prefix moves the revision on; compaction follows
+            i += 1
+            time.sleep(0.1)
+        assert not errors, f"a compacted revision was reported as a failure: {errors}"
+        assert len(resets) >= 2, "the follower never read its prefix again"
+        writer.put("/vfab/v1/hosts/x", "1")
+        assert wait_for(lambda: any(ev.key == "/vfab/v1/hosts/x" for ev in events), 2.0)
+    finally:
+        stop.set()
+        follower.join(5)
+        reg.close()
+        writer.close()
+        etcd.stop()
+
+
+def wait_for(pred, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return bool(pred())

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 
 from vfab.vid.registry import schema
 from vfab.vid.codec import KEY_MAX, SERVICE_MAX, Layout
-from vfab.vid.errors import Conflict, NotFound, RegistryError, VidError
+from vfab.vid.errors import Compacted, Conflict, NotFound, RegistryError, VidError
 from vfab.vid.ranges import Range
 
 log = logging.getLogger("vfab.registry")
@@ -373,6 +373,9 @@ class Registry:
                     if result is None:
                         raise RegistryError(f"etcd watch on {prefix} failed: {str(msg.get('error', msg))[:200]}")
                     if result.get("canceled"):
+                        if int(result.get("compact_revision") or 0) > 0:
+                            raise Compacted(f"etcd compacted {prefix} past revision {start_revision} (to "
+                                            f"{result['compact_revision']}): read it again")
                         raise RegistryError(
                             f"etcd cancelled the watch on {prefix} (compacted to revision "
                             f"{result.get('compact_revision', '?')}): {result.get('cancel_reason', '')}")
@@ -404,7 +407,9 @@ class Registry:
         """Keep a copy of the keys under ``prefix`` current until ``stop`` is set (the calling thread's loop).
 
         ``reset(items, revision)`` gets every key (``get_prefix``'s items) at the start and again after any
-        failure (events may have been compacted away meanwhile); ``apply(batch)`` gets each watch response
+        failure (events may have been compacted away meanwhile), and at once, with no ``on_error``, when a
+        watch resumed from a revision etcd has compacted away (a quiet prefix's last event can be older
+        than the history etcd keeps: ``testbed/etcd.py``); ``apply(batch)`` gets each watch response
         whole (one or more complete etcd revisions, see :meth:`watch_batches`).  With ``idle`` the watch is
         renewed after ``idle`` s without events, so ``stop`` is looked at that often.  A watch that ends by
         itself is resumed from the next revision, or read again from scratch with ``resume=False``.  On one
@@ -429,6 +434,10 @@ class Registry:
                     cancel()
                 if not resume:
                     rev = 0
+                continue
+            except Compacted as exc:
+                log.debug("%s; reading %s again", exc, prefix)
+                rev = 0
                 continue
             except errors as exc:
                 if on_error is not None and not stop.is_set():
