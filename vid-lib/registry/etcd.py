@@ -376,9 +376,8 @@ class Registry:
                         if int(result.get("compact_revision") or 0) > 0:
                             raise Compacted(f"etcd compacted {prefix} past revision {start_revision} (to "
                                             f"{result['compact_revision']}): read it again")
-                        raise RegistryError(
-                            f"etcd cancelled the watch on {prefix} (compacted to revision "
-                            f"{result.get('compact_revision', '?')}): {result.get('cancel_reason', '')}")
+                        raise RegistryError(f"etcd cancelled the watch on {prefix}: "
+                                            f"{result.get('cancel_reason') or 'no reason given'}")
                     batch = []
                     for ev in result.get("events", []):
                         kv = ev["kv"]
