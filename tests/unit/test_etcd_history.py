@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 
 from vfab.testbed.etcd import LocalEtcd, free_port
+from vfab.testbed.procs import wait_for
 from vfab.vid.registry import Registry
 
 
@@ -67,7 +68,7 @@ def test_a_follower_of_a_quiet_prefix_reads_again_at_once_when_its_revision_is_c
                                 daemon=True)
     try:
         follower.start()
-        assert wait_for(lambda: resets, 10)
+        wait_for(lambda: resets, 10, "the follower's first read")
         deadline, i = time.monotonic() + 25, 0
         while len(resets) < 2 and not errors and time.monotonic() < deadline:
             writer.put("/vfab/v1/load/s/a", str(i))   # another prefix moves the revision on; compaction follows
@@ -76,7 +77,7 @@ def test_a_follower_of_a_quiet_prefix_reads_again_at_once_when_its_revision_is_c
         assert not errors, f"a compacted revision was reported as a failure: {errors}"
         assert len(resets) >= 2, "the follower never read its prefix again"
         writer.put("/vfab/v1/hosts/x", "1")
-        assert wait_for(lambda: any(ev.key == "/vfab/v1/hosts/x" for ev in events), 2.0)
+        wait_for(lambda: any(ev.key == "/vfab/v1/hosts/x" for ev in events), 2.0, "the event after the new read")
     finally:
         stop.set()
         follower.join(5)
@@ -84,11 +85,3 @@ def test_a_follower_of_a_quiet_prefix_reads_again_at_once_when_its_revision_is_c
         writer.close()
         etcd.stop()
 
-
-def wait_for(pred, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return bool(pred())
