@@ -110,6 +110,24 @@ def read_stats_after(path: str, t_ns: int, timeout: float = 1.0) -> dict[str, in
     return read_stats(path)
 
 
+def not_serving(stats: dict, memcached: str = "memcached") -> str | None:
+    """Why mc-helper does not serve, from its stats file (``serving 0``: a connection to memcached is not up or
+    not yet proven by its probe), in words for an operator; None while it serves (or says nothing)."""
+    if stats.get("serving", 1) != 0:
+        return None
+    why = next((k[len("down_why_"):] for k, v in stats.items() if k.startswith("down_why_") and v), "?")
+    words = {"no_answers": f"no answer from {memcached} for {stats.get('down_waited_ms', 0)} ms with commands in "
+                           "flight (its host acknowledged our data: memcached stopped or starved?)",
+             "unacked": f"its leg to {memcached} stalled: no answer for {stats.get('down_waited_ms', 0)} ms and "
+                        f"{stats.get('down_unacked_bytes', 0)} B not acknowledged (TCP back-off "
+                        f"{stats.get('down_backoff', 0)}): the link or memcached's host",
+             "probe": f"{memcached} did not answer the probe after connecting within the stall bound",
+             "connect": f"cannot connect to {memcached}", "closed": f"{memcached} closed the connection",
+             "proto": f"{memcached}'s answer did not parse (see err_* in the stats file)"}
+    return (f"{stats.get('conns_down', 0)} of {stats.get('conns', 0)} connection(s) down: "
+            f"{words.get(why, why)}; reconnecting")
+
+
 def summary(stats: dict) -> dict:
     """The numbers shown per helper: S (bytes), T (µs), batches, keys per batch, gets, drops, histogram."""
     hist = {k[len("hist_keys_"):]: v for k, v in stats.items() if k.startswith("hist_keys_") and v}
@@ -356,6 +374,7 @@ def report(reg: Registry, service: str) -> dict:
         rec = st.get(name)
         ep = eps.get(name)
         helpers.append({"name": name, "live": rec is not None and ep is not None,
+                        "down": rec.down if rec is not None and ep is None else "",
                         "mac": ep.mac if ep else None, "host": ep.host if ep else None,
                         "serves": rec.serves if rec else None, "pid": rec.pid if rec else None,
                         "age_s": round(now - rec.at, 1) if rec else None,

@@ -461,6 +461,50 @@ def test_helper_survives_memcached_restart_and_reconnects(net, helper):
     assert h.helper.alive()
 
 
+def test_a_stalled_leg_is_noticed_at_once_and_nothing_spins(net, helper):
+    """The outside testers' wedge (issue 43): the helper's TCP leg to memcached loses every segment (tc netem
+    on the leg, in the helper's namespace), so its data sits in the send queue while TCP backs off.  The helper
+    must say so within 100 ms (``serving 0`` and why, in its stats file: the agent withdraws it on that),
+    answer the clients that waited at once instead of holding them, not spin meanwhile (its CPU), and serve
+    again by itself once the leg heals (a probe answered first)."""
+    from vfab.vid.state.sched import run_seconds
+    h = helper("--retry-ms", "20", "--stall-ms", "50")
+    load = h.spawn_client(1, *load_args(8, 5.0, window=2))
+    time.sleep(1.0)
+    assert h.stats()["serving"] == 1
+    t0 = time.monotonic()
+    h.ns(h.ns_h, "tc", "qdisc", "add", "dev", h.if_h_leg, "root", "pfifo", "limit", "0")
+    try:
+        st = h.wait_stats(lambda s: s.get("serving") == 0, 5, "the helper to say it does not serve")
+        noticed = st["down_at_mono_ms"] / 1e3 - t0      # when it went down, by its own (monotonic) clock
+        cpu0, w0 = run_seconds(h.helper.pid), time.monotonic()
+        time.sleep(1.0)
+        stalled = h.stats()
+        cpu = (run_seconds(h.helper.pid) - cpu0) / (time.monotonic() - w0)
+    finally:
+        h.ns(h.ns_h, "tc", "qdisc", "del", "dev", h.if_h_leg, "root")
+    t_heal = time.monotonic()
+    h.wait_stats(lambda s: s.get("serving") == 1, 5, "the helper to serve again once the leg heals")
+    rejoined = time.monotonic() - t_heal
+    r = topo.finish(load, 60)
+    after = h.stats()
+    why = [k for k, v in st.items() if k.startswith("down_why_") and v]
+    print(f"\nleg stalled: noticed after {noticed * 1e3:.0f} ms ({why}, waited {st.get('down_waited_ms')} ms, "
+          f"{st.get('down_unacked_bytes')} B unacknowledged); CPU while stalled {cpu:.3f} core; serving again "
+          f"{rejoined * 1e3:.0f} ms after the leg healed; stalls {after['stalls']}")
+    assert noticed < 0.1, f"the stall was noticed after {noticed:.3f} s"
+    assert why and why[0] in ("down_why_unacked", "down_why_no_answers", "down_why_probe", "down_why_connect")
+    assert st["stalls"] >= 1 and st["w_abort_miss"] + st["w_abort_drop"] > 0   # waiters answered, not held
+    assert cpu < 0.3, f"the helper spun at {cpu:.2f} of a core while its leg was stalled"
+    assert stalled["serving"] == 0 and stalled["idle_sleeps"] > st["idle_sleeps"]
+    assert rejoined < 2.0
+    assert after["probes"] > stalled["probes"]
+    assert r["wrong"] == 0 and r["answered"] > 0, r
+    (ok,) = h.run_script(0, [{"payload": b"get k5\r\n".hex()}])
+    assert mcudp.parse_values(b"".join(bytes.fromhex(d)[8:] for d in ok["dgrams"])) == \
+        {b"k5": mcudp.value_for(b"k5", 64)}
+
+
 def test_a_stats_file_it_cannot_write_is_said_once_and_it_goes_on(net, tmp_path):
     """A stats directory that is gone (or full): mc-helper retries every period, and says so once, not each
     time (at 10 ms that was 100 warnings a second); once the directory is back it writes again and says so."""

@@ -138,11 +138,18 @@ static void handle_frame(struct mch_worker *w, struct rte_mbuf *m, uint64_t now)
 
 /* ---------------------------------------------------------------- idle */
 
-/* Sleep until an answer arrives, the next batch is due, or idle_us passes. */
+/*
+ * Sleep until an answer arrives, the next batch is due, or the idle time passes:
+ * --idle-us after MCH_IDLE_LOOPS empty loops, doubling with each idle sleep in a
+ * row up to --idle-max-us (frames from the port cannot wake it: net_af_packet has
+ * no rx interrupt, so a switched-off helper backs off instead, ~500 wake-ups a
+ * second at 2 ms; the first frame after a calm waits at most that long, and the
+ * kernel's ring holds it meanwhile).
+ */
 static void idle_sleep(struct mch_worker *w, uint64_t now)
 {
 	struct pollfd p[64];
-	uint64_t wait = (uint64_t)w->cfg->idle_us * w->hz / 1000000u, d;
+	uint64_t wait = (uint64_t)w->idle_cur_us * w->hz / 1000000u, d;
 	uint32_t i, n = 0;
 	struct timespec ts;
 
@@ -152,7 +159,7 @@ static void idle_sleep(struct mch_worker *w, uint64_t now)
 		d = mch_conn_due_in(c, now);
 		if (d < wait)
 			wait = d;
-		if (c->state == MCH_CONN_UP && n < 64u) {
+		if ((c->state == MCH_CONN_UP || c->state == MCH_CONN_PROBING) && n < 64u) {
 			p[n].fd = c->fd;
 			p[n].events = POLLIN | (c->out_tail > c->out_head ? POLLOUT : 0);
 			p[n].revents = 0;
@@ -164,7 +171,9 @@ static void idle_sleep(struct mch_worker *w, uint64_t now)
 	ts.tv_sec = (time_t)(wait / w->hz);
 	ts.tv_nsec = (long)((wait % w->hz) * 1000000000u / w->hz);
 	w->c.idle_sleeps++;
-	ppoll(p, n, &ts, NULL);
+	if (ppoll(p, n, &ts, NULL) == 0 && w->idle_cur_us < w->cfg->idle_max_us)
+		w->idle_cur_us = w->idle_cur_us * 2u < w->cfg->idle_max_us ? w->idle_cur_us * 2u
+									   : w->cfg->idle_max_us;
 }
 
 /* ---------------------------------------------------------------- loop */
@@ -199,7 +208,12 @@ int mch_worker_main(void *arg)
 				mch_conn_tick(&w->conns[i], now);
 			next_tick = now + tick;
 		}
-		idle = did ? 0 : idle + 1;
+		if (did) {
+			idle = 0;
+			w->idle_cur_us = w->cfg->idle_us;
+		} else {
+			idle++;
+		}
 		if (w->cfg->idle_us > 0 && idle >= MCH_IDLE_LOOPS)
 			idle_sleep(w, now);
 	}
@@ -227,6 +241,7 @@ int mch_worker_init(struct mch_worker *w, uint32_t id, const struct mch_cfg *cfg
 	w->queue = queue;
 	w->quit = quit;
 	w->hz = rte_get_tsc_hz();
+	w->idle_cur_us = cfg->idle_us;
 	w->npeers = cfg->peers;
 	w->peers = calloc(w->npeers, sizeof(*w->peers));
 	w->nconns = cfg->conns;

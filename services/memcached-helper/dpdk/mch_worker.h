@@ -50,6 +50,7 @@ struct mch_worker {
 	struct mch_peer *peers;
 	uint32_t npeers, peer_free, peers_used;
 	uint16_t ip_id;
+	uint32_t idle_cur_us; /* the next idle sleep (back-off, see idle_sleep) */
 	uint16_t ntx;
 	struct rte_mbuf *txq[MCH_TX_BURST];
 	struct rte_mbuf *stash[MCH_TX_BURST]; /* empty mbufs for replies (mch_worker_reply) */
