@@ -58,6 +58,11 @@ static const struct mch_stat_field worker_fields[] = {
 	{"reply_bytes", WOFF(pc.tx_bytes)}, {"w_done", WOFF(pc.w_done)},
 	{"w_silent", WOFF(pc.w_silent)}, {"w_abort_miss", WOFF(pc.w_abort_miss)},
 	{"w_abort_drop", WOFF(pc.w_abort_drop)},
+	/* the UDP relay of rejected requests (mch_relay.h) */
+	{"relay_sent", WOFF(relay.c.sent)}, {"relay_unsafe", WOFF(relay.c.unsafe)},
+	{"relay_busy", WOFF(relay.c.busy)}, {"relay_fail", WOFF(relay.c.fail)},
+	{"relay_replies", WOFF(relay.c.replies)}, {"relay_late", WOFF(relay.c.late)},
+	{"relay_expired", WOFF(relay.c.expired)},
 };
 
 static const struct mch_stat_field conn_fields[] = {

@@ -116,8 +116,15 @@ static void handle_frame(struct mch_worker *w, struct rte_mbuf *m, uint64_t now)
 	w->c.net[nr]++;
 	if (nr != MCH_NET_OK)
 		return;
-	if (mch_req_parse(&req, rx.dg, rx.len, &w->pc) != MCH_REJ_OK)
-		return; /* counted by reason in w->pc.rej[] */
+	if (mch_req_parse(&req, rx.dg, rx.len, &w->pc) != MCH_REJ_OK) {
+		/* counted by reason in w->pc.rej[]; memcached answers it as it would directly */
+		slot = peer_get(w, &rx.from);
+		if (slot == MCH_NO_PEER)
+			w->c.drop_peers++;
+		else if (mch_relay_send(&w->relay, slot, rx.dg, rx.len, now) != 0)
+			mch_worker_peer_put(w, slot);
+		return;
+	}
 	slot = peer_get(w, &rx.from);
 	if (slot == MCH_NO_PEER) {
 		w->c.drop_peers++;
@@ -166,6 +173,12 @@ static void idle_sleep(struct mch_worker *w, uint64_t now)
 			n++;
 		}
 	}
+	if (w->relay.live > 0 && w->relay.fd >= 0 && n < 64u) {
+		p[n].fd = w->relay.fd;
+		p[n].events = POLLIN;
+		p[n].revents = 0;
+		n++;
+	}
 	if (wait == 0)
 		return;
 	ts.tv_sec = (time_t)(wait / w->hz);
@@ -201,6 +214,7 @@ int mch_worker_main(void *arg)
 		}
 		for (i = 0; i < w->nconns; i++)
 			did |= mch_conn_poll(&w->conns[i], now);
+		did |= mch_relay_poll(&w->relay, w, now);
 		if (w->ntx > 0)
 			tx_flush(w);
 		if ((int64_t)(now - next_tick) >= 0) {
@@ -254,6 +268,8 @@ int mch_worker_init(struct mch_worker *w, uint32_t id, const struct mch_cfg *cfg
 	for (i = 0; i < w->nconns; i++)
 		if (mch_conn_init(&w->conns[i], w, i) != 0)
 			return -1;
+	if (mch_relay_init(&w->relay, cfg->mc_ip, cfg->mc_port, w->hz) != 0)
+		w->relay.fd = -1; /* counted relay_fail per request; the rest works */
 	return 0;
 }
 
@@ -263,6 +279,7 @@ void mch_worker_free(struct mch_worker *w)
 
 	for (i = 0; w->conns && i < w->nconns; i++)
 		mch_conn_free(&w->conns[i]);
+	mch_relay_free(&w->relay);
 	if (w->nstash > 0)
 		rte_pktmbuf_free_bulk(w->stash, w->nstash);
 	w->nstash = 0;

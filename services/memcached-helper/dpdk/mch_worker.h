@@ -17,6 +17,7 @@
 #include "mch_cfg.h"
 #include "mch_conn.h"
 #include "mch_net.h"
+#include "mch_relay.h"
 
 #define MCH_RX_BURST 32u
 #define MCH_TX_BURST 32u
@@ -46,6 +47,7 @@ struct mch_worker {
 	struct mch_wctr c;
 	struct mch_hist hist;   /* keys per coalesced get */
 	struct mch_conn *conns;
+	struct mch_relay relay; /* what the parser rejects, to memcached's UDP port as it is */
 	uint32_t nconns;
 	struct mch_peer *peers;
 	uint32_t npeers, peer_free, peers_used;
