@@ -44,7 +44,7 @@ struct mch_stat_field {
 static const struct mch_stat_field worker_fields[] = {
 	{"loops", WOFF(c.loops)}, {"rx_bursts", WOFF(c.rx_bursts)},
 	{"rx_frames", WOFF(c.rx_frames)}, {"drop_peers", WOFF(c.drop_peers)},
-	{"drop_noconn", WOFF(c.drop_noconn)}, {"drop_busy", WOFF(c.drop_busy)},
+	{"drop_noconn", WOFF(c.drop_noconn)}, {"relay_noconn", WOFF(c.relay_noconn)}, {"drop_busy", WOFF(c.drop_busy)},
 	{"tx_frames", WOFF(c.tx_frames)}, {"tx_nombuf", WOFF(c.tx_nombuf)},
 	{"tx_drop", WOFF(c.tx_drop)}, {"idle_sleeps", WOFF(c.idle_sleeps)},
 	/* protocol core (struct mch_counters) */

@@ -136,6 +136,15 @@ static void handle_frame(struct mch_worker *w, struct rte_mbuf *m, uint64_t now)
 				  : mch_conn_pass(c, &req, slot, ch, now);
 	if (rc == MCH_CDROP_NONE)
 		return;
+	/*
+	 * Its connection is down (reconnecting, or its probe not yet answered): the request goes
+	 * to memcached as it is, over the relay, until the agent has withdrawn the helper (issue
+	 * 43: no client worse off than direct).  A full in-flight queue is overload: shed.
+	 */
+	if (rc == MCH_CDROP_NOCONN && mch_relay_send(&w->relay, slot, rx.dg, rx.len, now) == 0) {
+		w->c.relay_noconn++;
+		return;
+	}
 	mch_worker_peer_put(w, slot);
 	if (rc == MCH_CDROP_NOCONN)
 		w->c.drop_noconn++;

@@ -28,7 +28,8 @@ struct mch_wctr {
 	uint64_t loops, rx_bursts, rx_frames;
 	uint64_t net[MCH_NET__COUNT]; /* frames by classification (net[0]: requests) */
 	uint64_t drop_peers;  /* no free waiting-client slot */
-	uint64_t drop_noconn; /* its connection was down */
+	uint64_t drop_noconn; /* its connection was down (and the relay could not take it) */
+	uint64_t relay_noconn; /* its connection was down: relayed to memcached's UDP port */
 	uint64_t drop_busy;   /* its connection's queue or buffer was full */
 	uint64_t tx_frames, tx_nombuf, tx_drop;
 	uint64_t idle_sleeps;
