@@ -18,6 +18,7 @@ BENCHES = ["etcd_client.py", "reroute.py", "reroute_busy.py", "own_flows.py", "f
            "helper_throughput.py",
            "helper_core.py",
            "helper_idle.py",
+           "helper_burst.py",
            "sdhcp_lease.py",
            "sdhcp_failover.py",
            "sdhcp_ops.py",
