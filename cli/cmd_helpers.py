@@ -49,7 +49,8 @@ def helpers() -> None:
 
 def _fmt_helpers(r: dict) -> str:
     total = sum(h["weight"] for h in r["helpers"])
-    return ", ".join(f"{h['name']}" + (f" w{h['weight']} ({100 * h['weight'] / total:.0f}%)" if h["live"] else " (DEAD)")
+    return ", ".join(f"{h['name']}" + (f" w{h['weight']} ({100 * h['weight'] / total:.0f}%)" if h["live"]
+                                       else " (DOWN)" if h.get("down") else " (DEAD)")
                      for h in r["helpers"]) or "-"
 
 

@@ -367,8 +367,8 @@ def report(reg: Registry, service: str) -> dict:
         live = [h for h in r.helpers if h in eps and h in st]
         held = [{"lo": h.lo, "hi": h.hi, "what": what, "at": at} for h, what, at in holds if h.overlaps(r.range)]
         ranges.append({"lo": r.lo, "hi": r.hi, "owner": r.owner, "epoch": r.epoch, "held": held,
-                       "helpers": [{"name": h, "live": h in live, "weight": r.weight(h) if h in live else 0}
-                                   for h in r.helpers],
+                       "helpers": [{"name": h, "live": h in live, "weight": r.weight(h) if h in live else 0,
+                                    "down": h not in eps and h in st and bool(st[h].down)} for h in r.helpers],
                        "path": "helpers" if live else ("owner" if r.owner else "none")})
     helpers = []
     for name in sorted(set(st) | named):

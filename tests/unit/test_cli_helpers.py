@@ -126,7 +126,8 @@ def test_a_helper_withdrawn_for_not_serving_shows_down_and_why(run, registry, mc
     assert control.live_helpers(registry, "mc") == ["h1"]
     res = run("helpers", "mc")
     assert res.exit_code == 0, res.output
-    assert "DOWN" in res.output and f"h2 does not serve (withdrawn by its agent): {why}" in res.output, res.output
+    assert "h2 (DOWN)" in res.output and f"h2 does not serve (withdrawn by its agent): {why}" in res.output, \
+        res.output
     h2 = next(h for h in control.report(registry, "mc")["helpers"] if h["name"] == "h2")
     assert (h2["live"], h2["down"]) == (False, why)
 
