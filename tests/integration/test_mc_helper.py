@@ -567,6 +567,34 @@ def test_a_stalled_leg_is_noticed_at_once_and_nothing_spins(net, helper):
         {b"k5": mcudp.value_for(b"k5", 64)}
 
 
+def test_a_stopped_memcached_is_told_from_a_lossy_link_and_not_served_until_it_answers(net, helper):
+    """SIGSTOP of memcached under load (its kernel still acknowledges and even completes new handshakes): the
+    helper says within 100 ms that memcached does not answer (``no_answers``, not ``unacked``), and does not
+    claim to serve again while memcached stays stopped although its reconnects succeed (their probe is not
+    answered); SIGCONT: serving again, right answers."""
+    h = helper("--retry-ms", "20", "--stall-ms", "50")
+    load = h.spawn_client(1, *load_args(8, 4.0, window=2))
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    os.kill(h.memcached.pid, signal.SIGSTOP)
+    try:
+        st = h.wait_stats(lambda s: s.get("serving") == 0, 5, "the helper to say memcached does not answer")
+        noticed = st["down_at_mono_ms"] / 1e3 - t0
+        time.sleep(1.0)
+        during = h.stats()
+    finally:
+        os.kill(h.memcached.pid, signal.SIGCONT)
+    h.wait_stats(lambda s: s.get("serving") == 1, 5, "the helper to serve again after SIGCONT")
+    r = topo.finish(load, 60)
+    print(f"\nmemcached stopped: noticed after {noticed * 1e3:.0f} ms ({st.get('down_why_no_answers') and 'no_answers'}); "
+          f"in the next second {during['stalls'] - st['stalls']} more stalls (probes unanswered), serving "
+          f"{during['serving']}")
+    assert noticed < 0.1, f"noticed after {noticed:.3f} s"
+    assert st.get("down_why_no_answers") == 1, st
+    assert during["serving"] == 0, "it claimed to serve while memcached was stopped"
+    assert r["wrong"] == 0, r
+
+
 def test_a_stats_file_it_cannot_write_is_said_once_and_it_goes_on(net, tmp_path):
     """A stats directory that is gone (or full): mc-helper retries every period, and says so once, not each
     time (at 10 ms that was 100 warnings a second); once the directory is back it writes again and says so."""
