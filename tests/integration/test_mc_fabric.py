@@ -10,6 +10,7 @@ the same sockets for a whole test while helpers are switched in and out, and whi
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -146,6 +147,40 @@ def test_bad_helper_requests_are_refused_clearly(testbed, mc):
     assert res.exit_code != 0 and "does not exist" in res.output, res.output
     ranges = testbed.registry.ranges(SVC)
     assert ranges and all(not r.helpers for r, _ in ranges), ranges
+
+
+BAD = [b"bogus\r\n", b"set bad_k 0 0 3\r\nabcde", b"get k1\r\nget k2\r\n", b"get " + b"x" * 251 + b"\r\n",
+       b"touch k1 abc\r\n"]
+
+
+def test_bad_commands_through_helpers_are_answered_as_directly(testbed, mc):
+    """Issue 43 on the fabric: what a helper does not batch it relays to memcached's address over UDP; from a
+    helper's host that must reach memcached (the door leaves the service's own hosts alone), not the helpers'
+    select group again.  Every client host gets the very datagrams memcached sends it directly, and each bad
+    command is relayed once (no bouncing between helpers)."""
+    path = os.path.join(testbed.workdir, "bad-commands.json")
+    with open(path, "w") as fh:
+        json.dump([{"payload": c.hex(), "kind": "none"} for c in BAD], fh)
+
+    def run_all() -> list[list]:
+        out = []
+        for h in CLIENTS:
+            res = topo.finish(mc.client(h, "run", "--script", path, "--timeout", "1"), 60)["results"]
+            out.append([[bytes.fromhex(d)[2:] for d in r["dgrams"]] for r in res])
+        return out
+    direct = run_all()
+    mc.helpers_on()
+    try:
+        before = {n: mc.stats(n) for n in HELPERS}
+        via = run_all()
+        time.sleep(0.3)
+        after = {n: mc.stats(n) for n in HELPERS}
+    finally:
+        mc.helpers_off()
+    assert via == direct and all(all(r) for r in direct), (direct, via)
+    relayed = sum(delta(after[n], before[n], "relay_sent") for n in HELPERS)
+    assert relayed == len(BAD) * len(CLIENTS), f"{relayed} relays for {len(BAD) * len(CLIENTS)} bad commands"
+    assert sum(delta(after[n], before[n], "relay_replies") for n in HELPERS) >= len(BAD) * len(CLIENTS)
 
 
 def test_helpers_switch_in_and_out_under_load(testbed, mc):
