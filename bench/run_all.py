@@ -17,6 +17,8 @@ BENCHES = ["etcd_client.py", "reroute.py", "reroute_busy.py", "own_flows.py", "f
            "helper_failover.py",
            "helper_throughput.py",
            "helper_core.py",
+           "helper_idle.py",
+           "helper_burst.py",
            "sdhcp_lease.py",
            "sdhcp_failover.py",
            "sdhcp_ops.py",

@@ -49,7 +49,8 @@ def helpers() -> None:
 
 def _fmt_helpers(r: dict) -> str:
     total = sum(h["weight"] for h in r["helpers"])
-    return ", ".join(f"{h['name']}" + (f" w{h['weight']} ({100 * h['weight'] / total:.0f}%)" if h["live"] else " (DEAD)")
+    return ", ".join(f"{h['name']}" + (f" w{h['weight']} ({100 * h['weight'] / total:.0f}%)" if h["live"]
+                                       else " (DOWN)" if h.get("down") else " (DEAD)")
                      for h in r["helpers"]) or "-"
 
 
@@ -87,13 +88,17 @@ def status(c, service: str, as_json: bool) -> None:
     rows = []
     for h in rep["helpers"]:
         hist = " ".join(f"{k}:{v}" for k, v in sorted(h.get("hist", {}).items(), key=lambda kv: int(kv[0])))
-        rows.append([h["name"], "live" if h["live"] else "DEAD", h["host"] or "-", h["ranges"],
+        rows.append([h["name"], "live" if h["live"] else ("DOWN" if h["down"] else "DEAD"), h["host"] or "-",
+                     h["ranges"],
                      _n(h.get("S_bytes")), _n(h.get("T_us")), _n(h.get("batches")), _n(h.get("keys_per_batch")),
                      _n(h.get("gets")), _n(h.get("drops")),
                      f"{h['conns_up']}/{h['conns']}" if h["live"] else "-", hist or "-", _n(h["age_s"])])
     c.console.print(table(f"{service}: helpers", ["name", "state", "host", "ranges", "S B", "T µs", "batches",
                                                   "keys/batch", "gets", "drops", "conns", "keys/batch histogram",
                                                   "age s"], rows))
+    for h in rep["helpers"]:
+        if h["down"]:
+            click.echo(f"{h['name']} does not serve (withdrawn by its agent): {h['down']}")
     if rep["holds_error"]:
         click.echo(f"helper holds: {rep['holds_error']}", err=True)
     if not rep["helpers"]:

@@ -112,6 +112,20 @@ def read_stats_file(path: str) -> dict[str, float]:
     return out
 
 
+def helper_down(h: str, path: str, problems: list[str]) -> None:
+    """A helper not among the live endpoints whose stats file says it does not serve (``serving 0``, issue 43:
+    its agent withdrew it): the reason, in the balancer's problems, so its status shows why it is not used."""
+    try:
+        st = read_stats_file(path)
+    except OSError:
+        return
+    if st.get("serving", 1) == 0:
+        why = next((k[len("down_why_"):] for k, v in st.items() if k.startswith("down_why_") and v), "?")
+        problems.append(f"helper {h} does not serve ({why}: {st.get('conns_down', 0):.0f} connection(s) to "
+                        f"memcached down, the oldest command waited {st.get('down_waited_ms', 0):.0f} ms); "
+                        "withdrawn by its agent until it serves again")
+
+
 class Rates:
     """Rates of monotonic counters: ``rate(key, t, value)`` is (value - previous) / (t - previous t);
     None at the first sample, when time did not advance, or when the counter went back (a restart)."""
@@ -227,6 +241,8 @@ class Runner:
         for h, path in src.helpers.items():
             if h in eps:
                 helpers[h] = self.helper_obs(name, h, path, now, problems)
+            elif path:
+                helper_down(h, path, problems)
         used = {r.owner for r in ranges} | {m for r in ranges for m in r.mirrors}
         spares = tuple(sorted(n for n, e in eps.items() if e.ctl and n not in used and n not in src.helpers
                               and n not in busy_eps))

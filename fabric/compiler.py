@@ -245,7 +245,11 @@ def _compile(st: FabricState, hops: dict[tuple[int, int], int] | None, problems:
                     "give one of them another port or address")))
                 continue
             claimed.append(door)
-            for dpid, flow in frontdoor.door_flows(door, svc.id, layout, host_ports, PRIO_FRONTDOOR, sources):
+            # A guarded (udp) door leaves the service's own hosts alone: a helper relays what it does not batch
+            # to the service's address, and that must reach memcached, not come back through the door into the
+            # helpers' select group (issue 43; the helpers' TCP legs are not UDP and never matched).
+            door_ports = [hp for hp in host_ports if not (door.source_guard and hp[:2] in serving)]
+            for dpid, flow in frontdoor.door_flows(door, svc.id, layout, door_ports, PRIO_FRONTDOOR, sources):
                 out[dpid].add(flow)
             for dpid, flow in frontdoor.guard_flows(door, svc.id, unserved, PRIO_GUARD):
                 out[dpid].add(flow)

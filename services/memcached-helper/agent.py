@@ -327,6 +327,7 @@ class HelperAgent(Agent):
         self.last_change = time.monotonic()
         self.last_stats: dict = {}
         self.stalled_at = 0.0
+        self.down_noted = False
         self.memcached = args.memcached or f"{self.addr[0]}:{self.addr[1]}"
 
     def command(self) -> list[str]:
@@ -362,6 +363,18 @@ class HelperAgent(Agent):
     def announced(self) -> None:
         self.publish(control.read_stats(self.stats_path))
 
+    def note_down(self, stats: dict, why: str) -> None:
+        """After a withdrawal for not serving: the status record again, with the reason, without a lease (the
+        endpoint is gone, so no bucket; ``vfab helpers`` shows why).  The next announce replaces it; the
+        agent's exit deletes it."""
+        rec = schema.HelperStatus(at=time.time(), serves=f"{self.addr[0]}:{self.addr[1]}", pid=self.child.pid,
+                                  stats={k: stats[k] for k in control.SHOWN if k in stats}, down=why)
+        try:
+            self.reg.put(schema.helper_key(self.svc.name, self.args.name), rec.to_json())
+            self.down_noted = True
+        except RegistryError as exc:
+            log.warning("helper %s: reason not written: %s", self.args.name, exc)
+
     def tick(self) -> str | None:
         now = time.monotonic()
         st = control.read_stats(self.stats_path)
@@ -372,8 +385,14 @@ class HelperAgent(Agent):
         if written and not still:
             self.last_change = now
             self.last_stats = st
-            if self.server is None:   # it stalled and was withdrawn: it lives again
-                log.warning("helper %s: its stats advance again after %.1f s: announcing it again",
+            down = control.not_serving(st, self.memcached)
+            if down and self.server is not None:   # alive but cannot serve: give its clients back now
+                self.stalled_at = now
+                self.withdraw(f"mc-helper does not serve: {down}; announced again once it does")
+                self.note_down(st, down)
+                return None
+            if self.server is None and not down:   # it stalled or did not serve, and was withdrawn: it serves again
+                log.warning("helper %s: its stats advance again and it serves, after %.2f s: announcing it again",
                             self.args.name, now - self.stalled_at)
                 try:
                     self.announce()
@@ -396,6 +415,11 @@ class HelperAgent(Agent):
         return None
 
     def cleanup(self) -> None:
+        if self.down_noted and self.server is None:
+            try:
+                self.reg.delete(schema.helper_key(self.svc.name, self.args.name))
+            except RegistryError as exc:
+                log.warning("helper %s: its down record not deleted: %s", self.args.name, exc)
         control.remove_runtime(self.prefix)
         if not self.args.stats_file:   # a stats file of its own choosing: removed with its .tmp
             control.remove_stats(self.stats_path)

@@ -42,7 +42,8 @@ log = logging.getLogger("vfab.helpers")
 SHOWN = ("uptime_ms", "conns", "conns_up", "rx_dgrams", "rx_get", "rx_gets", "rx_keys", "rx_pass", "b_cmds",
          "b_keys", "b_waiters", "b_pass", "batch_S_bytes", "batch_T_ns", "close_size", "close_time", "close_full",
          "close_order", "drop_peers", "drop_noconn", "drop_busy", "tx_nombuf", "tx_drop", "tx_frames",
-         "w_done", "w_abort_miss", "w_abort_drop", "connects", "disconnects", "tcp_bytes_out", "tcp_bytes_in")
+         "w_done", "w_abort_miss", "w_abort_drop", "connects", "disconnects", "tcp_bytes_out", "tcp_bytes_in",
+         "serving", "stalls", "probes", "relay_sent", "relay_replies", "relay_unsafe", "relay_noconn")
 DROPS = ("drop_peers", "drop_noconn", "drop_busy", "tx_nombuf", "tx_drop")
 
 
@@ -108,6 +109,24 @@ def read_stats_after(path: str, t_ns: int, timeout: float = 1.0) -> dict[str, in
             pass
         time.sleep(0.005)
     return read_stats(path)
+
+
+def not_serving(stats: dict, memcached: str = "memcached") -> str | None:
+    """Why mc-helper does not serve, from its stats file (``serving 0``: a connection to memcached is not up or
+    not yet proven by its probe), in words for an operator; None while it serves (or says nothing)."""
+    if stats.get("serving", 1) != 0:
+        return None
+    why = next((k[len("down_why_"):] for k, v in stats.items() if k.startswith("down_why_") and v), "?")
+    words = {"no_answers": f"no answer from {memcached} for {stats.get('down_waited_ms', 0)} ms with commands in "
+                           "flight (its host acknowledged our data: memcached stopped or starved?)",
+             "unacked": f"its leg to {memcached} stalled: no answer for {stats.get('down_waited_ms', 0)} ms and "
+                        f"{stats.get('down_unacked_bytes', 0)} B not acknowledged (TCP back-off "
+                        f"{stats.get('down_backoff', 0)}): the link or memcached's host",
+             "probe": f"{memcached} did not answer the probe after connecting within the stall bound",
+             "connect": f"cannot connect to {memcached}", "closed": f"{memcached} closed the connection",
+             "proto": f"{memcached}'s answer did not parse (see err_* in the stats file)"}
+    return (f"{stats.get('conns_down', 0)} of {stats.get('conns', 0)} connection(s) down: "
+            f"{words.get(why, why)}; reconnecting")
 
 
 def summary(stats: dict) -> dict:
@@ -348,14 +367,15 @@ def report(reg: Registry, service: str) -> dict:
         live = [h for h in r.helpers if h in eps and h in st]
         held = [{"lo": h.lo, "hi": h.hi, "what": what, "at": at} for h, what, at in holds if h.overlaps(r.range)]
         ranges.append({"lo": r.lo, "hi": r.hi, "owner": r.owner, "epoch": r.epoch, "held": held,
-                       "helpers": [{"name": h, "live": h in live, "weight": r.weight(h) if h in live else 0}
-                                   for h in r.helpers],
+                       "helpers": [{"name": h, "live": h in live, "weight": r.weight(h) if h in live else 0,
+                                    "down": h not in eps and h in st and bool(st[h].down)} for h in r.helpers],
                        "path": "helpers" if live else ("owner" if r.owner else "none")})
     helpers = []
     for name in sorted(set(st) | named):
         rec = st.get(name)
         ep = eps.get(name)
         helpers.append({"name": name, "live": rec is not None and ep is not None,
+                        "down": rec.down if rec is not None and ep is None else "",
                         "mac": ep.mac if ep else None, "host": ep.host if ep else None,
                         "serves": rec.serves if rec else None, "pid": rec.pid if rec else None,
                         "age_s": round(now - rec.at, 1) if rec else None,

@@ -640,3 +640,20 @@ def test_runner_reads_etcd_every_etcd_every_and_the_helpee_every_period(registry
                        helpers=("h1",), weights=(100,)))
     obs = run.observe(run.services[0], clock["t"], [])
     assert reads[-1] == 1000.32 and obs.ranges[0].helpers == ("h1",)
+
+
+def test_a_withdrawn_helper_that_does_not_serve_is_named_with_its_reason(tmp_path):
+    """Issue 43: a helper whose agent withdrew it because its leg to memcached stalled is in the balancer's
+    problems with the reason from its stats file; a stats file that says it serves adds nothing."""
+    from vfab.controller.balancer_run import helper_down
+
+    path = tmp_path / "h1.stats"
+    path.write_text("serving 0\nconns_down 1\ndown_why_unacked 1\ndown_waited_ms 52\n")
+    problems: list[str] = []
+    helper_down("h1", str(path), problems)
+    assert problems == ["helper h1 does not serve (unacked: 1 connection(s) to memcached down, the oldest command "
+                        "waited 52 ms); withdrawn by its agent until it serves again"]
+    path.write_text("serving 1\n")
+    helper_down("h1", str(path), problems)
+    helper_down("h1", str(tmp_path / "missing"), problems)
+    assert len(problems) == 1

@@ -115,6 +115,23 @@ def test_status_shows_stats_and_dead_helpers(run, registry, mc):
     assert res.exit_code == 0 and "h2 (DEAD)" in res.output, res.output
 
 
+def test_a_helper_withdrawn_for_not_serving_shows_down_and_why(run, registry, mc):
+    """Issue 43: an agent that withdrew its helper because its leg to memcached stalled leaves its status without
+    a lease, with the reason; ``vfab helpers`` shows it DOWN with that reason, and it is no live helper."""
+    control.set_helpers(registry, "mc", None, ["h1", "h2"])
+    registry.revoke(mc["h2"])
+    why = "1 of 1 connection(s) down: its leg to 10.0.0.1:11211 stalled; reconnecting"
+    registry.put(schema.helper_key("mc", "h2"), schema.HelperStatus(at=1.0, serves="10.0.0.1:11211", pid=7,
+                                                                    stats=STATS, down=why).to_json())
+    assert control.live_helpers(registry, "mc") == ["h1"]
+    res = run("helpers", "mc")
+    assert res.exit_code == 0, res.output
+    assert "h2 (DOWN)" in res.output and f"h2 does not serve (withdrawn by its agent): {why}" in res.output, \
+        res.output
+    h2 = next(h for h in control.report(registry, "mc")["helpers"] if h["name"] == "h2")
+    assert (h2["live"], h2["down"]) == (False, why)
+
+
 def test_balancer_hooks(registry, mc):
     changes = control.apply_decision(registry, {"service": "mc", "range": [0, 0xFFF], "helpers": ["h1"],
                                                 "weights": [100]})

@@ -188,6 +188,25 @@ def test_forged_replies_from_the_services_address_are_dropped_and_counted():
     assert fab.drop_count() == 2
 
 
+def test_the_services_own_hosts_reach_its_address_past_its_udp_door():
+    """Issue 43: a helper relays what it does not batch to the service's address over UDP; from a host carrying
+    an endpoint of the service (its owner, its helpers) that goes to the address as plain traffic, never back
+    through the door into the range's route (a helper's own key could be steered to the helpers again, or to
+    itself).  Clients are still classified; a DHCP door is not changed by this."""
+    _, _, fab = build(doors=[{"kind": "udp", "ip": "10.0.0.100", "port": 11211}])
+    req = dict(ip_proto=UDP, udp_src=40000, udp_dst=11211, ipv4_dst=SVC_IP)
+    for ep in ("e1", "e2", "e3"):
+        mac, dpid, port, _ = OWNERS[ep]
+        assert fab.inject(dpid, port, mac, BCAST, IPV4, ipv4_src=0x0A000042, **req) == [(dpid, "NORMAL", BCAST)]
+    src_ip = 0x0A000005
+    assert dhcp_from(fab, "c3", **req, ipv4_src=src_ip) == [owner_delivery(src_ip & 0xFFFFFF)]
+    # a DHCP door (not source-guarded) keeps its flows on every host port, its servers' included
+    st, cfg, _ = build()
+    doors = {dict((n, v) for n, v, _ in f.match)["in_port"] for sw in (S1, S2) for f in cfg[sw].flows.values()
+             if split_cookie(f.cookie)[0] == Kind.FRONTDOOR}
+    assert {OWNERS[e][2] for e in OWNERS} <= doors
+
+
 def test_guard_flows_sit_on_host_ports_without_a_server_and_follow_the_endpoints():
     st, cfg, _ = build()
     for sw in (S1, S2):

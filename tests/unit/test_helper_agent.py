@@ -33,13 +33,17 @@ def agent(tmp_path) -> tuple[HelperAgent, list]:
         events.append(("announce",))
         a.server = "announced"
 
-    a.withdraw, a.announce = withdraw, announce
+    def note_down(stats: dict, why: str) -> None:
+        events.append(("note_down", why))
+
+    a.withdraw, a.announce, a.note_down, a.memcached = withdraw, announce, note_down, "10.0.0.1:11211"
     return a, events
 
 
-def write(a: HelperAgent, uptime: int, loops: int, per_lcore: list[int] | None = None) -> None:
+def write(a: HelperAgent, uptime: int, loops: int, per_lcore: list[int] | None = None,
+          extra: tuple[str, ...] = ()) -> None:
     """The file as an older mc-helper wrote it (``loops``, the sum, only), or with ``per_lcore`` counters."""
-    lines = [f"uptime_ms {uptime}", f"loops {loops if per_lcore is None else sum(per_lcore)}", "conns 1"]
+    lines = [f"uptime_ms {uptime}", f"loops {loops if per_lcore is None else sum(per_lcore)}", "conns 1", *extra]
     if per_lcore is not None:
         lines += [f"lcores {len(per_lcore)}"] + [f"lcore_{i}_loops {n}" for i, n in enumerate(per_lcore)]
     with open(a.stats_path, "w") as fh:
@@ -225,3 +229,37 @@ def test_an_agent_killed_but_not_yet_reaped_counts_as_gone(tmp_path):
     finally:
         p.kill()
         p.wait()
+
+
+STALLED = ("serving 0", "conns_down 1", "down_why_unacked 1", "down_waited_ms 51", "down_unacked_bytes 139264",
+           "down_backoff 3")
+
+
+def test_a_helper_that_says_it_does_not_serve_is_withdrawn_at_its_first_report_and_comes_back(tmp_path):
+    """Issue 43: mc-helper alive and looping but its leg to memcached stalled (``serving 0``): the agent withdraws
+    it at the first file that says so (not after --stale s), writes why, and announces it again at the first
+    file that says it serves."""
+    a, events = agent(tmp_path)
+    write(a, 10, 500, extra=("serving 1",))
+    a.tick()
+    assert events == []
+    write(a, 20, 1000, extra=STALLED)
+    a.tick()
+    assert [e[0] for e in events] == ["withdraw", "note_down"], events
+    assert "139264 B not acknowledged" in events[0][1] and "10.0.0.1:11211" in events[0][1], events
+    write(a, 30, 1500, extra=STALLED)
+    a.tick()
+    assert len(events) == 2, "withdrawn once, not again while it stays down"
+    write(a, 40, 2000, extra=("serving 1",))
+    a.tick()
+    assert events[2:] == [("announce",)], events
+
+
+def test_not_serving_says_why_in_words_and_none_while_serving():
+    from vfab.services.memcached_helper.control import not_serving
+
+    assert not_serving({}) is None and not_serving({"serving": 1}) is None
+    why = not_serving({"serving": 0, "conns": 2, "conns_down": 1, "down_why_no_answers": 1, "down_waited_ms": 50},
+                      "mc:11211")
+    assert why.startswith("1 of 2 connection(s) down: no answer from mc:11211 for 50 ms"), why
+    assert "cannot connect" in not_serving({"serving": 0, "down_why_connect": 1})

@@ -496,3 +496,27 @@ def test_fuzz_loop_under_sanitizers(tmp_path):
     m = re.search(r"iterations (\d+) seconds ([\d.]+)", res.stdout)
     print(f"mc_fuzz: {res.stdout.strip()} (wall {time.monotonic() - t0:.1f} s)")
     assert m and int(m.group(1)) >= 100_000, res.stdout  # 200,000 unless the 45 s cap hit first
+
+
+@pytest.mark.parametrize("body, safe", [
+    (b"bogus\r\n", True), (b"set k 0 0 3\r\nabcde", True), (b"set k abc 0 3\r\nabc\r\n", True),
+    (b"get k1\r\nget k2\r\n", True), (b"get k1\n", True), (b"get a", True), (b"\r\n", True),
+    (b"set k 0 0 3 bogus\r\nabc\r\n", True), (b"set k 0 0 -1\r\n", True),
+    # memcached would wait for more bytes, taking them from the next datagram of any client
+    (b"set victim 0 0 100\r\nabc\r\n", False), (b"set k 0 0 3\r\nabc", False), (b"set k 0 0 3", False),
+    (b"cas k 0 0 5 1\r\nab\r\n", False), (b"  append   k 0 0 +9\r\nx\r\n", False),
+    (b"get k1\r\nset v 0 0 50\r\nab\r\n", False), (b"set big 0 0 2000000\r\n" + bytes(100), False),
+    (b"set k 0 0 99999999999999999999\r\n", False),
+    # commands helpers never forward: meta set's data block, watch/lru_crawler streams, shutdown
+    (b"ms k 100\r\nab", False), (b"get a\r\nwatch\r\n", False), (b"shutdown\r\n", False),
+    (b"\x80\x00\x00\x05" + bytes(20), False),
+])
+def test_relay_safety_keeps_memcacheds_shared_parser_out_of_waiting(drv, body, safe):
+    """Issue 43: what the parser rejects is relayed to memcached's UDP port only when memcached is done with the
+    datagram at its end (see mch_req_relay_safe)."""
+    assert drv.cmd("relay " + dg(body).hex()) == ["SAFE" if safe else "UNSAFE"]
+
+
+def test_relay_safety_refuses_what_memcached_drops_itself(drv):
+    assert drv.cmd("relay " + dg(b"get a\r\n", total=2).hex()) == ["UNSAFE"]
+    assert drv.cmd("relay " + hdr().hex()) == ["UNSAFE"] and drv.cmd("relay 0001") == ["UNSAFE"]

@@ -492,15 +492,19 @@ class BalancerStatus(Record):
 class HelperStatus(Record):
     """What a PostMan helper's agent reports (services/memcached-helper/agent.py), under the lease of the
     helper's endpoint: ``serves`` the service address it answers for (ip:port), ``pid`` its fast path's,
-    ``stats`` numbers from its stats file (S, T, batches, keys, drops, ...), ``at`` when they were read."""
+    ``stats`` numbers from its stats file (S, T, batches, keys, drops, ...), ``at`` when they were read.
+    ``down``: why it does not serve now (its leg to memcached stalled, ...); such a record is written without
+    the lease, after the endpoint was withdrawn, so operators see the reason (issue 43)."""
 
     KIND: ClassVar[str] = "helper"
     at: float
     serves: str = ""
     pid: int = 0
     stats: dict = field(default_factory=dict)
+    down: str = ""
 
     def __post_init__(self) -> None:
+        _need("helper", "down", self.down, str)
         _need("helper", "at", self.at, (int, float))
         _need("helper", "serves", self.serves, str)
         _need("helper", "pid", self.pid, int)

@@ -1172,3 +1172,86 @@ const char *mch_cmd_name(int cmd)
 			return mch_cmds[i].name;
 	return "none";
 }
+
+/* ------------------------------------------------------------ relay safety */
+
+/*
+ * If p[0, n) starts like a storage command ("set", "add", "replace", "append",
+ * "prepend", "cas") with a length token (the 5th), the length memcached would
+ * read it as (strtol-like: sign and leading digits; a value it would refuse
+ * counts anyway, to err on the safe side, except a negative one, refused before
+ * any data is read); -1 otherwise.
+ */
+static int64_t storage_len(const uint8_t *p, uint32_t n)
+{
+	static const char *const cmds[] = {"set", "add", "replace", "append", "prepend", "cas"};
+	uint32_t i = 0, t = 0, s, k;
+	int64_t v = -1;
+
+	while (i < n && t <= 4u) {
+		while (i < n && p[i] == ' ')
+			i++;
+		s = i;
+		while (i < n && p[i] != ' ' && p[i] != '\r')
+			i++;
+		if (i == s)
+			break;
+		if (t == 0) {
+			for (k = 0; k < sizeof(cmds) / sizeof(cmds[0]); k++)
+				if (bytes_eq(p + s, i - s, cmds[k]))
+					break;
+			if (k == sizeof(cmds) / sizeof(cmds[0]))
+				return -1;
+		} else if (t == 4u) {
+			int neg = 0;
+
+			while (s < i && (p[s] == '+' || p[s] == '\t' || p[s] == '\v' || p[s] == '\f'))
+				s++;
+			if (s < i && p[s] == '-') {
+				neg = 1;
+				s++;
+			}
+			for (v = 0; s < i && p[s] >= '0' && p[s] <= '9' && v <= (int64_t)MCH_ITEM_MAX * 4; s++)
+				v = v * 10 + (p[s] - '0');
+			if (neg) /* memcached refuses a negative length before reading any data */
+				return v > 0 ? -1 : 0;
+			return s < i && p[s] >= '0' && p[s] <= '9' ? (int64_t)MCH_ITEM_MAX * 4 : v;
+		}
+		t++;
+	}
+	return -1;
+}
+
+int mch_req_relay_safe(const uint8_t *dg, size_t len)
+{
+	const uint8_t *p, *end, *nl;
+
+	if (len <= MCH_UDP_HDR || len > MCH_DGRAM_MAX || be16(dg + 4) != 1 || dg[MCH_UDP_HDR] == 0x80)
+		return 0;
+	p = dg + MCH_UDP_HDR;
+	end = dg + len;
+	while (p < end) {
+		int64_t need;
+
+		const uint8_t *w = p;
+		uint32_t wl = 0;
+
+		nl = memchr(p, '\n', (size_t)(end - p));
+		while (w < (nl ? nl : end) && *w == ' ')
+			w++;
+		while (w + wl < (nl ? nl : end) && w[wl] != ' ' && w[wl] != '\r')
+			wl++;
+		/* commands helpers do not forward: a meta set's data block, a watch or lru_crawler
+		 * turning the shared UDP connection into a stream, shutdown: never relayed either */
+		if (cmd_unsupported(w, wl))
+			return 0;
+		need = storage_len(p, (uint32_t)((nl ? nl : end) - p));
+		if (need >= 0 && (need + 2 > (int64_t)MCH_ITEM_MAX || nl == NULL ||
+				  (int64_t)(end - nl - 1) < need + 2))
+			return 0;
+		if (nl == NULL)
+			break;
+		p = nl + 1;
+	}
+	return 1;
+}

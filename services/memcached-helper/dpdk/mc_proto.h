@@ -195,6 +195,18 @@ static inline const uint8_t *mch_req_key(const struct mch_req *r, uint32_t i, ui
 	return r->dg + s->off;
 }
 
+/*
+ * A datagram the parser rejected may still be one memcached answers (ERROR,
+ * CLIENT_ERROR ..., several commands): the helper relays such datagrams to
+ * memcached's UDP port as they are (issue 43).  This says whether that is safe:
+ * 1 when memcached's shared UDP parser is done with the datagram at its end —
+ * every line that starts like a storage command has its declared length + CRLF
+ * inside the datagram and within the item limit — and it is not binary or
+ * multi-datagram (memcached drops those); 0 otherwise (then it is dropped, as
+ * memcached would leave other clients' datagrams swallowed).
+ */
+int mch_req_relay_safe(const uint8_t *dg, size_t len);
+
 /* ---- 2. coalescer ---- */
 
 /*

@@ -18,6 +18,7 @@
  *                           FED or ERR <error>
  *   abort                   DG / DONE lines, then ABORTED
  *   counters                C <name> <value> lines
+ *   relay <dg>              SAFE or UNSAFE (mch_req_relay_safe)
  *
  * Everything lives in one context passed around; no globals.
  */
@@ -313,8 +314,13 @@ static void dispatch(struct drv *d, char *line)
 	else if (!strcmp(line, "abort")) {
 		mch_split_abort(&d->sp);
 		puts("ABORTED");
-	} else if (!strcmp(line, "counters"))
+	} else if (!strcmp(line, "counters")) {
 		cmd_counters(d);
+	} else if (!strcmp(line, "relay")) {
+		long n = unhex(d, arg);
+
+		puts(n >= 0 && mch_req_relay_safe(d->buf, (size_t)n) ? "SAFE" : "UNSAFE");
+	}
 	else
 		puts("BADCMD");
 }

@@ -36,7 +36,12 @@ static const struct mch_opt mch_opts[] = {
 	{"t-min", OPT_U32, F(t_min), 0, 1, 1000000, "US  lower bound of T (10, the paper's)"},
 	{"t-max", OPT_U32, F(t_max), 0, 1, 1000000, "US  upper bound of T (200)"},
 	{"idle-us", OPT_U32, F(idle_us), 0, 0, 100000,
-	 "US  when idle, sleep up to this long (0: busy poll, the default)"},
+	 "US  when idle, sleep this long (0: busy poll; default 20)"},
+	{"idle-max-us", OPT_U32, F(idle_max_us), 0, 0, 100000,
+	 "US  idle sleeps in a row double up to this (default 2000; an answer wakes at once)"},
+	{"stall-ms", OPT_U32, F(stall_ms), 0, 5, 60000,
+	 "MS  a connection with commands in flight and no answer for this long is failed and "
+	 "reconnected, its clients answered as after a lost connection (default 50)"},
 	{"mbufs", OPT_U32, F(mbufs), 0, 512, 1u << 20, "N  mbufs in the pool (4095)"},
 	{"peers", OPT_U32, F(peers), 0, 64, 1u << 20,
 	 "N  client requests that may wait per lcore (16384)"},
@@ -67,6 +72,9 @@ static void defaults(struct mch_cfg *c)
 	c->peers = 16384;
 	c->stats_ms = 200;
 	c->retry_ms = 100;
+	c->idle_us = 20;
+	c->idle_max_us = 2000;
+	c->stall_ms = 50;
 }
 
 static int fail(char *err, size_t errlen, const char *fmt, ...)
@@ -170,6 +178,8 @@ static int check_all(struct mch_cfg *c, int have_mc, char *err, size_t errlen)
 	if (c->s_init < c->s_min || c->s_init > c->s_max)
 		return fail(err, errlen, "--s-init %u is outside --s-min..--s-max (%u..%u)",
 			    c->s_init, c->s_min, c->s_max);
+	if (c->idle_max_us < c->idle_us)
+		c->idle_max_us = c->idle_us;
 	if (c->t_init < c->t_min || c->t_init > c->t_max)
 		return fail(err, errlen, "--t-init %u is outside --t-min..--t-max (%u..%u)",
 			    c->t_init, c->t_min, c->t_max);
@@ -239,8 +249,8 @@ void mch_cfg_describe(const struct mch_cfg *c, char *out, size_t len)
 	inet_ntop(AF_INET, &c->mc_ip, mc, sizeof(mc));
 	snprintf(out, len,
 		 "service %s:%u memcached %s:%u conns %u S %u [%u, %u] B T %u [%u, %u] us "
-		 "idle %u us mbufs %u peers %u%s%s",
+		 "idle %u..%u us stall %u ms mbufs %u peers %u%s%s",
 		 svc, ntohs(c->svc_port), mc, ntohs(c->mc_port), c->conns, c->s_init, c->s_min,
-		 c->s_max, c->t_init, c->t_min, c->t_max, c->idle_us, c->mbufs, c->peers,
+		 c->s_max, c->t_init, c->t_min, c->t_max, c->idle_us, c->idle_max_us, c->stall_ms, c->mbufs, c->peers,
 		 c->any_mac ? " any-mac" : "", c->no_order ? " NO-ORDER(test)" : "");
 }

@@ -22,6 +22,8 @@ struct mch_cfg {
 	uint32_t s_init, s_min, s_max; /* batch size S, bytes of command line */
 	uint32_t t_init, t_min, t_max; /* batch interval T, microseconds */
 	uint32_t idle_us;   /* sleep this long when idle (0: busy poll) */
+	uint32_t idle_max_us; /* ... doubling per idle sleep in a row up to this (back-off) */
+	uint32_t stall_ms;  /* a leg with commands in flight and no answer this long is reconnected */
 	uint32_t mbufs;     /* mbufs in the pool */
 	uint32_t peers;     /* client requests waiting per lcore */
 	uint32_t stats_ms;  /* stats file period */

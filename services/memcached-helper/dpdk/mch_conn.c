@@ -10,11 +10,15 @@
 
 #include <errno.h>
 #include <netinet/in.h>
+#include <linux/sockios.h>
 #include <netinet/tcp.h>
+#include <sys/ioctl.h>
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdio.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "mch_worker.h"
@@ -30,7 +34,8 @@ static void on_dgram(void *arg, uint32_t client, const uint8_t *dg, uint32_t len
 {
 	struct mch_conn *c = arg;
 
-	mch_worker_reply(c->w, client, dg, len);
+	if (client != MCH_PROBE_CLIENT)
+		mch_worker_reply(c->w, client, dg, len);
 }
 
 static void on_done(void *arg, struct mch_batch *b)
@@ -38,10 +43,23 @@ static void on_done(void *arg, struct mch_batch *b)
 	struct mch_conn *c = arg;
 	uint32_t i;
 
-	for (i = 0; i < b->nwaiters; i++)
-		mch_worker_peer_put(c->w, b->w[i].client);
+	for (i = 0; i < b->nwaiters; i++) {
+		if (b->w[i].client != MCH_PROBE_CLIENT) {
+			mch_worker_peer_put(c->w, b->w[i].client);
+		} else if (!c->aborting && c->state == MCH_CONN_PROBING) {
+			/* memcached answered: it serves; clients may come */
+			c->state = MCH_CONN_UP;
+			c->c.probes++;
+			c->c.connects++;
+			c->retry_cur_ms = c->w->cfg->retry_ms;
+			c->last_send = c->progress_at;
+		}
+	}
 	c->pool[c->npool++] = b;
 }
+
+/* The probe: a `version` command, answered by any memcached that serves. */
+static const uint8_t probe_dg[] = "\0\0\0\0\0\1\0\0version\r\n";
 
 /* ---------------------------------------------------------------- set-up */
 
@@ -58,6 +76,8 @@ int mch_conn_init(struct mch_conn *c, struct mch_worker *w, uint32_t id)
 	c->hz = w->hz;
 	c->read_gap_lo = (uint64_t)MCH_READ_GAP_MIN_NS * c->hz / 1000000000u;
 	c->read_gap_hi = (uint64_t)MCH_READ_GAP_MAX_NS * c->hz / 1000000000u;
+	c->stall_ticks = (uint64_t)cfg->stall_ms * c->hz / 1000u;
+	c->retry_cur_ms = cfg->retry_ms;
 	c->out = malloc(MCH_CONN_OUT);
 	c->in = malloc(MCH_CONN_IN);
 	if (!c->out || !c->in)
@@ -96,8 +116,9 @@ void mch_conn_free(struct mch_conn *c)
  * Lost or broken connection: answer what waits (see mch_split_abort: END
  * for coalesced gets, nothing for forwarded commands), the open batch too.
  */
-static void conn_fail(struct mch_conn *c, uint64_t now)
+static void conn_fail(struct mch_conn *c, uint64_t now, int why)
 {
+	c->aborting = 1;
 	mch_split_abort(&c->sp);
 	if (c->open) {
 		if (c->open->nwaiters > 0 && mch_split_push(&c->sp, c->open) == 0)
@@ -106,6 +127,11 @@ static void conn_fail(struct mch_conn *c, uint64_t now)
 			c->pool[c->npool++] = c->open;
 		c->open = NULL;
 	}
+	c->aborting = 0;
+	c->why = (uint8_t)why;
+	c->down_tsc = now;
+	if (why != MCH_DOWN_NO_ANSWERS && why != MCH_DOWN_UNACKED && why != MCH_DOWN_PROBE)
+		c->why_unacked = c->why_backoff = c->why_waited_ms = 0;
 	memset(c->open_filter, 0, sizeof(c->open_filter));
 	if (c->fd >= 0)
 		close(c->fd);
@@ -116,7 +142,18 @@ static void conn_fail(struct mch_conn *c, uint64_t now)
 		c->c.connect_fails++;
 	c->state = MCH_CONN_DOWN;
 	c->out_head = c->out_tail = 0;
-	c->retry_at = now + (uint64_t)c->w->cfg->retry_ms * c->hz / 1000u;
+	/* the first retry after --retry-ms; while it keeps failing, back off up to MCH_RETRY_MAX_MS */
+	c->retry_at = now + (uint64_t)c->retry_cur_ms * c->hz / 1000u;
+	c->retry_cur_ms = c->retry_cur_ms * 2u < MCH_RETRY_MAX_MS ? c->retry_cur_ms * 2u : MCH_RETRY_MAX_MS;
+	if (c->retry_cur_ms < c->w->cfg->retry_ms)
+		c->retry_cur_ms = c->w->cfg->retry_ms;
+}
+
+/* The first command in flight starts the answer clock (see mch_conn_state). */
+static void pushed(struct mch_conn *c, uint64_t now)
+{
+	if (mch_split_pending(&c->sp) == 1)
+		c->progress_at = now;
 }
 
 /* ------------------------------------------------------------ output buffer */
@@ -152,7 +189,7 @@ static int out_flush(struct mch_conn *c)
 }
 
 /* Read and split answers; work done (1), nothing (0), error/EOF (-1). */
-static int in_poll(struct mch_conn *c)
+static int in_poll(struct mch_conn *c, uint64_t now)
 {
 	int did = 0;
 	uint32_t i;
@@ -163,9 +200,10 @@ static int in_poll(struct mch_conn *c)
 		c->c.reads++;
 		if (n > 0) {
 			did = 1;
+			c->progress_at = now;
 			c->c.bytes_in += (uint64_t)n;
 			if (mch_split_feed(&c->sp, c->in, (size_t)n) != MCH_ERR_NONE)
-				return -1;
+				return -2;
 			if ((uint32_t)n < MCH_CONN_IN)
 				break;
 			continue;
@@ -211,6 +249,7 @@ static int close_open(struct mch_conn *c, uint64_t now, int why)
 	if (n == 0 || mch_split_push(&c->sp, b) != 0)
 		return -1; /* cannot happen: room and queue were checked */
 	c->out_tail += (uint32_t)n;
+	pushed(c, now);
 	c->open = NULL;
 	memset(c->open_filter, 0, sizeof(c->open_filter));
 	c->c.get_cmds++;
@@ -282,6 +321,7 @@ int mch_conn_pass(struct mch_conn *c, const struct mch_req *r, uint32_t slot, ui
 		return MCH_CDROP_BIG;
 	}
 	c->out_tail += (uint32_t)n;
+	pushed(c, now);
 	c->c.pass_cmds++;
 	return MCH_CDROP_NONE;
 }
@@ -304,6 +344,14 @@ uint64_t mch_conn_due_in(const struct mch_conn *c, uint64_t now)
 
 	if (c->open == NULL || c->open->nwaiters == 0)
 		return UINT64_MAX;
+	/*
+	 * A batch that cannot be closed (every slot in flight, or no room in the output
+	 * buffer) is not due: the loop waits for answers (POLLIN wakes it), it does not
+	 * spin on it.
+	 */
+	if (mch_split_pending(&c->sp) >= MCH_SPLIT_QUEUE ||
+	    MCH_CONN_OUT - c->out_tail + c->out_head < MCH_GET_LINE_MAX)
+		return UINT64_MAX;
 	waited = now - c->last_send;
 	return waited >= c->ad.T ? 0 : c->ad.T - waited;
 }
@@ -312,7 +360,7 @@ int mch_conn_poll(struct mch_conn *c, uint64_t now)
 {
 	int did = 0, rc;
 
-	if (c->state != MCH_CONN_UP)
+	if (c->state != MCH_CONN_UP && c->state != MCH_CONN_PROBING)
 		return 0;
 	if (c->open && c->open->nwaiters > 0) {
 		struct mch_batch *b = c->open;
@@ -323,16 +371,19 @@ int mch_conn_poll(struct mch_conn *c, uint64_t now)
 			did |= close_open(c, now, WHY_TIME) == 0;
 	}
 	if (c->out_tail > c->out_head) {
+		uint64_t sent = c->c.bytes_out;
+
 		if (out_flush(c) < 0) {
-			conn_fail(c, now);
+			conn_fail(c, now, MCH_DOWN_CLOSED);
 			return 1;
 		}
-		did = 1;
+		/* a full socket buffer (a stalled leg) is no work done: the loop may sleep */
+		did |= c->c.bytes_out != sent;
 	}
 	if (mch_split_pending(&c->sp) > 0 && (int64_t)(now - c->read_at) >= 0) {
-		rc = in_poll(c);
+		rc = in_poll(c, now);
 		if (rc < 0) {
-			conn_fail(c, now);
+			conn_fail(c, now, rc == -2 ? MCH_DOWN_PROTO : MCH_DOWN_CLOSED);
 			return 1;
 		}
 		did |= rc;
@@ -343,6 +394,33 @@ int mch_conn_poll(struct mch_conn *c, uint64_t now)
 
 /* ----------------------------------------------------------- slow path */
 
+/* Connected: send the probe first; clients are taken once it is answered (on_done). */
+static void start_probe(struct mch_conn *c, uint64_t now)
+{
+	static struct mch_req probe;
+	static struct mch_counters scratch;
+	struct mch_batch *b;
+	size_t n;
+
+	if (probe.len == 0 && mch_req_parse(&probe, probe_dg, sizeof(probe_dg) - 1, &scratch) != MCH_REJ_OK)
+		probe.len = 0;
+	c->state = MCH_CONN_PROBING;
+	if (probe.len == 0 || c->npool == 0) {
+		conn_fail(c, now, MCH_DOWN_PROBE); /* cannot happen: a fresh connection has every batch */
+		return;
+	}
+	b = c->pool[--c->npool];
+	n = mch_pass_encode(b, &probe, MCH_PROBE_CLIENT, c->out + c->out_tail,
+			    MCH_CONN_OUT - c->out_tail, &scratch);
+	if (n == 0 || mch_split_push(&c->sp, b) != 0) {
+		c->pool[c->npool++] = b;
+		conn_fail(c, now, MCH_DOWN_PROBE);
+		return;
+	}
+	c->out_tail += (uint32_t)n;
+	pushed(c, now);
+}
+
 static void start_connect(struct mch_conn *c, uint64_t now)
 {
 	const struct mch_cfg *cfg = c->w->cfg;
@@ -351,7 +429,7 @@ static void start_connect(struct mch_conn *c, uint64_t now)
 
 	c->fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
 	if (c->fd < 0) {
-		conn_fail(c, now);
+		conn_fail(c, now, MCH_DOWN_CONNECT);
 		return;
 	}
 	setsockopt(c->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -360,15 +438,12 @@ static void start_connect(struct mch_conn *c, uint64_t now)
 	sa.sin_addr.s_addr = cfg->mc_ip;
 	sa.sin_port = cfg->mc_port;
 	c->conn_start = now;
-	if (connect(c->fd, (struct sockaddr *)&sa, sizeof(sa)) == 0) {
-		c->state = MCH_CONN_UP;
-		c->c.connects++;
-		c->last_send = now;
-	} else if (errno == EINPROGRESS) {
+	if (connect(c->fd, (struct sockaddr *)&sa, sizeof(sa)) == 0)
+		start_probe(c, now);
+	else if (errno == EINPROGRESS)
 		c->state = MCH_CONN_CONNECTING;
-	} else {
-		conn_fail(c, now);
-	}
+	else
+		conn_fail(c, now, MCH_DOWN_CONNECT);
 }
 
 static void check_connect(struct mch_conn *c, uint64_t now)
@@ -378,17 +453,48 @@ static void check_connect(struct mch_conn *c, uint64_t now)
 	socklen_t el = sizeof(err);
 
 	if (poll(&p, 1, 0) <= 0) {
-		if (now - c->conn_start > (uint64_t)MCH_CONNECT_TIMEOUT_MS * c->hz / 1000u)
-			conn_fail(c, now);
+		/* a leg that drops the SYN: try afresh after 4 stall bounds, not the kernel's 1 s SYN timer */
+		if (now - c->conn_start > 4u * c->stall_ticks ||
+		    now - c->conn_start > (uint64_t)MCH_CONNECT_TIMEOUT_MS * c->hz / 1000u)
+			conn_fail(c, now, MCH_DOWN_CONNECT);
 		return;
 	}
 	if (getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0 || err != 0) {
-		conn_fail(c, now);
+		conn_fail(c, now, MCH_DOWN_CONNECT);
 		return;
 	}
-	c->state = MCH_CONN_UP;
-	c->c.connects++;
-	c->last_send = now;
+	start_probe(c, now);
+}
+
+/*
+ * No answer for --stall-ms while commands are in flight: say why (TCP_INFO tells a
+ * leg whose data is not even acknowledged from a memcached that does not answer),
+ * fail the connection (its waiters are answered at once) and reconnect.
+ */
+static void check_stall(struct mch_conn *c, uint64_t now)
+{
+	struct tcp_info ti;
+	socklen_t tl = sizeof(ti);
+	int outq = 0, why = c->state == MCH_CONN_PROBING ? MCH_DOWN_PROBE : MCH_DOWN_NO_ANSWERS;
+
+	if (mch_split_pending(&c->sp) == 0 || now - c->progress_at <= c->stall_ticks)
+		return;
+	c->why_unacked = 0;
+	c->why_backoff = 0;
+	memset(&ti, 0, sizeof(ti));
+	/* bytes in the send queue, not yet acknowledged by memcached's host (sent or not) */
+	if (ioctl(c->fd, SIOCOUTQ, &outq) != 0 || outq < 0)
+		outq = 0;
+	c->why_unacked = (uint32_t)outq;
+	if (getsockopt(c->fd, IPPROTO_TCP, TCP_INFO, &ti, &tl) == 0) {
+		c->why_backoff = ti.tcpi_backoff;
+		if (why == MCH_DOWN_NO_ANSWERS && outq > 0 &&
+		    ti.tcpi_last_ack_recv >= c->w->cfg->stall_ms)
+			why = MCH_DOWN_UNACKED;
+	}
+	c->why_waited_ms = (uint32_t)((now - c->progress_at) * 1000u / c->hz);
+	c->c.stalls++;
+	conn_fail(c, now, why);
 }
 
 void mch_conn_tick(struct mch_conn *c, uint64_t now)
@@ -403,14 +509,29 @@ void mch_conn_tick(struct mch_conn *c, uint64_t now)
 		break;
 	default:
 		/* notice EOF or unsolicited bytes while nothing is due */
-		if (mch_split_pending(&c->sp) == 0 && in_poll(c) < 0)
-			conn_fail(c, now);
+		if (mch_split_pending(&c->sp) == 0) {
+			int rc = in_poll(c, now);
+
+			if (rc < 0)
+				conn_fail(c, now, rc == -2 ? MCH_DOWN_PROTO : MCH_DOWN_CLOSED);
+		} else {
+			check_stall(c, now);
+		}
 		break;
 	}
 }
 
 void mch_conn_close(struct mch_conn *c)
 {
-	conn_fail(c, 0);
+	conn_fail(c, 0, c->why);
 	c->state = MCH_CONN_DOWN;
+}
+
+const char *mch_down_name(int why)
+{
+	static const char *const n[MCH_DOWN__COUNT] = {
+		"none", "no_answers", "unacked", "probe", "connect", "closed", "proto",
+	};
+
+	return why >= 0 && why < MCH_DOWN__COUNT ? n[why] : "?";
 }

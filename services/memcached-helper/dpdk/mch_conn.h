@@ -29,10 +29,36 @@
 #define MCH_CONN_BATCHES (MCH_SPLIT_QUEUE + 1u) /* in flight + the open one */
 #define MCH_CONN_OUT     (1u << 20)             /* output buffer bytes */
 #define MCH_CONN_IN      (64u << 10)            /* one recv */
+#define MCH_RETRY_MAX_MS 500u                   /* reconnect back-off bound */
+#define MCH_PROBE_CLIENT UINT32_MAX             /* the probe's waiter: no client */
 
 struct mch_worker;
 
-enum mch_conn_state { MCH_CONN_DOWN = 0, MCH_CONN_CONNECTING = 1, MCH_CONN_UP = 2 };
+/*
+ * DOWN -> CONNECTING -> PROBING -> UP.  PROBING: connected, a `version` sent
+ * ahead of any client request; only its answer proves memcached serves (a
+ * stopped memcached still completes the handshake: the kernel does).  A
+ * connection that is UP or PROBING and has commands in flight must see
+ * answer bytes within --stall-ms, or it is failed (waiters answered as after
+ * a lost connection) and reconnected: a stalled leg never holds clients.
+ */
+enum mch_conn_state {
+	MCH_CONN_DOWN = 0, MCH_CONN_CONNECTING = 1, MCH_CONN_UP = 2, MCH_CONN_PROBING = 3
+};
+
+/* why a connection last went down (stats file: conn_*_why, down_reason) */
+enum mch_down {
+	MCH_DOWN_NONE = 0,
+	MCH_DOWN_NO_ANSWERS,  /* commands in flight, no answer byte for --stall-ms, data acknowledged */
+	MCH_DOWN_UNACKED,     /* ... and memcached's host has not acknowledged our data either */
+	MCH_DOWN_PROBE,       /* the probe after connecting was not answered in --stall-ms */
+	MCH_DOWN_CONNECT,     /* connect refused, failed or timed out */
+	MCH_DOWN_CLOSED,      /* EOF or a socket error */
+	MCH_DOWN_PROTO,       /* memcached's answer did not parse (enum mch_err) */
+	MCH_DOWN__COUNT
+};
+
+const char *mch_down_name(int why);
 
 /* why a request could not be queued */
 enum mch_conn_drop {
@@ -45,6 +71,8 @@ enum mch_conn_drop {
 struct mch_conn_ctr {
 	uint64_t connects, connect_fails, disconnects;
 	uint64_t bytes_out, bytes_in;
+	uint64_t stalls;      /* failed for want of answers (MCH_DOWN_NO_ANSWERS, _UNACKED, _PROBE) */
+	uint64_t probes;      /* probes answered */
 	uint64_t reads, reads_empty; /* recv calls on the TCP leg; those that found nothing (EAGAIN) */
 	uint64_t get_cmds, pass_cmds;
 	uint64_t close_size;  /* batches sent because they reached S */
@@ -60,6 +88,15 @@ struct mch_conn {
 	volatile uint8_t state; /* enum mch_conn_state, read by the stats thread */
 	uint64_t retry_at;      /* DOWN: next connect attempt (tsc) */
 	uint64_t conn_start;    /* CONNECTING: since (tsc) */
+	uint64_t progress_at;   /* last answer byte, or when the first command in flight was pushed (tsc) */
+	uint64_t stall_ticks;   /* --stall-ms in tsc ticks */
+	uint32_t retry_cur_ms;  /* reconnect delay now: --retry-ms, doubled per failure up to MCH_RETRY_MAX_MS */
+	uint8_t aborting;       /* inside mch_split_abort (a probe completed there was not answered) */
+	volatile uint8_t why;   /* enum mch_down: the last reason it went down */
+	volatile uint32_t why_unacked;   /* bytes unacknowledged by memcached's host then (TCP_INFO) */
+	volatile uint32_t why_backoff;   /* its retransmission back-off count then */
+	volatile uint32_t why_waited_ms; /* how long the oldest command had waited for an answer */
+	volatile uint64_t down_tsc;      /* when it went down */
 	struct mch_split sp;
 	struct mch_batch *open;   /* open get batch, NULL if none */
 	uint64_t open_filter[4];  /* client hashes in it */
@@ -108,6 +145,12 @@ void mch_conn_tick(struct mch_conn *c, uint64_t now);
 
 /* Ticks until the open batch is due (0: due or none open; UINT64_MAX: none). */
 uint64_t mch_conn_due_in(const struct mch_conn *c, uint64_t now);
+
+/* Whether a new client request would be taken (UP); DOWN/CONNECTING/PROBING drop it (drop_noconn). */
+static inline int mch_conn_serving(const struct mch_conn *c)
+{
+	return c->state == MCH_CONN_UP;
+}
 
 /* Shut down: waiters still waiting are answered as after a lost connection. */
 void mch_conn_close(struct mch_conn *c);

@@ -79,7 +79,9 @@ static void write_stats(struct mch_app *a)
 
 	if (!a->cfg.stats_file[0])
 		return;
-	if (mch_stats_write(a->cfg.stats_file, a->w, a->nw, mono_ms() - a->t0_ms, a->port) == 0) {
+	uint64_t now = mono_ms();
+
+	if (mch_stats_write(a->cfg.stats_file, a->w, a->nw, now - a->t0_ms, a->port, now) == 0) {
 		if (a->stats_errno != 0)
 			RTE_LOG(INFO, MCH, "writing %s again\n", a->cfg.stats_file);
 		a->stats_errno = 0;
@@ -92,14 +94,26 @@ static void write_stats(struct mch_app *a)
 	a->stats_errno = err;
 }
 
+/*
+ * Every --stats-ms, and at once (within MCH_HEALTH_MS) when a connection goes
+ * up or down: the agent withdraws a helper that cannot serve within tens of ms.
+ */
+#define MCH_HEALTH_MS 5u
+
 static void *stats_main(void *arg)
 {
 	struct mch_app *a = arg;
-	struct timespec ts = {.tv_sec = a->cfg.stats_ms / 1000u,
-			      .tv_nsec = (long)(a->cfg.stats_ms % 1000u) * 1000000L};
+	struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)MCH_HEALTH_MS * 1000000L};
+	uint64_t health = mch_stats_health(a->w, a->nw), h, last = 0, now;
 
 	while (!mch_quit) {
-		write_stats(a);
+		now = mono_ms();
+		h = mch_stats_health(a->w, a->nw);
+		if (h != health || now - last >= a->cfg.stats_ms) {
+			write_stats(a);
+			health = h;
+			last = now;
+		}
 		nanosleep(&ts, NULL);
 	}
 	return NULL;

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include <rte_cycles.h>
 #include <rte_ethdev.h>
 
 /* sum of one uint64_t field at byte offset off over all workers */
@@ -43,7 +44,7 @@ struct mch_stat_field {
 static const struct mch_stat_field worker_fields[] = {
 	{"loops", WOFF(c.loops)}, {"rx_bursts", WOFF(c.rx_bursts)},
 	{"rx_frames", WOFF(c.rx_frames)}, {"drop_peers", WOFF(c.drop_peers)},
-	{"drop_noconn", WOFF(c.drop_noconn)}, {"drop_busy", WOFF(c.drop_busy)},
+	{"drop_noconn", WOFF(c.drop_noconn)}, {"relay_noconn", WOFF(c.relay_noconn)}, {"drop_busy", WOFF(c.drop_busy)},
 	{"tx_frames", WOFF(c.tx_frames)}, {"tx_nombuf", WOFF(c.tx_nombuf)},
 	{"tx_drop", WOFF(c.tx_drop)}, {"idle_sleeps", WOFF(c.idle_sleeps)},
 	/* protocol core (struct mch_counters) */
@@ -57,10 +58,15 @@ static const struct mch_stat_field worker_fields[] = {
 	{"reply_bytes", WOFF(pc.tx_bytes)}, {"w_done", WOFF(pc.w_done)},
 	{"w_silent", WOFF(pc.w_silent)}, {"w_abort_miss", WOFF(pc.w_abort_miss)},
 	{"w_abort_drop", WOFF(pc.w_abort_drop)},
+	/* the UDP relay of rejected requests (mch_relay.h) */
+	{"relay_sent", WOFF(relay.c.sent)}, {"relay_unsafe", WOFF(relay.c.unsafe)},
+	{"relay_busy", WOFF(relay.c.busy)}, {"relay_fail", WOFF(relay.c.fail)},
+	{"relay_replies", WOFF(relay.c.replies)}, {"relay_late", WOFF(relay.c.late)},
+	{"relay_expired", WOFF(relay.c.expired)},
 };
 
 static const struct mch_stat_field conn_fields[] = {
-	{"connects", COFF(c.connects)}, {"connect_fails", COFF(c.connect_fails)},
+	{"connects", COFF(c.connects)}, {"stalls", COFF(c.stalls)}, {"probes", COFF(c.probes)}, {"connect_fails", COFF(c.connect_fails)},
 	{"disconnects", COFF(c.disconnects)}, {"tcp_bytes_out", COFF(c.bytes_out)},
 	{"tcp_bytes_in", COFF(c.bytes_in)}, {"tcp_reads", COFF(c.reads)},
 	{"tcp_reads_empty", COFF(c.reads_empty)}, {"get_cmds", COFF(c.get_cmds)},
@@ -71,9 +77,10 @@ static const struct mch_stat_field conn_fields[] = {
 
 #define NFIELDS(a) (sizeof(a) / sizeof((a)[0]))
 
-static void write_conns(FILE *f, struct mch_worker *const *w, uint32_t nw)
+static void write_conns(FILE *f, struct mch_worker *const *w, uint32_t nw, uint64_t mono_ms)
 {
 	uint64_t s_sum = 0, t_sum = 0, up = 0;
+	const struct mch_conn *down = NULL;
 	uint32_t i, j;
 
 	for (i = 0; i < nw; i++) {
@@ -90,20 +97,49 @@ static void write_conns(FILE *f, struct mch_worker *const *w, uint32_t nw)
 			fprintf(f, "conn_%u_%u_T_moves %llu\n", i, j,
 				(unsigned long long)c->ad.t_moves);
 			fprintf(f, "conn_%u_%u_inflight %u\n", i, j, c->sp.qlen);
+			fprintf(f, "conn_%u_%u_why %u\n", i, j, c->why);
 			if (st == MCH_CONN_UP) {
 				up++;
 				s_sum += S;
 				t_sum += T_ns;
+			} else if (down == NULL) {
+				down = c;
 			}
 		}
 	}
 	fprintf(f, "conns_up %llu\n", (unsigned long long)up);
+	fprintf(f, "serving %u\n", down == NULL);
+	if (down != NULL) {
+		uint32_t total = 0;
+
+		for (i = 0; i < nw; i++)
+			total += w[i]->nconns;
+		uint64_t ago = (rte_rdtsc() - down->down_tsc) * 1000u / down->hz;
+
+		fprintf(f, "conns_down %llu\ndown_why_%s 1\ndown_waited_ms %u\n"
+			"down_unacked_bytes %u\ndown_backoff %u\ndown_at_mono_ms %llu\n",
+			(unsigned long long)(total - up), mch_down_name(down->why),
+			down->why_waited_ms, down->why_unacked, down->why_backoff,
+			(unsigned long long)(mono_ms > ago ? mono_ms - ago : 0));
+	}
 	fprintf(f, "batch_S_bytes %llu\n", (unsigned long long)(up ? s_sum / up : 0));
 	fprintf(f, "batch_T_ns %llu\n", (unsigned long long)(up ? t_sum / up : 0));
 }
 
+uint64_t mch_stats_health(struct mch_worker *const *w, uint32_t nw)
+{
+	uint64_t h = 0;
+	uint32_t i, j;
+
+	for (i = 0; i < nw; i++)
+		for (j = 0; j < w[i]->nconns; j++)
+			h = h * 31u + (w[i]->conns[j].state == MCH_CONN_UP) +
+			    2u * w[i]->conns[j].c.stalls;
+	return h;
+}
+
 int mch_stats_write(const char *path, struct mch_worker *const *w, uint32_t nw,
-		    uint64_t uptime_ms, uint16_t port)
+		    uint64_t uptime_ms, uint16_t port, uint64_t mono_ms)
 {
 	char tmp[300];
 	struct rte_eth_stats ps;
@@ -134,7 +170,7 @@ int mch_stats_write(const char *path, struct mch_worker *const *w, uint32_t nw,
 	for (k = 0; k < MCH_HIST_BUCKETS; k++)
 		fprintf(f, "hist_keys_%u %llu\n", mch_hist_lo(k),
 			(unsigned long long)sum_at(w, nw, WOFF(hist.n) + k * sizeof(uint64_t)));
-	write_conns(f, w, nw);
+	write_conns(f, w, nw, mono_ms);
 	for (i = 0; i < nw; i++) {
 		fprintf(f, "lcore_%u_loops %llu\n", i, (unsigned long long)w[i]->c.loops);
 		fprintf(f, "lcore_%u_rx_frames %llu\n", i, (unsigned long long)w[i]->c.rx_frames);

@@ -116,8 +116,15 @@ static void handle_frame(struct mch_worker *w, struct rte_mbuf *m, uint64_t now)
 	w->c.net[nr]++;
 	if (nr != MCH_NET_OK)
 		return;
-	if (mch_req_parse(&req, rx.dg, rx.len, &w->pc) != MCH_REJ_OK)
-		return; /* counted by reason in w->pc.rej[] */
+	if (mch_req_parse(&req, rx.dg, rx.len, &w->pc) != MCH_REJ_OK) {
+		/* counted by reason in w->pc.rej[]; memcached answers it as it would directly */
+		slot = peer_get(w, &rx.from);
+		if (slot == MCH_NO_PEER)
+			w->c.drop_peers++;
+		else if (mch_relay_send(&w->relay, slot, rx.dg, rx.len, now) != 0)
+			mch_worker_peer_put(w, slot);
+		return;
+	}
 	slot = peer_get(w, &rx.from);
 	if (slot == MCH_NO_PEER) {
 		w->c.drop_peers++;
@@ -129,6 +136,15 @@ static void handle_frame(struct mch_worker *w, struct rte_mbuf *m, uint64_t now)
 				  : mch_conn_pass(c, &req, slot, ch, now);
 	if (rc == MCH_CDROP_NONE)
 		return;
+	/*
+	 * Its connection is down (reconnecting, or its probe not yet answered): the request goes
+	 * to memcached as it is, over the relay, until the agent has withdrawn the helper (issue
+	 * 43: no client worse off than direct).  A full in-flight queue is overload: shed.
+	 */
+	if (rc == MCH_CDROP_NOCONN && mch_relay_send(&w->relay, slot, rx.dg, rx.len, now) == 0) {
+		w->c.relay_noconn++;
+		return;
+	}
 	mch_worker_peer_put(w, slot);
 	if (rc == MCH_CDROP_NOCONN)
 		w->c.drop_noconn++;
@@ -138,11 +154,18 @@ static void handle_frame(struct mch_worker *w, struct rte_mbuf *m, uint64_t now)
 
 /* ---------------------------------------------------------------- idle */
 
-/* Sleep until an answer arrives, the next batch is due, or idle_us passes. */
+/*
+ * Sleep until an answer arrives, the next batch is due, or the idle time passes:
+ * --idle-us after MCH_IDLE_LOOPS empty loops, doubling with each idle sleep in a
+ * row up to --idle-max-us (frames from the port cannot wake it: net_af_packet has
+ * no rx interrupt, so a switched-off helper backs off instead, ~500 wake-ups a
+ * second at 2 ms; the first frame after a calm waits at most that long, and the
+ * kernel's ring holds it meanwhile).
+ */
 static void idle_sleep(struct mch_worker *w, uint64_t now)
 {
 	struct pollfd p[64];
-	uint64_t wait = (uint64_t)w->cfg->idle_us * w->hz / 1000000u, d;
+	uint64_t wait = (uint64_t)w->idle_cur_us * w->hz / 1000000u, d;
 	uint32_t i, n = 0;
 	struct timespec ts;
 
@@ -152,19 +175,27 @@ static void idle_sleep(struct mch_worker *w, uint64_t now)
 		d = mch_conn_due_in(c, now);
 		if (d < wait)
 			wait = d;
-		if (c->state == MCH_CONN_UP && n < 64u) {
+		if ((c->state == MCH_CONN_UP || c->state == MCH_CONN_PROBING) && n < 64u) {
 			p[n].fd = c->fd;
 			p[n].events = POLLIN | (c->out_tail > c->out_head ? POLLOUT : 0);
 			p[n].revents = 0;
 			n++;
 		}
 	}
+	if (w->relay.live > 0 && w->relay.fd >= 0 && n < 64u) {
+		p[n].fd = w->relay.fd;
+		p[n].events = POLLIN;
+		p[n].revents = 0;
+		n++;
+	}
 	if (wait == 0)
 		return;
 	ts.tv_sec = (time_t)(wait / w->hz);
 	ts.tv_nsec = (long)((wait % w->hz) * 1000000000u / w->hz);
 	w->c.idle_sleeps++;
-	ppoll(p, n, &ts, NULL);
+	if (ppoll(p, n, &ts, NULL) == 0 && w->idle_cur_us < w->cfg->idle_max_us)
+		w->idle_cur_us = w->idle_cur_us * 2u < w->cfg->idle_max_us ? w->idle_cur_us * 2u
+									   : w->cfg->idle_max_us;
 }
 
 /* ---------------------------------------------------------------- loop */
@@ -192,6 +223,7 @@ int mch_worker_main(void *arg)
 		}
 		for (i = 0; i < w->nconns; i++)
 			did |= mch_conn_poll(&w->conns[i], now);
+		did |= mch_relay_poll(&w->relay, w, now);
 		if (w->ntx > 0)
 			tx_flush(w);
 		if ((int64_t)(now - next_tick) >= 0) {
@@ -199,7 +231,12 @@ int mch_worker_main(void *arg)
 				mch_conn_tick(&w->conns[i], now);
 			next_tick = now + tick;
 		}
-		idle = did ? 0 : idle + 1;
+		if (did) {
+			idle = 0;
+			w->idle_cur_us = w->cfg->idle_us;
+		} else {
+			idle++;
+		}
 		if (w->cfg->idle_us > 0 && idle >= MCH_IDLE_LOOPS)
 			idle_sleep(w, now);
 	}
@@ -227,6 +264,7 @@ int mch_worker_init(struct mch_worker *w, uint32_t id, const struct mch_cfg *cfg
 	w->queue = queue;
 	w->quit = quit;
 	w->hz = rte_get_tsc_hz();
+	w->idle_cur_us = cfg->idle_us;
 	w->npeers = cfg->peers;
 	w->peers = calloc(w->npeers, sizeof(*w->peers));
 	w->nconns = cfg->conns;
@@ -239,6 +277,8 @@ int mch_worker_init(struct mch_worker *w, uint32_t id, const struct mch_cfg *cfg
 	for (i = 0; i < w->nconns; i++)
 		if (mch_conn_init(&w->conns[i], w, i) != 0)
 			return -1;
+	if (mch_relay_init(&w->relay, cfg->mc_ip, cfg->mc_port, w->hz) != 0)
+		w->relay.fd = -1; /* counted relay_fail per request; the rest works */
 	return 0;
 }
 
@@ -248,6 +288,7 @@ void mch_worker_free(struct mch_worker *w)
 
 	for (i = 0; w->conns && i < w->nconns; i++)
 		mch_conn_free(&w->conns[i]);
+	mch_relay_free(&w->relay);
 	if (w->nstash > 0)
 		rte_pktmbuf_free_bulk(w->stash, w->nstash);
 	w->nstash = 0;

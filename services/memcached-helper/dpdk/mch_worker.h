@@ -17,6 +17,7 @@
 #include "mch_cfg.h"
 #include "mch_conn.h"
 #include "mch_net.h"
+#include "mch_relay.h"
 
 #define MCH_RX_BURST 32u
 #define MCH_TX_BURST 32u
@@ -27,7 +28,8 @@ struct mch_wctr {
 	uint64_t loops, rx_bursts, rx_frames;
 	uint64_t net[MCH_NET__COUNT]; /* frames by classification (net[0]: requests) */
 	uint64_t drop_peers;  /* no free waiting-client slot */
-	uint64_t drop_noconn; /* its connection was down */
+	uint64_t drop_noconn; /* its connection was down (and the relay could not take it) */
+	uint64_t relay_noconn; /* its connection was down: relayed to memcached's UDP port */
 	uint64_t drop_busy;   /* its connection's queue or buffer was full */
 	uint64_t tx_frames, tx_nombuf, tx_drop;
 	uint64_t idle_sleeps;
@@ -46,10 +48,12 @@ struct mch_worker {
 	struct mch_wctr c;
 	struct mch_hist hist;   /* keys per coalesced get */
 	struct mch_conn *conns;
+	struct mch_relay relay; /* what the parser rejects, to memcached's UDP port as it is */
 	uint32_t nconns;
 	struct mch_peer *peers;
 	uint32_t npeers, peer_free, peers_used;
 	uint16_t ip_id;
+	uint32_t idle_cur_us; /* the next idle sleep (back-off, see idle_sleep) */
 	uint16_t ntx;
 	struct rte_mbuf *txq[MCH_TX_BURST];
 	struct rte_mbuf *stash[MCH_TX_BURST]; /* empty mbufs for replies (mch_worker_reply) */
