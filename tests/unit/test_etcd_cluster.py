@@ -193,3 +193,22 @@ def test_a_lease_lives_through_the_leaders_death(cluster):
     finally:
         watch.set()
         lease.revoke()
+
+
+def test_status_shows_each_member_and_the_one_in_use(cluster):
+    lead = cluster.leader()
+    other = next(m for m in cluster.members if m is not lead)
+    other.kill9()
+    res = CliRunner().invoke(cli, ["--etcd", cluster.endpoint, "status", "--json"])
+    assert res.exit_code == 0, res.output
+    import json
+
+    got = {m["member"]: m for m in json.loads(res.output)["etcd"]["members"]}
+    assert got[lead.endpoint]["leader"] and got[other.endpoint]["error"], got
+    res = CliRunner().invoke(cli, ["--etcd", cluster.endpoint, "status"])
+    assert "etcd members (using" in res.output and "DOWN" in res.output and "leader" in res.output, res.output
+
+
+def test_vfab_up_refuses_an_even_cluster():
+    res = CliRunner().invoke(cli, ["up", "--etcd-members", "4"])
+    assert res.exit_code == 2 and "use 1, 3 or 5" in res.output, res.output
