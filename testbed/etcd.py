@@ -127,6 +127,12 @@ class EtcdMember:
     def exited(self) -> int | None:
         return self.proc.poll() if self.proc is not None else None
 
+    def terminate(self) -> None:
+        """SIGTERM the member (``stop`` waits for it): a cluster's members are all told at once, or the last
+        ones would wait for a quorum that is gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the member by its PID: SIGTERM, then SIGKILL after ``timeout``."""
         proc, self.proc = self.proc, None
@@ -135,7 +141,8 @@ class EtcdMember:
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                log.warning("etcd %s: pid %d ignored SIGTERM, killing it", self.name, proc.pid)
+                log.info("etcd %s: pid %d still running %.0f s after SIGTERM, killing it", self.name, proc.pid,
+                         timeout)
                 proc.kill()
                 proc.wait(timeout)
         self._close_log()
@@ -165,11 +172,14 @@ class EtcdMember:
 class LocalEtcd:
     """One etcd member on 127.0.0.1 (``members=1``, the default), or a cluster of ``members`` (3 or 5).
 
-    ``heartbeat_ms``/``election_ms`` default low so that leases can be as short as 1 s (etcd's minimum
-    TTL is 1.5 election timeouts, rounded up to whole seconds).  A cluster uses etcd's own defaults,
-    100 ms / 1000 ms, unless told otherwise: every member is a process on the same 2 cores, and a member
-    starved past the election timeout starts an election nobody needed (docs/architecture.md, "etcd
-    cluster"; bench/etcd_leader_loss.py measures what a leader's death costs with each setting).
+    ``heartbeat_ms``/``election_ms`` default to 50/500, half etcd's own 100/1000: leases can then be as
+    short as 1 s (etcd's minimum TTL is 1.5 election timeouts, rounded up to whole seconds), and a
+    cluster elects a new leader 0.5-0.9 s after its leader's kill -9 instead of 0.9-1.6 s
+    (bench/etcd_leader_loss.py).  etcd's tuning guide asks for a heartbeat near the members' round
+    trip (here loopback, well under 1 ms) and an election timeout of at least 10 heartbeats; the limit
+    here is a member starved of CPU past the election timeout, which would start an election nobody
+    needed: none seen in the bench's windows on this shared 2-core machine (docs/architecture.md,
+    "etcd cluster", gives the reasoning for real hosts).
 
     ``history`` is how long etcd keeps old revisions (``--auto-compaction-mode periodic``, etcd's
     duration syntax; ``"0"`` keeps them all, etcd's own default).  Every endpoint's load report is a put
@@ -184,7 +194,7 @@ class LocalEtcd:
 
     def __init__(self, data_dir: str | os.PathLike, client_port: int = 0, peer_port: int = 0, *,
                  members: int | Sequence[Placement] = 1, name: str = "vfab", binary: str = "etcd",
-                 heartbeat_ms: int | None = None, election_ms: int | None = None, history: str = "1h"):
+                 heartbeat_ms: int = 50, election_ms: int = 500, history: str = "1h"):
         places = [Placement()] * members if isinstance(members, int) else list(members)
         if not 1 <= len(places) <= etcd_members.MAX_MEMBERS:
             raise RegistryError(f"an etcd cluster of {len(places)} members: give 1 (one member), or 3 or 5 "
@@ -195,8 +205,8 @@ class LocalEtcd:
         self.data_dir = Path(data_dir)
         self.name = name
         self.binary = binary
-        self.heartbeat_ms = heartbeat_ms or (50 if single else 100)
-        self.election_ms = election_ms or (500 if single else 1000)
+        self.heartbeat_ms = heartbeat_ms
+        self.election_ms = election_ms
         self.history = history
         ports = [(client_port or free_port(), peer_port or free_port())]
         ports += [(free_port(), free_port()) for _ in places[1:]]
@@ -269,6 +279,21 @@ class LocalEtcd:
                                     + "; ".join(f"{n}: leader {s.leader_id:x} {s.error}" for n, s in said.items()))
             time.sleep(0.05)
 
+    def make_leader(self, member: EtcdMember, timeout: float = 10.0) -> None:
+        """Hand the leadership to ``member`` (etcd's transfer-leadership, asked of the leader)."""
+        target = member.status().member_id
+        lead = self.leader(timeout)
+        if lead is not member:
+            req = urllib.request.Request(f"{lead.client_url}/v3/maintenance/transfer-leadership",
+                                         data=json.dumps({"targetID": str(target)}).encode(), method="POST")
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                resp.read()
+        deadline = time.monotonic() + timeout
+        while self.leader(timeout) is not member:
+            if time.monotonic() > deadline:
+                raise RegistryError(f"etcd {member.name} did not become the leader within {timeout:.0f} s")
+            time.sleep(0.05)
+
     def start(self, timeout: float = 15.0) -> "LocalEtcd":
         """Start every member not running and wait until each answers /health; RegistryError if one does not."""
         if shutil.which(self.binary) is None:
@@ -299,9 +324,13 @@ class LocalEtcd:
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop every member by its PID: SIGTERM, then SIGKILL after ``timeout``."""
+        """Stop every member by its PID: SIGTERM, then SIGKILL after ``timeout`` (a cluster's: after 1 s; a
+        leader told to stop first hands its leadership to a peer, and waits for up to its request timeout,
+        ~7 s, when every peer is stopping too)."""
         for m in self.members:
-            m.stop(timeout)
+            m.terminate()
+        for m in self.members:
+            m.stop(timeout if len(self.members) == 1 else min(timeout, 1.0))
 
     def kill9(self, member: EtcdMember | None = None) -> None:
         """SIGKILL one member (default: all) by its PID; ``start`` brings it back on the same data and ports."""
