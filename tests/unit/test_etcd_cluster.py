@@ -212,3 +212,72 @@ def test_status_shows_each_member_and_the_one_in_use(cluster):
 def test_vfab_up_refuses_an_even_cluster():
     res = CliRunner().invoke(cli, ["up", "--etcd-members", "4"])
     assert res.exit_code == 2 and "use 1, 3 or 5" in res.output, res.output
+
+
+def test_a_quiet_watch_on_the_dying_leader_resumes_on_another_member(cluster):
+    """No event flows when the leader dies (the controller's case between changes): its stream just ends.
+    With more members listed that is a member gone, not 'the stream ended': the watch resumes from the
+    next revision on another member, and what is written after the election arrives, without a re-read."""
+    members, lead = leader_first(cluster)
+    follower = Registry(members)
+    follower.put("/q/a", "0")
+    got: list[str] = []
+    resets: list[int] = []
+    stop = threading.Event()
+    th = threading.Thread(target=follower.follow, args=("/q/", lambda items, rev: resets.append(rev),
+                                                         lambda b: got.extend(e.key for e in b), stop),
+                          kwargs={"resume": False}, daemon=True)
+    th.start()
+    until(lambda: resets, "the first read")
+    lead.kill9()
+    writer = Registry(members)
+    until(lambda: _put(writer, "/q/b"), "a write after the election", 10)
+    until(lambda: got == ["/q/b"], f"the event after the leader's death (got {got})")
+    stop.set()
+    th.join(5)
+    assert len(resets) == 1, resets
+
+
+def _put(reg: Registry, key: str) -> bool:
+    try:
+        reg.put(key, "1")
+        return True
+    except RegistryError:
+        return False
+
+
+def test_a_watch_on_a_member_behind_the_revision_asked_reads_again(cluster):
+    """A member that has not reached the revision a watch resumes from (catching up, or a store made anew)
+    makes the watch say so as a compaction does: the consumer reads the keys again."""
+    from vfab.vid.errors import Compacted
+
+    reg = Registry(cluster.endpoint)
+    rev = reg.put("/b/a", "1")
+    batches, cancel = reg.watch_batches("/b/", rev + 50, idle=2.0)
+    try:
+        with pytest.raises(Compacted, match="before .* already seen .* is read again"):
+            next(batches)
+    finally:
+        cancel()
+
+
+def test_a_lost_write_is_said_maybe_applied_unless_the_key_is_the_writers_own(cluster):
+    """A member that takes a put and closes without answering: a put (like a transaction) is reported as
+    possibly applied, never sent twice; a put of the writer's own key (repeat=True: a report) goes to the
+    next member; a read always does."""
+    from tests.unit.test_registry_http import Scripted
+
+    for call, fails in ((lambda r: r.put("/o/k", "1"), True), (lambda r: r.put("/o/k", "1", repeat=True), False),
+                        (lambda r: r.get("/o/k"), False)):
+        srv = Scripted([b""])           # reads the request, answers nothing, closes
+        reg = Registry(f"127.0.0.1:{srv.port},{cluster.endpoint}")
+        try:
+            if fails:
+                with pytest.raises(RegistryError, match="lost a request .* may or may not have been applied"):
+                    call(reg)
+            else:
+                call(reg)
+            assert len(srv.requests) == 1 and reg.member != f"127.0.0.1:{srv.port}"
+        finally:
+            reg.close()
+            srv.close()

@@ -272,6 +272,11 @@ SAFE = frozenset({"/kv/range", "/lease/keepalive", "/lease/timetolive", "/mainte
 _RETRY = ("leader changed", "request timed out", "too many requests", "server stopped")
 
 
+class _Behind(Compacted):
+    """The member a watch resumed on has not reached the revision resumed from: read the keys again (they are
+    right whatever the member's reason), as after a compaction."""
+
+
 def _no_leader(status: int, text: str) -> bool:
     return status == 503 and "no leader" in text
 
@@ -384,11 +389,13 @@ class Registry:
                 items[_unb64(kv["key"]).decode()] = (_unb64(kv.get("value", "")), int(kv["mod_revision"]))
         return int(out["header"]["revision"]), items
 
-    def put(self, key: str, value: str | bytes, lease: int | None = None) -> int:
+    def put(self, key: str, value: str | bytes, lease: int | None = None, repeat: bool = False) -> int:
+        """``repeat``: the key is this process's alone (a report, a record of its own), so a put whose answer
+        was lost with a member is sent again to the next one rather than reported as maybe applied."""
         body = {"key": _b64(key), "value": _b64(value)}
         if lease:
             body["lease"] = str(lease)
-        return int(self._post("/kv/put", body)["header"]["revision"])
+        return int(self._post("/kv/put", body, safe=repeat or None)["header"]["revision"])
 
     def delete(self, key: str) -> int:
         return int(self._post("/kv/deleterange", {"key": _b64(key)})["header"]["revision"])
@@ -468,6 +475,8 @@ class Registry:
                 while True:
                     line = resp.readline()
                     if not line:
+                        if len(self.members.all) > 1 and not stopped.is_set():
+                            raise broke("it ended the stream: it stopped or died")
                         return   # the member ended the stream: the consumer watches again
                     if not line.strip():
                         continue
@@ -479,10 +488,15 @@ class Registry:
                             raise broke("no leader")
                         raise RegistryError(f"etcd watch on {prefix} failed: {error[:200]}")
                     if result.get("created"):
-                        self.members.answered(member, result.get("header") or {})
+                        head = result.get("header") or {}
+                        self.members.answered(member, head)
                         if cluster and self.members.cluster_id != cluster:
                             raise RegistryError(f"etcd at {member} is a new cluster (re-created): {prefix} must be "
                                                 "read again")
+                        if int(head.get("revision", 0)) < start_revision - 1:
+                            raise _Behind(f"etcd at {member} is at revision {head.get('revision')}, before "
+                                          f"{start_revision - 1} already seen (a member catching up, or a store "
+                                          f"created anew): {prefix} is read again")
                     if result.get("canceled"):
                         if int(result.get("compact_revision") or 0) > 0:
                             raise Compacted(f"etcd compacted {prefix} past revision {start_revision} (to "
