@@ -235,8 +235,8 @@ class _Gateway:
             def slow(waited: float) -> str | None:
                 return self.members.abandon(member, local.term, waited, self.timeout)
 
-            try:
-                conn = _Http(host, int(port), self.timeout, slow=slow)
+            try:   # one member: nowhere else to go, so no probing (a slow answer is waited for)
+                conn = _Http(host, int(port), self.timeout, slow=slow if len(self.members.all) > 1 else None)
             except OSError as exc:
                 raise _NotSent(exc.__class__.__name__) from None
             local.conn, local.member, local.pid = conn, member, os.getpid()
@@ -567,7 +567,7 @@ class Registry:
                 downs += 1
                 log.warning("%s: watching %s again from revision %d", exc, prefix, rev + 1)
                 if downs > 1:   # the members fail one after another (an election): not in a tight loop
-                    stop.wait(min(BACKOFF * downs, 1.0))
+                    stop.wait(BACKOFF if downs < 100 else 1.0)
                 continue
             except Compacted as exc:
                 log.debug("%s; reading %s again", exc, prefix)

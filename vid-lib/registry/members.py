@@ -67,6 +67,17 @@ def parse(spec: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def arg(text: str) -> str:
+    """argparse's ``type=`` for a ``--etcd`` option: the list as given, or a usage error saying what is wrong."""
+    import argparse
+
+    try:
+        parse(text)
+    except RegistryError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 @dataclass
 class Status:
     """One member's answer to /v3/maintenance/status (``error`` set when it gave none)."""
@@ -192,12 +203,13 @@ class Members:
 
     def abandon(self, member: str, term: int, waited: float, limit: float) -> str | None:
         """Why a request unanswered for ``waited`` s (sent when the newest known term was ``term``) will not be
-        answered, or None to keep waiting."""
+        answered, or None to keep waiting: only the member's own word (no leader, a newer term) or the
+        request's timeout give up on it, never a slow status answer (a loaded machine)."""
         if waited >= limit:
             return f"did not answer within {limit:.1f} s"
         st = status(member)
         if not st.ok:
-            return f"does not answer its status either ({st.error})"
+            return None   # a busy or hung member: only the request's own timeout gives up on it
         if st.leader_id == 0:
             return "lost its leader (an election is under way) while the request was pending"
         if term and st.raft_term > term:
