@@ -145,8 +145,8 @@ def test_a_watch_follows_through_the_leaders_death_missing_and_repeating_nothing
 
 
 def test_writes_resume_after_the_leaders_death_within_the_election(cluster):
-    """The time from kill -9 of the leader to the next write etcd takes: about the election timeout
-    (1 s here) plus the randomised part of it; bench/etcd_leader_loss.py measures it properly."""
+    """The time from kill -9 of the leader to the next write etcd takes: the election (0.5 s here, plus
+    raft's randomised part, plus a second round on a split vote); bench/etcd_leader_loss.py measures it."""
     members, lead = leader_first(cluster)
     reg = Registry(members)
     reg.put("/r/a", "0")
@@ -159,7 +159,8 @@ def test_writes_resume_after_the_leaders_death_within_the_election(cluster):
         except RegistryError:
             assert time.monotonic() - t0 < 5, "no write taken 5 s after the leader died"
     took = time.monotonic() - t0
-    assert took < 2 * cluster.election_ms / 1000 + 0.5, took
+    # raft's election timeout is randomised over [T, 2T); a split vote takes a second round
+    assert took < 4 * cluster.election_ms / 1000 + 0.3, took
     assert cluster.leader() is not lead
 
 
@@ -305,3 +306,20 @@ def test_a_lost_write_is_said_maybe_applied_unless_the_key_is_the_writers_own(cl
         finally:
             reg.close()
             srv.close()
+
+
+def test_a_cluster_without_a_majority_is_said_so(cluster):
+    """Two of three members dead: the last one has no leader (it stepped down, or never won), and a
+    request says that the cluster has had no leader, not merely that it timed out."""
+    lead = cluster.leader()
+    last = next(m for m in cluster.members if m is not lead)
+    for m in cluster.members:
+        if m is not last:
+            m.kill9()
+    until(lambda: last.status().leader_id == 0, "the last member to have no leader", 10)
+    reg = Registry(cluster.endpoint, timeout=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(RegistryError, match=f"has had no leader for 1 s \\({last.endpoint} answer without one; .* "
+                                            "refuse connections\\): is a majority of its members down"):
+        reg.get("/x")
+    assert time.monotonic() - t0 < 2.5

@@ -27,6 +27,7 @@ from vfab.vid.registry.members import DEFAULT_ENDPOINT, HASLEADER, PROBE, Member
 
 log = logging.getLogger("vfab.registry")
 BACKOFF = 0.05   # s between tries while every member says "no leader" (an election takes ~1-2 election timeouts)
+CONNECT = 1.0    # s to connect to one of several members before trying the next (a host that is off)
 # one encoder for every request: json.dumps with separators builds a new one per call (~0.2 ms of a cold
 # keepalive thread's 1 ms)
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
@@ -235,8 +236,10 @@ class _Gateway:
             def slow(waited: float) -> str | None:
                 return self.members.abandon(member, local.term, waited, self.timeout)
 
-            try:   # one member: nowhere else to go, so no probing (a slow answer is waited for)
-                conn = _Http(host, int(port), self.timeout, slow=slow if len(self.members.all) > 1 else None)
+            several = len(self.members.all) > 1   # one member: nowhere else to go, no probing, no hurry
+            try:
+                conn = _Http(host, int(port), min(self.timeout, CONNECT) if several else self.timeout,
+                             slow=slow if several else None)
             except OSError as exc:
                 raise _NotSent(exc.__class__.__name__) from None
             local.conn, local.member, local.pid = conn, member, os.getpid()
@@ -306,7 +309,12 @@ class Registry:
         return self.members.current()
 
     # -- raw access -------------------------------------------------------
-    def _unreachable(self, why: dict[str, str], what: str = "") -> RegistryError:
+    def _unreachable(self, why: dict[str, str], what: str = "", leaderless: set[str] = frozenset()) -> RegistryError:
+        if leaderless:
+            down = f"; {', '.join(why)} refuse connections" if why else ""
+            return RegistryError(f"the etcd cluster {self.endpoint} has had no leader for {self.timeout:.0f} s "
+                                 f"({', '.join(sorted(leaderless))} answer without one{down}): is a majority of its "
+                                 "members down?")
         if len(self.members.all) == 1:
             return RegistryError(f"etcd at {self.endpoint} is unreachable ({why[self.endpoint]}){what}: start it "
                                  "with 'vfab up' or point --etcd at a running member")
@@ -322,6 +330,7 @@ class Registry:
         raw = _ENCODE(body).encode()
         deadline = time.monotonic() + self.timeout
         refused: dict[str, str] = {}
+        leaderless: set[str] = set()
         while True:
             member = self.members.current()
             try:
@@ -330,7 +339,7 @@ class Registry:
                 refused[member] = str(exc)
                 self.members.failed(member, f"refuses connections ({exc})")
                 if len(refused) >= len(self.members.all) or time.monotonic() > deadline:
-                    raise self._unreachable(refused) from None
+                    raise self._unreachable(refused, leaderless=leaderless) from None
                 continue
             except (OSError, http.client.HTTPException) as exc:
                 why = str(exc) if isinstance(exc, TimeoutError) and str(exc) else exc.__class__.__name__
@@ -343,7 +352,10 @@ class Registry:
                 continue
             if status != 200:
                 text = data[:200].decode(errors="replace")
-                if _no_leader(status, text) and time.monotonic() < deadline:
+                if _no_leader(status, text):
+                    leaderless.add(member)
+                    if time.monotonic() > deadline:
+                        raise self._unreachable(refused, leaderless=leaderless)
                     self.members.failed(member, "has no leader", election=True)
                     time.sleep(BACKOFF)
                     continue
@@ -564,8 +576,9 @@ class Registry:
                     rev = 0
                 continue
             except MemberDown as exc:
-                downs += 1
-                log.warning("%s: watching %s again from revision %d", exc, prefix, rev + 1)
+                downs += 1   # said once per failure, not once per try while an election lasts
+                log.log(logging.WARNING if downs == 1 else logging.DEBUG, "%s: watching %s again from revision %d",
+                        exc, prefix, rev + 1)
                 if downs > 1:   # the members fail one after another (an election): not in a tight loop
                     stop.wait(BACKOFF if downs < 100 else 1.0)
                 continue
