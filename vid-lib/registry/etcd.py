@@ -352,6 +352,8 @@ class Registry:
                 continue
             if status != 200:
                 text = data[:200].decode(errors="replace")
+                if len(self.members.all) == 1:   # nowhere else to go: the caller is told at once, as ever
+                    raise RegistryError(f"etcd at {member} answered {status}: {text}")
                 if _no_leader(status, text):
                     leaderless.add(member)
                     if time.monotonic() > deadline:
