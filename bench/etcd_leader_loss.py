@@ -125,9 +125,16 @@ def terms(etcd: LocalEtcd) -> int:
 
 
 def one_setting(heartbeat: int, election: int, rounds: int, window: float, workdir: str) -> dict:
-    etcd = LocalEtcd(os.path.join(workdir, f"etcd-{heartbeat}-{election}"), members=3, heartbeat_ms=heartbeat,
-                     election_ms=election)
-    etcd.start(timeout=30)
+    for attempt in range(3):   # a free port can be taken between probing and binding: new ports, new data
+        etcd = LocalEtcd(os.path.join(workdir, f"etcd-{heartbeat}-{election}-{attempt}"), members=3,
+                         heartbeat_ms=heartbeat, election_ms=election)
+        try:
+            etcd.start(timeout=30)
+            break
+        except RegistryError as exc:
+            print(f"  the cluster did not start ({exc}); again with other ports", flush=True)
+    else:
+        raise RuntimeError("the etcd cluster did not start 3 times: see the messages above")
     out: dict = {"heartbeat_ms": heartbeat, "election_ms": election, "rounds": []}
     try:
         reg = Registry(etcd.endpoint)
