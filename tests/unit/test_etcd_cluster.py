@@ -22,8 +22,14 @@ from vfab.vid.state.lease import EndpointLease
 
 @pytest.fixture
 def cluster(tmp_path):
-    etcd = LocalEtcd(tmp_path / "etcd", members=3)
-    etcd.start(timeout=30)
+    for attempt in range(3):   # free ports can be taken between probing and binding
+        etcd = LocalEtcd(tmp_path / f"etcd{attempt}", members=3)
+        try:
+            etcd.start(timeout=30)
+            break
+        except RegistryError:
+            if attempt == 2:
+                raise
     try:
         yield etcd
     finally:
