@@ -19,7 +19,7 @@ from vfab.testbed.fabric import Testbed
 from vfab.testbed.procs import wait_for
 from vfab.vid.errors import RegistryError
 from vfab.vid.ranges import Range
-from vfab.vid.registry import Registry
+from vfab.vid.registry import Registry, schema
 from vfab.vid.state import ctl as statectl
 
 HALF = Range(0x800000, 0xFFFFFF)
@@ -82,7 +82,14 @@ def leader_dies(testbed):
 
     def kill() -> None:
         threading.Thread(target=writer, daemon=True).start()
-        etcd.make_leader(first)   # (a no-op when it leads already: the caller may have made it lead earlier)
+        if etcd.leader() is not first:
+            etcd.make_leader(first)
+            # a leader handed over and killed in the same instant is two elections at once; a leader that dies
+            # has led for a while: wait until the controller has had an answer from the new term
+            rev = testbed.registry.put("/vfab-test/mark", "1")
+            keys = [schema.counters_key(d) for d in testbed.switches.values()]
+            wait_for(lambda: all((got := testbed.registry.get(k)) and got[1] > rev for k in keys), 10,
+                     "the controller's next counter report")
         first.kill9()
         out["killed"] = time.monotonic()
 
@@ -95,8 +102,6 @@ def leader_dies(testbed):
 
 def reached(reg: Registry, service: str, op_id: str, phase: str, timeout: float = 30) -> None:
     """Return as soon as the operation's record says ``phase`` (a watch: the flip lasts milliseconds)."""
-    from vfab.vid.registry import schema
-
     key = schema.op_key(service, op_id)
     deadline = time.monotonic() + timeout
     rec, rev = reg.op(service, op_id)

@@ -234,7 +234,7 @@ class _Gateway:
             host, _, port = member.rpartition(":")
 
             def slow(waited: float) -> str | None:
-                return self.members.abandon(member, local.term, waited, self.timeout)
+                return self.members.abandon(member, local.pending, waited, self.timeout)
 
             several = len(self.members.all) > 1   # one member: nowhere else to go, no probing, no hurry
             try:
@@ -245,12 +245,12 @@ class _Gateway:
             local.conn, local.member, local.pid = conn, member, os.getpid()
         return conn
 
-    def post(self, member: str, path: str, body: bytes) -> tuple[int, bytes]:
+    def post(self, member: str, path: str, body: bytes, safe: bool = False) -> tuple[int, bytes]:
         """(HTTP status, body) from ``member``; _NotSent, or OSError and http.client.HTTPException once sent.
         After a failure the connection is dropped: an answer that comes late must not be read as the next
         request's."""
         conn = self._conn(member)
-        self._local.term = self.members.term
+        self._local.pending = {"term": self.members.term, "safe": safe}
         try:
             status, data, close = conn.post(path, body)
         except BaseException:
@@ -334,7 +334,7 @@ class Registry:
         while True:
             member = self.members.current()
             try:
-                status, data = self._gw.post(member, "/v3" + path, raw)
+                status, data = self._gw.post(member, "/v3" + path, raw, safe)
             except _NotSent as exc:
                 refused[member] = str(exc)
                 self.members.failed(member, f"refuses connections ({exc})")

@@ -201,19 +201,31 @@ class Members:
             self.cluster_id, self._cluster_from = cid, member
             self.term = term
 
-    def abandon(self, member: str, term: int, waited: float, limit: float) -> str | None:
-        """Why a request unanswered for ``waited`` s (sent when the newest known term was ``term``) will not be
-        answered, or None to keep waiting: only the member's own word (no leader, a newer term) or the
-        request's timeout give up on it, never a slow status answer (a loaded machine)."""
+    def abandon(self, member: str, pending: dict, waited: float, limit: float) -> str | None:
+        """Why a request unanswered for ``waited`` s will not be answered, or None to keep waiting.
+
+        ``pending``: ``term``, the newest raft term this process knew when it sent the request; ``safe``,
+        whether it may be sent again; ``base``, the member's term at the first probe (filled in here).  Only
+        the member's own word gives up on a request, never a slow status answer (a loaded machine): it has
+        no leader, or its term moved on while the request was pending.  A request that may be sent again
+        is also given up on when the member's term is already newer than any this process had seen (its
+        knowledge is stale, or the request went to the dead leader): a second copy costs nothing.
+        """
         if waited >= limit:
             return f"did not answer within {limit:.1f} s"
         st = status(member)
         if not st.ok:
-            return None   # a busy or hung member: only the request's own timeout gives up on it
+            return None
         if st.leader_id == 0:
             return "lost its leader (an election is under way) while the request was pending"
-        if term and st.raft_term > term:
-            return f"has a new leader (raft term {term} -> {st.raft_term}) since the request was sent"
+        if not pending.get("base"):
+            pending["base"] = st.raft_term
+            if pending.get("safe") and pending.get("term") and st.raft_term > pending["term"]:
+                return (f"has had a new leader since this process's last answer (raft term {pending['term']} -> "
+                        f"{st.raft_term}): asking again")
+            return None
+        if st.raft_term > pending["base"]:
+            return f"has a new leader (raft term {pending['base']} -> {st.raft_term}) since the request was sent"
         return None
 
     def survey(self, timeout: float = STATUS_TIMEOUT) -> list[Status]:
