@@ -41,12 +41,18 @@ def _topo(ctx, param, value):
 @click.option("--topo", default="line,2,3", show_default=True, callback=_topo,
               help="Mininet fabric: single,N | line,S,H | tree,S,H (S switches, H hosts each).")
 @click.option("--timeout", type=float, default=90, show_default=True, help="Seconds to wait for it.")
-def up(topo: str, timeout: float) -> None:
+@click.option("--etcd-members", type=click.IntRange(1, 9), default=1, show_default=True,
+              help="etcd members to run on this machine: 1, or a cluster of 3 or 5 (each its own ports and "
+                   "data dir on loopback; the fabric then survives the death of any one).")
+def up(topo: str, timeout: float, etcd_members: int) -> None:
     """Start a local fabric: etcd, Open vSwitch, the controller and a Mininet net.
 
     Everything runs in the background until 'vfab down'. Hosts are named vfh1,
     vfh2, ...; run programs in them with 'vfab exec HOST -- CMD'.
     """
+    if etcd_members % 2 == 0:
+        raise click.BadParameter(f"{etcd_members} members tolerate no more failures than {etcd_members - 1}: "
+                                 "use 1, 3 or 5", param_hint="--etcd-members")
     state = read_state()
     if state and _alive(state["pid"]):
         raise click.ClickException(f"a fabric is already up (pid {state['pid']}, etcd {state['etcd']}): "
@@ -56,7 +62,8 @@ def up(topo: str, timeout: float) -> None:
     os.makedirs(STATE_DIR, exist_ok=True)
     log = open(os.path.join(STATE_DIR, "fabric.log"), "ab")
     proc = subprocess.Popen([sys.executable, "-m", "vfab.testbed.daemon", "--topo", topo,
-                             "--state-file", STATE_FILE], stdout=log, stderr=log, start_new_session=True)
+                             "--state-file", STATE_FILE, "--etcd-members", str(etcd_members)],
+                            stdout=log, stderr=log, start_new_session=True)
     t0 = time.monotonic()
     with click.progressbar(length=int(timeout), label=f"starting fabric {topo}", show_eta=False) as bar:
         while read_state() is None:
@@ -154,8 +161,11 @@ def status(c, as_json: bool) -> None:
                                         "keys": load[0] if (load := range_load(loads, r)) else None,
                                         "req_s": load[1] if load else None} for r in rs],
                          "ops": [op_json(op) for op in ops_of(reg, s.name)]})
+    members = reg.members.survey() if len(reg.members.all) > 1 else []
     out = {
-        "etcd": {"endpoint": reg.endpoint, "revision": rev},
+        "etcd": {"endpoint": reg.endpoint, "revision": rev, "using": reg.member,
+                 "members": [{"member": m.member, "leader": m.is_leader, "raft_term": m.raft_term,
+                              "revision": m.revision, "error": m.error} for m in members]},
         "controller": None,
         "switches": [{"name": s.name, "dpid": f"{s.dpid:016x}",
                       "applied": applied[s.dpid].revision if s.dpid in applied else None,
@@ -173,6 +183,10 @@ def status(c, as_json: bool) -> None:
     ctl = out["controller"]
     click.echo(f"etcd {reg.endpoint} at revision {rev}; controller: "
                + (f"pid {ctl['pid']} {'running' if ctl['alive'] else 'DOWN'}" if ctl else "not started by 'vfab up'"))
+    if members:
+        c.console.print(table(f"etcd members (using {reg.member})", ["member", "role", "raft term", "revision"],
+                              [[m.member, "leader" if m.is_leader else ("DOWN: " + m.error if m.error else "follower"),
+                                m.raft_term or "-", m.revision or "-"] for m in members]))
     c.console.print(table("switches", ["name", "dpid", "applied revision", "flows"],
                           [[s["name"], s["dpid"], s["applied"] or "-", s["flows"] or "-"] for s in out["switches"]]))
     c.console.print(table("services", ["name", "id", "ranges", "unassigned", "endpoints", "owners down", "helpers"],

@@ -15,6 +15,7 @@ from vfab.vid import codec
 from vfab.vid.errors import Conflict, NotFound, RegistryError, VfabError, VidError
 from vfab.vid.ranges import Range
 from vfab.vid.registry import DEFAULT_ENDPOINT, Registry
+from vfab.vid.registry import members as etcd_members
 
 STATE_DIR = os.environ.get("VFAB_STATE_DIR", "/run/vfab")
 STATE_FILE = os.path.join(STATE_DIR, "up.json")
@@ -44,6 +45,17 @@ class Ctx:
 
 
 pass_ctx = click.make_pass_decorator(Ctx)
+
+
+def etcd_list(ctx, param, value):
+    """``--etcd``: a list of members (bad input exits 2 naming the item and the form to write)."""
+    if value is None:
+        return None
+    try:
+        etcd_members.parse(value)
+    except RegistryError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return value
 
 
 class RangeType(click.ParamType):

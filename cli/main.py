@@ -26,13 +26,14 @@ import click
 import vfab.services.memcached_helper.plugin  # noqa: F401  (registers kind memcached)
 import vfab.services.sdhcp.plugin  # noqa: F401  (registers kind sdhcp; vid-lib's BUILTIN lists echo, elastic-kvs)
 from vfab.cli import cmd_balancer, cmd_fabric, cmd_flows, cmd_helpers, cmd_hosts, cmd_ranges, cmd_state
-from vfab.cli.common import Ctx
+from vfab.cli.common import Ctx, etcd_list
 from vfab.vid import plugin
 
 
 @click.group(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--etcd", envvar="VFAB_ETCD", metavar="HOST:PORT",
-              help="etcd member holding the fabric (default: the one 'vfab up' started, else 127.0.0.1:2379).")
+@click.option("--etcd", envvar="VFAB_ETCD", metavar="HOST:PORT[,...]", callback=etcd_list,
+              help="etcd members holding the fabric, comma-separated, the nearest first (default: the ones "
+                   "'vfab up' started, else 127.0.0.1:2379).")
 @click.option("-v", "--verbose", is_flag=True, help="Log what vfab does (to stderr).")
 @click.pass_context
 def cli(ctx: click.Context, etcd: str | None, verbose: bool) -> None:

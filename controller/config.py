@@ -13,6 +13,9 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from vfab.vid.errors import RegistryError
+from vfab.vid.registry import members as etcd_members
+
 
 class ConfigError(ValueError):
     """A controller setting that cannot be used."""
@@ -20,7 +23,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ControllerConfig:
-    etcd: str = "127.0.0.1:2379"       # etcd HOST:PORT (its JSON gateway)
+    etcd: str = "127.0.0.1:2379"       # etcd members HOST:PORT[,HOST:PORT...] (their JSON gateway)
     listen: str = "127.0.0.1"          # OpenFlow listen address
     port: int = 6653                   # OpenFlow TCP port
     poll: float = 2.0                  # seconds between counter polls
@@ -43,9 +46,10 @@ class ControllerConfig:
             if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
                 kind = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false"}
                 raise ConfigError(f"controller setting {f.name!r} must be {kind[str(f.type)]}, got {value!r}")
-        host, _, port = self.etcd.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"etcd endpoint {self.etcd!r} is malformed: write HOST:PORT, e.g. 127.0.0.1:2379")
+        try:
+            etcd_members.parse(self.etcd)
+        except RegistryError as exc:
+            raise ConfigError(str(exc)) from None
         try:
             ipaddress.ip_address(self.listen)
         except ValueError:

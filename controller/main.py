@@ -1,4 +1,4 @@
-"""Run the route controller: ``python -m vfab.controller --etcd HOST:PORT --port 6653``.
+"""Run the route controller: ``python -m vfab.controller --etcd HOST:PORT[,HOST:PORT...] --port 6653``.
 
 Settings come from the defaults, then ``--config FILE`` (a JSON object of
 ``ControllerConfig`` settings), then the options given; ``--check`` validates
@@ -20,7 +20,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ControllerConfig, bool]
     ap = argparse.ArgumentParser(prog="vfab-controller", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", metavar="FILE", help="JSON file of settings (command-line options win)")
-    ap.add_argument("--etcd", help=f"etcd HOST:PORT (default {d.etcd})")
+    ap.add_argument("--etcd", help=f"etcd members HOST:PORT[,HOST:PORT...], the local one first (default {d.etcd})")
     ap.add_argument("--listen", help=f"OpenFlow listen address (default {d.listen})")
     ap.add_argument("--port", type=int, help=f"OpenFlow TCP port (default {d.port})")
     ap.add_argument("--poll", type=float, help=f"seconds between counter polls (default {d.poll})")

@@ -65,7 +65,7 @@ class Reporter:
         try:
             rec = schema.Applied(dpid=dpid, revision=revision, flows=flows, groups=groups, at=self.clock(),
                                  committed=committed or self.clock(), datapath=datapath)
-            self.registry.put(schema.applied_key(dpid), rec.to_json())
+            self.registry.put(schema.applied_key(dpid), rec.to_json(), repeat=True)   # ours alone
             self.reported[dpid] = revision
             return True
         except Exception as exc:

@@ -21,17 +21,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--topo", default="line,2,3")
     ap.add_argument("--state-file", required=True)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--etcd-members", type=int, default=1)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGHUP, lambda *_: stop.set())
-    tb = Testbed(args.topo, workdir=args.workdir)
+    tb = Testbed(args.topo, workdir=args.workdir, etcd_members=args.etcd_members)
     try:
         tb.start()
         state = {
             "pid": os.getpid(), "topo": args.topo, "etcd": tb.etcd_endpoint, "workdir": tb.workdir,
+            "etcd_members": {m.name: {"pid": m.pid, "endpoint": m.endpoint, "log": str(m.log_path)}
+                             for m in tb.etcd.members} if tb.etcd else {},
             "controller": {"pid": tb.controller.pid, "port": tb.ctl_port, "log": tb.controller.logpath},
             "switches": tb.switches,
             "hosts": {n: dict(h, pid=tb.host(n).pid) for n, h in tb.hosts.items()},

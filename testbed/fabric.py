@@ -91,7 +91,9 @@ class Testbed:
     _running: "Testbed | None" = None  # the one started Testbed of this process
 
     def __init__(self, topo: str = "line,2,3", workdir: str | None = None, poll: float = 1.0,
-                 etcd: str | None = None):
+                 etcd: str | None = None, etcd_members: int = 1):
+        """``etcd``: members of a running etcd to use (else the testbed starts its own: ``etcd_members`` of
+        them, 1 or a cluster of 3 or 5 on loopback, see testbed/etcd.py)."""
         self.spec = TopoSpec.parse(topo)
         self.topo = topo
         self.own_workdir = workdir is None
@@ -99,6 +101,7 @@ class Testbed:
         self.poll = poll
         self.sup = Supervisor(os.path.join(self.workdir, "logs"))
         self.etcd_endpoint = etcd
+        self.etcd_members = etcd_members
         self.etcd: LocalEtcd | None = None
         self.ctl_port = free_port()
         self.controller = None
@@ -137,7 +140,7 @@ class Testbed:
                 etcd_dir = os.path.join(self.workdir, "etcd")
                 if not self.own_workdir:
                     self.record.add("dirs", etcd_dir)
-                self.etcd = LocalEtcd(etcd_dir, free_port(), free_port())
+                self.etcd = LocalEtcd(etcd_dir, members=self.etcd_members)
                 self.etcd.on_spawn = lambda pid: self.track(pid, "etcd")
                 self.etcd.start()
                 self.etcd_endpoint = self.etcd.endpoint

@@ -30,6 +30,11 @@ class Compacted(RegistryError):
     again and watch from there."""
 
 
+class MemberDown(RegistryError):
+    """The etcd member in use failed under a watch (it died, or has no leader): the client moved on to another
+    member, where the watch resumes from its next revision."""
+
+
 class TransportError(VfabError):
     """A raw socket could not be opened, bound or filtered."""
 

@@ -27,13 +27,15 @@ from vfab.vid.codec import KEY_MAX
 from vfab.vid.ranges import Range
 from vfab.vid.registry import Registry
 from vfab.vid.transport import RX_MODES
+from vfab.vid.registry import members as etcd_members
 
 log = logging.getLogger("vfab.echo.client")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--etcd", default=os.environ.get("VFAB_ETCD", "127.0.0.1:2379"),
-                   help="etcd HOST:PORT (default: $VFAB_ETCD, else 127.0.0.1:2379)")
+                   type=etcd_members.arg,
+                   help="etcd members HOST:PORT[,HOST:PORT...] (default: $VFAB_ETCD, else 127.0.0.1:2379)")
     p.add_argument("--service", required=True)
     p.add_argument("--netns", default=None, metavar="PATH",
                    help="network namespace of --iface (e.g. /proc/PID/ns/net of a testbed host); etcd is reached from ours")

@@ -34,12 +34,14 @@ from vfab.services.elastic_kvs.client import KvsClient
 from vfab.services.elastic_kvs.proto import Op, Status
 from vfab.vid.registry import Registry
 from vfab.vid.state.sched import RunDelay
+from vfab.vid.registry import members as etcd_members
 
 log = logging.getLogger("vfab.kvs.load")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--etcd", default=os.environ.get("VFAB_ETCD", "127.0.0.1:2379"), help="etcd HOST:PORT")
+    p.add_argument("--etcd", default=os.environ.get("VFAB_ETCD", "127.0.0.1:2379"), type=etcd_members.arg,
+                   help="etcd members HOST:PORT[,HOST:PORT...]")
     p.add_argument("--service", required=True)
     p.add_argument("--iface", required=True)
     p.add_argument("--netns", default=None, metavar="PATH", help="network namespace of --iface")

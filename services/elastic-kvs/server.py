@@ -19,6 +19,7 @@ from vfab.vid.registry import Registry
 from vfab.vid.state.loop import EndpointLoop
 from vfab.vid.state.view import read_view
 from vfab.vid.transport import RX_MODES
+from vfab.vid.registry import members as etcd_members
 
 log = logging.getLogger("vfab.kvs.server")
 
@@ -36,7 +37,8 @@ def open_server(registry: Registry, service: str, name: str, iface: str, datadir
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--etcd", default=os.environ.get("VFAB_ETCD", "127.0.0.1:2379"),
-                   help="etcd HOST:PORT (default: $VFAB_ETCD, else 127.0.0.1:2379)")
+                   type=etcd_members.arg,
+                   help="etcd members HOST:PORT[,HOST:PORT...] (default: $VFAB_ETCD, else 127.0.0.1:2379)")
     p.add_argument("--service", required=True, help="service name (create it with 'vfab service add')")
     p.add_argument("--name", required=True, help="this endpoint's name (stable across restarts: the data's name)")
     p.add_argument("--iface", required=True, help="data interface")

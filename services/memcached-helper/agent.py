@@ -70,6 +70,7 @@ from vfab.vid.registry import Registry, schema
 from vfab.vid.state.sched import proc_stat
 
 from vfab.services.memcached_helper import control
+from vfab.vid.registry import members as etcd_members
 
 log = logging.getLogger("vfab.mc.agent")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -447,7 +448,8 @@ def still_lcores(now: dict, before: dict) -> list[str]:
 
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--etcd", default=os.environ.get("VFAB_ETCD", "127.0.0.1:2379"),
-                   help="etcd HOST:PORT (default: $VFAB_ETCD, else 127.0.0.1:2379)")
+                   type=etcd_members.arg,
+                   help="etcd members HOST:PORT[,HOST:PORT...] (default: $VFAB_ETCD, else 127.0.0.1:2379)")
     p.add_argument("--service", required=True, help="the memcached service (its udp front door gives the address)")
     p.add_argument("--name", required=True, help="this endpoint's name")
     p.add_argument("--iface", required=True, help="the host's fabric port")

@@ -44,6 +44,7 @@ from vfab.vid.ranges import Range
 from vfab.vid.registry import Registry
 from vfab.vid.state.loop import EndpointLoop
 from vfab.vid.state.view import read_view
+from vfab.vid.registry import members as etcd_members
 
 log = logging.getLogger("vfab.sdhcp.server")
 
@@ -299,7 +300,8 @@ example (shard s1 on testbed host vfh1, owning every key):
       --iface vfh1-eth0 --netns "$(vfab netns vfh1)" --data /var/lib/vfab/sdhcp \\
       --listen 0-0xffffff"""
     p.add_argument("--etcd", default=os.environ.get("VFAB_ETCD", "127.0.0.1:2379"),
-                   help="etcd HOST:PORT (default: $VFAB_ETCD, else 127.0.0.1:2379)")
+                   type=etcd_members.arg,
+                   help="etcd members HOST:PORT[,HOST:PORT...] (default: $VFAB_ETCD, else 127.0.0.1:2379)")
     p.add_argument("--service", required=True, help="service name (create it with 'vfab service add NAME "
                                                      "--kind sdhcp')")
     p.add_argument("--name", required=True, help="this shard's name (stable across restarts: its leases' name)")

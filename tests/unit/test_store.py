@@ -337,7 +337,7 @@ def test_unreachable_etcd_names_the_endpoint():
         reg.create_service("echo")
 
 
-@pytest.mark.parametrize("endpoint", ["localhost", ":2379", "host:port", ""])
+@pytest.mark.parametrize("endpoint", ["localhost", ":2379", "host:port", "127.0.0.1:0", "http://127.0.0.1:2379/v3"])
 def test_malformed_endpoint(endpoint):
     with pytest.raises(RegistryError, match="is malformed: write HOST:PORT"):
         Registry(endpoint)

@@ -17,15 +17,17 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from vfab.vid.registry import schema
 from vfab.vid.codec import KEY_MAX, SERVICE_MAX, Layout
-from vfab.vid.errors import Compacted, Conflict, NotFound, RegistryError, VidError
+from vfab.vid.errors import Compacted, Conflict, MemberDown, NotFound, RegistryError, VidError
 from vfab.vid.ranges import Range
+from vfab.vid.registry.members import DEFAULT_ENDPOINT, HASLEADER, PROBE, Members
 
 log = logging.getLogger("vfab.registry")
-DEFAULT_ENDPOINT = "127.0.0.1:2379"
+BACKOFF = 0.05   # s between tries while every member says "no leader" (an election takes ~1-2 election timeouts)
+CONNECT = 1.0    # s to connect to one of several members before trying the next (a host that is off)
 # one encoder for every request: json.dumps with separators builds a new one per call (~0.2 ms of a cold
 # keepalive thread's 1 ms)
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
@@ -71,12 +73,18 @@ class _Http:
 
     MAX_HEAD = 65536   # bytes of status line and headers
 
-    def __init__(self, host: str, port: int, timeout: float | None):
+    def __init__(self, host: str, port: int, timeout: float | None,
+                 slow: Callable[[float], str | None] | None = None):
+        """``slow(waited)``: asked each ``PROBE`` s an answer is late; a reason ends the wait (TimeoutError)."""
         self.sock = socket.create_connection((host, port), timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._host = f"Host: {host}:{port}\r\nContent-Type: application/json\r\n".encode()
+        self._slow = slow
+        if slow is not None:
+            self.sock.settimeout(PROBE)
+        self._host = f"Host: {host}:{port}\r\nContent-Type: application/json\r\n{HASLEADER}: true\r\n".encode()
         self._buf = bytearray()
         self._pos = 0
+        self._sent = 0.0
 
     def close(self) -> None:
         self.sock.close()
@@ -87,6 +95,7 @@ class _Http:
 
     def post(self, path: str, body: bytes) -> tuple[int, bytes, bool]:
         """(status, body, whether the member closes the connection after it)."""
+        self._sent = time.monotonic()
         self.sock.sendall(b"POST %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s"
                           % (path.encode(), self._host, len(body), body))
         self._buf.clear()
@@ -117,7 +126,14 @@ class _Http:
         if self._pos:
             del self._buf[:self._pos]
             self._pos = 0
-        got = self.sock.recv(65536)
+        while True:
+            try:
+                got = self.sock.recv(65536)
+                break
+            except TimeoutError:
+                why = self._slow(time.monotonic() - self._sent) if self._slow is not None else "timed out"
+                if why is not None:
+                    raise TimeoutError(why) from None
         if not got:
             raise http.client.RemoteDisconnected("the member closed the connection in the middle of its answer")
         self._buf += got
@@ -181,43 +197,62 @@ class _Http:
         return data
 
 
+class _NotSent(Exception):
+    """No connection to the member could be made: nothing was sent (the request may go to another member)."""
+
+
 class _Gateway:
-    """POSTs to etcd's JSON gateway over HTTP/1.1 keep-alive connections (``_Http``), one per thread.
+    """POSTs to etcd's JSON gateway over HTTP/1.1 keep-alive connections (``_Http``), one per thread, to the
+    member the process uses now (``Members.current``).
 
     A request costs one round trip and a JSON encode/decode.  A connection the member closed meanwhile is
     noticed before it is used again (it reads as ready); a request that fails once sent is never repeated
-    here, because a transaction may have been applied: the caller is told and decides.
+    here, because a transaction may have been applied: the caller (:meth:`Registry._post`) decides.
     """
 
-    HEADERS = {"Content-Type": "application/json"}
+    HEADERS = {"Content-Type": "application/json", HASLEADER: "true"}
 
-    def __init__(self, host: str, port: int, timeout: float):
-        self.host, self.port, self.timeout = host, port, timeout
+    def __init__(self, members: Members, timeout: float):
+        self.members, self.timeout = members, timeout
         self._local = threading.local()
 
-    def connect(self, timeout: float | None) -> http.client.HTTPConnection:
+    def connect(self, member: str, timeout: float | None) -> http.client.HTTPConnection:
         """A connection of ``http.client``'s, for a watch stream (read a line at a time as events come)."""
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        host, _, port = member.rpartition(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
         conn.connect()
         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn
 
-    def _conn(self) -> _Http:
+    def _conn(self, member: str) -> _Http:
         local = self._local
         conn = getattr(local, "conn", None)
-        if conn is not None and (local.pid != os.getpid() or conn.stale()):
-            conn.close()   # closed by the member (EOF reads as ready), or inherited across a fork
-            conn = None
+        if conn is not None and (local.pid != os.getpid() or local.member != member or conn.stale()):
+            conn.close()   # closed by the member (EOF reads as ready), inherited across a fork, or another member
+            conn = local.conn = None
         if conn is None:
-            conn = local.conn = _Http(self.host, self.port, self.timeout)
-            local.pid = os.getpid()
+            host, _, port = member.rpartition(":")
+
+            def slow(waited: float) -> str | None:
+                return self.members.abandon(member, local.pending, waited, self.timeout)
+
+            several = len(self.members.all) > 1   # one member: nowhere else to go, no probing, no hurry
+            try:
+                conn = _Http(host, int(port), min(self.timeout, CONNECT) if several else self.timeout,
+                             slow=slow if several else None)
+            except OSError as exc:
+                raise _NotSent(exc.__class__.__name__) from None
+            local.conn, local.member, local.pid = conn, member, os.getpid()
         return conn
 
-    def post(self, path: str, body: dict) -> tuple[int, bytes]:
-        """(HTTP status, body); OSError and http.client.HTTPException pass through.  After a failure the
-        connection is dropped: an answer that comes late must not be read as the next request's."""
+    def post(self, member: str, path: str, body: bytes, safe: bool = False) -> tuple[int, bytes]:
+        """(HTTP status, body) from ``member``; _NotSent, or OSError and http.client.HTTPException once sent.
+        After a failure the connection is dropped: an answer that comes late must not be read as the next
+        request's."""
+        conn = self._conn(member)
+        self._local.pending = {"term": self.members.term, "safe": safe}
         try:
-            status, data, close = self._conn().post(path, _ENCODE(body).encode())
+            status, data, close = conn.post(path, body)
         except BaseException:
             self.close()
             raise
@@ -232,6 +267,23 @@ class _Gateway:
             self._local.conn = None
 
 
+# Requests repeated on another member when their answer was lost: they change nothing (etcd's own client
+# retries the same kinds by itself).  Puts, deletes, transactions and lease grants are not repeated: one
+# may have been applied, and the caller is told so.
+SAFE = frozenset({"/kv/range", "/lease/keepalive", "/lease/timetolive", "/maintenance/status"})
+# etcd errors after which a safe request is asked again (of the next member): it was not served
+_RETRY = ("leader changed", "request timed out", "too many requests", "server stopped")
+
+
+class _Behind(Compacted):
+    """The member a watch resumed on has not reached the revision resumed from: read the keys again (they are
+    right whatever the member's reason), as after a compaction."""
+
+
+def _no_leader(status: int, text: str) -> bool:
+    return status == 503 and "no leader" in text
+
+
 @dataclass
 class Event:
     key: str
@@ -242,31 +294,83 @@ class Event:
 class Registry:
     """A connection to the etcd that holds a fabric's truth."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 5.0):
-        host, _, port = endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise RegistryError(f"etcd endpoint {endpoint!r} is malformed: write HOST:PORT, e.g. {DEFAULT_ENDPOINT}")
-        self.endpoint = endpoint
+    def __init__(self, endpoint: str | Sequence[str] = DEFAULT_ENDPOINT, timeout: float = 5.0):
+        """``endpoint``: the cluster's members, ``HOST:PORT[,HOST:PORT...]`` or a list (see ``members``);
+        ``timeout``: s a request may take, failing over between members included."""
+        self.members = Members.of(endpoint)
+        self.endpoint = self.members.text   # the whole list: ``Registry(reg.endpoint)`` reaches the same cluster
         self.timeout = timeout
-        self._gw = _Gateway(host, int(port), timeout)
+        self._gw = _Gateway(self.members, timeout)
         self._keepalives: list[threading.Event] = []
 
-    # -- raw access -------------------------------------------------------
-    def _unreachable(self, exc: BaseException, what: str = "") -> RegistryError:
-        return RegistryError(f"etcd at {self.endpoint} is unreachable ({exc.__class__.__name__}){what}: start it "
-                             "with 'vfab up' or point --etcd at a running member")
+    @property
+    def member(self) -> str:
+        """The member this process talks to now."""
+        return self.members.current()
 
-    def _post(self, path: str, body: dict) -> dict:
-        try:
-            status, data = self._gw.post("/v3" + path, body)
-        except (OSError, http.client.HTTPException) as exc:
-            raise self._unreachable(exc) from None
-        if status != 200:
-            raise RegistryError(f"etcd at {self.endpoint} answered {status}: {data[:200].decode(errors='replace')}")
-        try:
-            return json.loads(data)
-        except ValueError:
-            raise RegistryError(f"etcd at {self.endpoint} answered with what is not JSON: {data[:200]!r}") from None
+    # -- raw access -------------------------------------------------------
+    def _unreachable(self, why: dict[str, str], what: str = "", leaderless: set[str] = frozenset()) -> RegistryError:
+        if leaderless:
+            down = f"; {', '.join(why)} refuse connections" if why else ""
+            return RegistryError(f"the etcd cluster {self.endpoint} has had no leader for {self.timeout:.0f} s "
+                                 f"({', '.join(sorted(leaderless))} answer without one{down}): is a majority of its "
+                                 "members down?")
+        if len(self.members.all) == 1:
+            return RegistryError(f"etcd at {self.endpoint} is unreachable ({why[self.endpoint]}){what}: start it "
+                                 "with 'vfab up' or point --etcd at a running member")
+        each = ", ".join(f"{m}: {w}" for m, w in why.items())
+        return RegistryError(f"no etcd member of {self.endpoint} answers ({each}){what}: start them, or point "
+                             "--etcd at running members")
+
+    def _post(self, path: str, body: dict, safe: bool | None = None) -> dict:
+        """One request, to the member in use, moving on to the others as ``members`` describes: at once when
+        nothing was sent, every BACKOFF s while members have no leader, and, for SAFE requests only, when an
+        answer was lost; within ``timeout`` s."""
+        safe = path in SAFE if safe is None else safe
+        raw = _ENCODE(body).encode()
+        deadline = time.monotonic() + self.timeout
+        refused: dict[str, str] = {}
+        leaderless: set[str] = set()
+        while True:
+            member = self.members.current()
+            try:
+                status, data = self._gw.post(member, "/v3" + path, raw, safe)
+            except _NotSent as exc:
+                refused[member] = str(exc)
+                self.members.failed(member, f"refuses connections ({exc})")
+                if len(refused) >= len(self.members.all) or time.monotonic() > deadline:
+                    raise self._unreachable(refused, leaderless=leaderless) from None
+                continue
+            except (OSError, http.client.HTTPException) as exc:
+                why = str(exc) if isinstance(exc, TimeoutError) and str(exc) else exc.__class__.__name__
+                now = self.members.failed(member, f"lost a request ({why})")
+                if not safe:
+                    raise RegistryError(f"etcd member {member} lost a request ({why}): it may or may not have "
+                                        f"been applied; read back before repeating it (now using {now})") from None
+                if len(self.members.all) == 1 or time.monotonic() > deadline:
+                    raise self._unreachable({member: why}) from None
+                continue
+            if status != 200:
+                text = data[:200].decode(errors="replace")
+                if len(self.members.all) == 1:   # nowhere else to go: the caller is told at once, as ever
+                    raise RegistryError(f"etcd at {member} answered {status}: {text}")
+                if _no_leader(status, text):
+                    leaderless.add(member)
+                    if time.monotonic() > deadline:
+                        raise self._unreachable(refused, leaderless=leaderless)
+                    self.members.failed(member, "has no leader", election=True)
+                    time.sleep(BACKOFF)
+                    continue
+                if safe and any(e in text for e in _RETRY) and time.monotonic() < deadline:
+                    self.members.failed(member, f"answered {status}: {text[:80]}")
+                    continue
+                raise RegistryError(f"etcd at {member} answered {status}: {text}")
+            try:
+                out = json.loads(data)
+            except ValueError:
+                raise RegistryError(f"etcd at {member} answered with what is not JSON: {data[:200]!r}") from None
+            self.members.answered(member, out.get("header") or {})
+            return out
 
     def get_prefix(self, prefix: str = schema.ROOT) -> tuple[int, dict[str, tuple[bytes, int]]]:
         """(revision, {key: (value, mod_revision)}) under a prefix, consistently."""
@@ -292,18 +396,20 @@ class Registry:
         """(revision, {key: (value, mod_revision)}) of ``keys`` read at one revision (one transaction; at most
         etcd's --max-txn-ops keys, 128 by default); keys that do not exist are left out."""
         body = {"compare": [], "success": [{"request_range": {"key": _b64(k)}} for k in keys], "failure": []}
-        out = self._post("/kv/txn", body)
+        out = self._post("/kv/txn", body, safe=True)   # reads only
         items = {}
         for resp in out.get("responses", []):
             for kv in resp.get("response_range", {}).get("kvs", []):
                 items[_unb64(kv["key"]).decode()] = (_unb64(kv.get("value", "")), int(kv["mod_revision"]))
         return int(out["header"]["revision"]), items
 
-    def put(self, key: str, value: str | bytes, lease: int | None = None) -> int:
+    def put(self, key: str, value: str | bytes, lease: int | None = None, repeat: bool = False) -> int:
+        """``repeat``: the key is this process's alone (a report, a record of its own), so a put whose answer
+        was lost with a member is sent again to the next one rather than reported as maybe applied."""
         body = {"key": _b64(key), "value": _b64(value)}
         if lease:
             body["lease"] = str(lease)
-        return int(self._post("/kv/put", body)["header"]["revision"])
+        return int(self._post("/kv/put", body, safe=repeat or None)["header"]["revision"])
 
     def delete(self, key: str) -> int:
         return int(self._post("/kv/deleterange", {"key": _b64(key)})["header"]["revision"])
@@ -342,42 +448,77 @@ class Registry:
         acting on single events could see half a transaction (e.g. the first
         hundreds of the keys one delete-range removed).
         """
-        body = {"create_request": {"key": _b64(prefix), "range_end": _prefix_end(prefix),
-                                   "start_revision": start_revision}}
-        conn = None
-        try:   # a connection of its own: the stream holds it until cancelled
-            conn = self._gw.connect(self.timeout)
-            conn.request("POST", "/v3/watch", json.dumps(body), _Gateway.HEADERS)
-            resp = conn.getresponse()
-        except (OSError, http.client.HTTPException) as exc:
-            if conn is not None:
+        body = json.dumps({"create_request": {"key": _b64(prefix), "range_end": _prefix_end(prefix),
+                                              "start_revision": start_revision}})
+        refused: dict[str, str] = {}
+        while True:   # a connection of its own: the stream holds it until cancelled
+            member = self.members.current()
+            try:
+                conn = self._gw.connect(member, self.timeout)
+            except OSError as exc:
+                refused[member] = exc.__class__.__name__
+                self.members.failed(member, f"refuses connections ({refused[member]})")
+                if len(refused) >= len(self.members.all):
+                    raise self._unreachable(refused, ": cannot watch") from None
+                continue
+            try:
+                conn.request("POST", "/v3/watch", body, _Gateway.HEADERS)
+                resp = conn.getresponse()
+            except (OSError, http.client.HTTPException) as exc:
                 conn.close()
-            raise self._unreachable(exc, ": cannot watch") from None
-        if resp.status != 200:
-            text = resp.read(200).decode(errors="replace")
-            conn.close()
-            raise RegistryError(f"etcd at {self.endpoint} refused a watch: {resp.status} {text}")
+                self.members.failed(member, f"dropped a new watch ({exc.__class__.__name__})")
+                raise MemberDown(f"etcd member {member} dropped the watch on {prefix} as it began") from None
+            if resp.status != 200:
+                text = resp.read(200).decode(errors="replace")
+                conn.close()
+                if _no_leader(resp.status, text):
+                    self.members.failed(member, "has no leader", election=True)
+                    raise MemberDown(f"etcd member {member} has no leader to watch {prefix} with")
+                raise RegistryError(f"etcd at {member} refused a watch: {resp.status} {text}")
+            break
         conn.sock.settimeout(idle)   # None: wait for events as long as it takes
         stopped = threading.Event()
+        cluster = self.members.cluster_id
+
+        def broke(why: str) -> MemberDown:
+            now = self.members.failed(member, f"broke the watch on {prefix} ({why})")
+            return MemberDown(f"etcd member {member} broke the watch on {prefix} ({why}); now using {now}")
 
         def gen() -> Iterator[list[Event]]:
             try:
                 while True:
                     line = resp.readline()
                     if not line:
+                        if len(self.members.all) > 1 and not stopped.is_set():
+                            raise broke("it ended the stream: it stopped or died")
                         return   # the member ended the stream: the consumer watches again
                     if not line.strip():
                         continue
                     msg = json.loads(line)
                     result = msg.get("result")
                     if result is None:
-                        raise RegistryError(f"etcd watch on {prefix} failed: {str(msg.get('error', msg))[:200]}")
+                        error = str(msg.get("error", msg))
+                        if "no leader" in error:
+                            raise broke("no leader")
+                        raise RegistryError(f"etcd watch on {prefix} failed: {error[:200]}")
+                    if result.get("created"):
+                        head = result.get("header") or {}
+                        self.members.answered(member, head)
+                        if cluster and self.members.cluster_id != cluster:
+                            raise RegistryError(f"etcd at {member} is a new cluster (re-created): {prefix} must be "
+                                                "read again")
+                        if int(head.get("revision", 0)) < start_revision - 1:
+                            raise _Behind(f"etcd at {member} is at revision {head.get('revision')}, before "
+                                          f"{start_revision - 1} already seen (a member catching up, or a store "
+                                          f"created anew): {prefix} is read again")
                     if result.get("canceled"):
                         if int(result.get("compact_revision") or 0) > 0:
                             raise Compacted(f"etcd compacted {prefix} past revision {start_revision} (to "
                                             f"{result['compact_revision']}): read it again")
-                        raise RegistryError(f"etcd cancelled the watch on {prefix}: "
-                                            f"{result.get('cancel_reason') or 'no reason given'}")
+                        reason = result.get("cancel_reason") or "no reason given"
+                        if "no leader" in reason:
+                            raise broke("no leader")
+                        raise RegistryError(f"etcd cancelled the watch on {prefix}: {reason}")
                     batch = []
                     for ev in result.get("events", []):
                         kv = ev["kv"]
@@ -391,7 +532,7 @@ class Registry:
                 raise RegistryError(f"etcd watch on {prefix} broke: TimeoutError") from None
             except (OSError, http.client.HTTPException, AttributeError, ValueError) as exc:
                 if not stopped.is_set():  # not our own cancel(): the stream broke
-                    raise RegistryError(f"etcd watch on {prefix} broke: {exc.__class__.__name__}") from None
+                    raise broke(exc.__class__.__name__) from None
 
         def cancel() -> None:
             stopped.set()
@@ -413,9 +554,11 @@ class Registry:
         renewed after ``idle`` s without events, so ``stop`` is looked at that often.  A watch that ends by
         itself is resumed from the next revision, or read again from scratch with ``resume=False``.  On one
         of ``errors`` (raised by etcd, or by ``reset``/``apply``): ``on_error(exc, first)`` (``first``:
-        not right after another failure), then a retry after ``retry`` s.
+        not right after another failure), then a retry after ``retry`` s.  When the member in use fails under
+        the watch (``MemberDown``: it died or lost its leader), the watch resumes from the revision after the
+        last one applied, on the member the client moved to: no event is missed or applied twice.
         """
-        rev, failing = 0, False
+        rev, failing, downs = 0, False, 0
         while not stop.is_set():
             try:
                 if rev == 0:
@@ -426,13 +569,20 @@ class Registry:
                 try:
                     for batch in batches:
                         apply(batch)
-                        rev = max(rev, max(ev.revision for ev in batch))
+                        rev, downs = max(rev, max(ev.revision for ev in batch)), 0
                         if stop.is_set():
                             break
                 finally:
                     cancel()
                 if not resume:
                     rev = 0
+                continue
+            except MemberDown as exc:
+                downs += 1   # said once per failure, not once per try while an election lasts
+                log.log(logging.WARNING if downs == 1 else logging.DEBUG, "%s: watching %s again from revision %d",
+                        exc, prefix, rev + 1)
+                if downs > 1:   # the members fail one after another (an election): not in a tight loop
+                    stop.wait(BACKOFF if downs < 100 else 1.0)
                 continue
             except Compacted as exc:
                 log.debug("%s; reading %s again", exc, prefix)
