@@ -387,16 +387,22 @@ import pathlib
 from tests.unit.test_sdhcp_lane import Pair, KEY_MAX
 pair = Pair(pathlib.Path({str(tmp_path)!r}))
 lane, stop = pair.lane, threading.Event()
-def hammer():
+inside = [0.0, 0.0, 0.0]             # when each hammer last went into extend (0: not in it)
+def hammer(i):
     while not stop.is_set():
+        inside[i] = time.monotonic()
         lane.extend(time.monotonic() + 60, 1)
+        inside[i] = 0.0
         lane.watch({{1, 2}})
         lane.counters()
         lane.pop()
-threads = [threading.Thread(target=hammer) for _ in range(3)]
+threads = [threading.Thread(target=hammer, args=(i,), daemon=True) for i in range(3)]
 for t in threads:
     t.start()
 lane.acquire()                       # a write transaction holds the mutex: extend waits for it
+t0 = time.monotonic()                # on a loaded machine a hammer may take a while to get there
+while not any(0 < t < time.monotonic() - 0.05 for t in inside) and time.monotonic() - t0 < 20:
+    time.sleep(0.01)
 closer = threading.Thread(target=lane.close)
 closer.start()
 time.sleep(0.2)
