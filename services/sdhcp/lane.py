@@ -39,7 +39,7 @@ from ipaddress import IPv4Address
 from vfab.services.sdhcp import wire
 from vfab.services.sdhcp.backend import OFFER_HOLD
 from vfab.services.sdhcp.store import LANE_SQL
-from vfab.vid import codec
+from vfab.vid import codec, mackey
 from vfab.vid.codec import KEY_MAX
 from vfab.vid.errors import TransportError
 
@@ -175,8 +175,8 @@ class NativeLane:
         self.backend = backend
         store, config = backend.store, backend.config
         net = config.network
-        cfg = (ctypes.c_uint32 * 7)(int(config.first), config.size, int(config.server), int(net.network_address),
-                                    int(net.netmask), config.lease, OFFER_HOLD)
+        cfg = (ctypes.c_uint32 * 8)(int(config.first), config.size, int(config.server), int(net.network_address),
+                                    int(net.netmask), config.lease, OFFER_HOLD, store.stored_key_fn == mackey.HASH)
         opts = wire.encode_options(backend._options.encoded)
         relays = list(config.relays)
         rel = (ctypes.c_uint32 * max(1, len(relays)))(*[int(IPv4Address(r)) for r in relays])

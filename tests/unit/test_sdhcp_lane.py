@@ -26,6 +26,7 @@ from vfab.services.sdhcp.lane import NativeLane
 from vfab.services.sdhcp.store import Store
 from vfab.services.sdhcp.wire import Message, MessageType, Opt
 from vfab.services.sdhcp.errors import DhcpError
+from vfab.vid import mackey
 from vfab.vid.codec import KEY_MAX
 from vfab.vid.frame import parse as parse_frame
 from vfab.vid.ranges import Range
@@ -47,10 +48,10 @@ pytestmark = pytest.mark.skipif(not os.path.exists(lanemod.NATIVE_PATH),
 class Pair:
     """Store A (Python) and store B (lane, then Python), fed the same frames."""
 
-    def __init__(self, tmp_path, lib_path: str = lanemod.NATIVE_PATH):
+    def __init__(self, tmp_path, lib_path: str = lanemod.NATIVE_PATH, key_fn: str = mackey.LOW24):
         config = parse_opts(OPTS)
-        self.a = SdhcpBackend(Store(str(tmp_path / "a.sqlite"), config))
-        self.b = SdhcpBackend(Store(str(tmp_path / "b.sqlite"), config))
+        self.a = SdhcpBackend(Store(str(tmp_path / "a.sqlite"), config, key_fn))
+        self.b = SdhcpBackend(Store(str(tmp_path / "b.sqlite"), config, key_fn))
         self.now = NOW
         for be in (self.a, self.b):
             be.clock = lambda: self.now / 1000
@@ -177,7 +178,16 @@ def pair(tmp_path):
     p.close()
 
 
-def test_the_lane_answers_every_common_request_as_the_python_backend_does(pair):
+@pytest.fixture(params=mackey.FUNCTIONS)
+def keyed(tmp_path, request):
+    """A pair under each key function (vfab.vid.mackey)."""
+    p = Pair(tmp_path, key_fn=request.param)
+    yield p
+    p.close()
+
+
+def test_the_lane_answers_every_common_request_as_the_python_backend_does(keyed):
+    pair = keyed
     rnd = random.Random(7)
     styles = ["udhcpc", "dhclient", "dhcpcd", "perfdhcp"]
     macs = set()
@@ -205,6 +215,25 @@ def test_consecutive_macs_share_a_first_slot_and_get_the_same_addresses(pair):
         mac = bytes([2, 0, 0, 0x20, 0, i])
         pair.send(frame(mac, MessageType.DISCOVER), "discover")
     assert all(pair.kinds["discover"])
+
+
+def test_the_lane_keys_clients_by_the_stores_key_function(keyed):
+    """Sequential MACs granted half the key space: the lane serves exactly those whose key (mackey, the front
+    door's) is in it, with the key's VID as the reply's source; the rest go to the loop.  Under mac-hash about
+    half of them; under mac-low24 all (their low 24 bits are all below the half)."""
+    half = KEY_MAX // 2
+    keyed.grant([(0, half)])
+    fn = keyed.b.store.key_fn
+    macs = [bytes([0, 0x0C, 1, 2, 3, i]) for i in range(64)]
+    mine = [m for m in macs if mackey.key(m, fn) <= half]
+    assert len(mine) == (64 if fn == mackey.LOW24 else len(mine)) and (fn == mackey.LOW24 or 16 < len(mine) < 48)
+    for mac in macs:
+        got = keyed.lane.serve([frame(mac, MessageType.DISCOVER)], keyed.now)[0]
+        assert (got is not None) == (mac in mine), (mac.hex(), fn)
+        if got is not None:
+            assert got[6:12] == (VID_BASE | mackey.key(mac, fn)).to_bytes(6, "big")
+            assert keyed.b.store.db.execute("SELECT vkey FROM lease WHERE chaddr=?",
+                                            (int.from_bytes(mac, "big"),)).fetchone()[0] == mackey.key(mac, fn)
 
 
 def test_the_lane_serves_only_what_it_is_granted_and_only_until_its_deadline(pair):

@@ -88,6 +88,7 @@ struct lane {
 
     /* configuration (lane_open) */
     uint32_t first, size, server, net, netmask, lease_s, offer_hold_ms;
+    int key_hash;         /* the key function (vfab.vid.mackey): 1 mac-hash, 0 mac-low24 */
     uint64_t vid_base;
     uint8_t server_be[4];
     uint8_t opts[512];
@@ -170,6 +171,41 @@ static uint32_t home_of(const struct lane *l, uint32_t ip)
     uint64_t i = ip - l->first;
     return (uint32_t)(((i << 24) + l->size - 1) / l->size);
 }
+/* -- the key of a MAC (vfab/vid/mackey.py): what the front door's flow computes in the switch ------------- */
+static uint32_t rot32(uint32_t x, int k) { return (x << k) | (x >> (32 - k)); }
+
+/* lookup3's hash of the 6 MAC bytes, words read little-endian (OVS jhash_bytes, the multipath hash) */
+static uint32_t mac_jhash(const uint8_t *m, uint32_t basis)
+{
+    uint32_t a, b, c;
+    a = b = c = 0xDEADBEEFu + 6 + basis;
+    a += (uint32_t)m[0] | (uint32_t)m[1] << 8 | (uint32_t)m[2] << 16 | (uint32_t)m[3] << 24;
+    b += (uint32_t)m[4] | (uint32_t)m[5] << 8;
+    c ^= b; c -= rot32(b, 14);
+    a ^= c; a -= rot32(c, 11);
+    b ^= a; b -= rot32(a, 25);
+    c ^= b; c -= rot32(b, 16);
+    a ^= c; a -= rot32(c, 4);
+    b ^= a; b -= rot32(a, 14);
+    c ^= b; c -= rot32(b, 24);
+    return c;
+}
+
+static uint32_t mac_key(const struct lane *l, const uint8_t *m)
+{
+    if (l->key_hash)   /* multipath(eth_src, basis 0, modulo_n, 65536) -> bits 8..23, the low byte -> bits 0..7 */
+        return (mac_jhash(m, 0) & 0xFFFFu) << 8 | m[5];
+    return ((uint32_t)m[3] << 16 | (uint32_t)m[4] << 8 | m[5]) & KEY_MAX;
+}
+
+static uint32_t chaddr_key(const struct lane *l, uint64_t chaddr)
+{
+    uint8_t m[6];
+    for (int k = 0; k < 6; k++)
+        m[k] = (uint8_t)(chaddr >> (40 - 8 * k));
+    return mac_key(l, m);
+}
+
 static int in_ranges(const struct lane *l, uint32_t key, uint32_t *lo)
 {
     for (int i = 0; i < l->nranges; i++)
@@ -344,7 +380,7 @@ static int put_lease(struct lane *l, uint64_t chaddr, uint32_t ip, int state, ui
     sqlite3_stmt *s = l->put_lease;   /* chaddr, vkey, ip, state, expires, client_id, version */
     sqlite3_reset(s);
     sqlite3_bind_int64(s, 1, (sqlite3_int64)chaddr);
-    sqlite3_bind_int64(s, 2, chaddr & KEY_MAX);
+    sqlite3_bind_int64(s, 2, chaddr_key(l, chaddr));
     sqlite3_bind_int64(s, 3, ip);
     sqlite3_bind_int(s, 4, state);
     sqlite3_bind_int64(s, 5, (sqlite3_int64)expires);
@@ -424,7 +460,7 @@ static int parse(const struct lane *l, const uint8_t *f, uint32_t n, struct req 
     r->ciaddr = be32(d + 12);
     r->giaddr = be32(d + 24);
     r->chaddr = ((uint64_t)be16(d + 28) << 32) | be32(d + 30);
-    r->key = (uint32_t)(r->chaddr & KEY_MAX);
+    r->key = mac_key(l, d + 28);
     r->cidlen = -1;
     uint8_t seen[32] = {0};
     uint32_t i = MIN_DHCP;
@@ -773,7 +809,7 @@ static uint32_t arp(struct lane *l, const uint8_t *f, uint32_t n, uint8_t *out)
     if (be16(a) != 1 || be16(a + 2) != 0x0800 || a[4] != 6 || a[5] != 4 || be16(a + 6) != 1 ||
         memcmp(a + 8, f + 6, 6) != 0 || memcmp(a + 24, l->server_be, 4) != 0)
         return 0;   /* not Ethernet/IPv4, not a request, a sender speaking for another MAC, not for us */
-    uint32_t key = ((uint32_t)a[11] << 16) | ((uint32_t)a[12] << 8) | a[13];
+    uint32_t key = mac_key(l, a + 8);
     if (!in_ranges(l, key, NULL))
         return 0;
     uint8_t vid[6];
@@ -953,7 +989,7 @@ void lane_close(struct lane *l);
 
 /*
  * path: the store; sql: six statements, NUL-separated (lease, addr, taken_at, first_gap, put_lease, put_addr);
- * cfg: first, size, server, net, netmask, lease_s, offer_hold_ms; opts: the reply options after 53 and 54;
+ * cfg: first, size, server, net, netmask, lease_s, offer_hold_ms, key function (1 mac-hash, 0 mac-low24); opts: the reply options after 53 and 54;
  * rules: 256 x (exact, step, least) (step 0: a code wire.py does not know).
  */
 struct lane *lane_open(const char *path, const char *sql, const uint32_t *cfg, uint64_t vid_base, int sock,
@@ -977,7 +1013,7 @@ struct lane *lane_open(const char *path, const char *sql, const uint32_t *cfg, u
     l->ev = calloc(EVENTS_CAP, sizeof *l->ev);
     l->watch_all = 1;
     l->first = cfg[0], l->size = cfg[1], l->server = cfg[2], l->net = cfg[3], l->netmask = cfg[4];
-    l->lease_s = cfg[5], l->offer_hold_ms = cfg[6];
+    l->lease_s = cfg[5], l->offer_hold_ms = cfg[6], l->key_hash = cfg[7] != 0;
     put32(l->server_be, l->server);
     l->vid_base = vid_base;
     memcpy(l->opts, opts, opts_len);
