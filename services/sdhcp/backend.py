@@ -434,6 +434,10 @@ class SdhcpBackend(StoreBackend):
         self.counters["informs"] += 1
         return reply(msg, MessageType.ACK, self.server, options=self._inform_options)
 
+    def median_key(self, rng: Range, n: int) -> int:
+        """(load reports) The key below which half of the ``n`` clients known in ``rng`` lie."""
+        return self.store.median_key(rng, n)
+
     # -- status -----------------------------------------------------------------------------------------
     def stats(self, ranges: list[Range]) -> dict:
         """Counters, and for ``ranges`` (what this shard owns): its slice of the pool and what is in use."""

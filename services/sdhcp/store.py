@@ -358,6 +358,13 @@ class Store(SqliteStore):
         """Clients known in ``rng`` (lease rows): the unit of progress and of load reports."""
         return self._exec("SELECT count(*) FROM lease WHERE vkey BETWEEN ? AND ?", (rng.lo, rng.hi)).fetchone()[0]
 
+    def median_key(self, rng: Range, n: int) -> int:
+        """The key of the middle one of ``n`` (its ``count``) lease rows in ``rng``: half of the range's clients
+        have a key below it (the balancer's split point by records, ``split_median``)."""
+        row = self._exec("SELECT vkey FROM lease WHERE vkey BETWEEN ? AND ? ORDER BY vkey LIMIT 1 OFFSET ?",
+                         (rng.lo, rng.hi, n // 2)).fetchone()
+        return row[0] if row else rng.lo + (rng.hi - rng.lo + 1) // 2
+
     def snapshot(self, rng: Range, chunk_bytes: int = 256 * 1024) -> Iterator[tuple[bytes, int]]:
         """(blob, lease records in it) chunks of every lease and address row in ``rng``, from one read."""
         db = self.db
