@@ -32,6 +32,8 @@ from vfab.vid.state import ctl
 
 DROPS = ("malformed", "wrong_op", "bad_chaddr", "wrong_type", "spoofed", "relayed_dropped", "bad_frames")
 RATED = ("offers", "acks", "naks")
+WARN_FREE = 0.1    # warn when a shard's free addresses are at most this share of its slice ...
+WARN_MIN = 16      # ... or this many
 
 
 @click.group("sdhcp")
@@ -87,7 +89,29 @@ def shard_stats(reg, service: str, interval: float = 0.0) -> list[dict]:
         e.pop("_t", None)
         if "slice" in e:
             e["pool_use"] = round(100.0 * e.get("held", 0) / e["slice"], 1) if e["slice"] else 0.0
+            why = running_out(e)
+            if why:
+                e["warning"] = why
     return out
+
+
+def running_out(e: dict) -> str | None:
+    """Why shard ``e`` (a ``shard_stats`` entry) is about to refuse new clients, or None.  Before it does: its
+    slice's free addresses are at most ``WARN_FREE`` of it (at least ``WARN_MIN``); or it did already."""
+    if not e.get("owns"):
+        return None
+    size, free = e["slice"], e["slice"] - e.get("held", 0) - e.get("declined", 0)
+    refused = e.get("counters", {}).get("pool_exhausted", 0)
+    if size == 0:
+        return "owns keys but no address of the pool (its ranges are narrower than the pool's spacing): " \
+               "its new clients get no OFFER; merge its ranges into a neighbour's"
+    if refused:
+        return (f"refused {refused} DISCOVERs: its slice of {size} addresses was full ({free} free now); split "
+                f"its range ('vfab split', the balancer's split_keys) or grow the pool")
+    if free <= max(WARN_MIN, WARN_FREE * size):
+        return (f"{free} of its {size} addresses free ({e['pool_use']:g}% in use): it refuses new clients once "
+                f"they are gone; split its range ('vfab split', the balancer's split_keys) or grow the pool")
+    return None
 
 
 def _rate(x) -> str:
@@ -162,6 +186,9 @@ def status(c, service: str, interval: float, as_json: bool) -> None:
                           ["shard", "owns", "slice", "in use", "bound", "offered", "declined", "req/s",
                            "offers/acks/naks per s", "dropped/s", "native",
                            "offers/acks/naks/releases/dropped/no address"], rows))
+    for s in shards:
+        if s.get("warning"):
+            click.echo(f"warning: shard {s['shard']} {s['warning']}")
 
 
 @sdhcp.command("rekey")

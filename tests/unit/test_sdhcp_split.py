@@ -79,3 +79,16 @@ def test_the_load_report_carries_the_median_where_the_backend_tells_it(tmp_path)
     median = hk._counts[(FULL.lo, FULL.hi)][3]
     assert median == sorted(mackey.key(m) for m in range(0x000C01020300, 0x000C01020300 + 10))[5]
     st.close()
+
+
+def test_status_warns_before_a_shard_runs_out():
+    from vfab.services.sdhcp.cli import running_out
+
+    base = {"owns": ["0x000000-0x3fffff"], "slice": 250, "declined": 0, "counters": {}}
+    assert running_out({**base, "held": 100, "pool_use": 40.0}) is None
+    warn = running_out({**base, "held": 230, "pool_use": 92.0})
+    assert warn.startswith("20 of its 250 addresses free (92% in use)") and "split its range" in warn
+    assert running_out({**base, "held": 250, "pool_use": 100.0, "counters": {"pool_exhausted": 7}}) \
+        .startswith("refused 7 DISCOVERs")
+    assert "no address of the pool" in running_out({**base, "slice": 0, "held": 0, "pool_use": 0.0})
+    assert running_out({**base, "owns": [], "held": 250, "pool_use": 100.0}) is None   # a mirror or a spare
