@@ -416,7 +416,7 @@ static int run(struct lane *l, sqlite3_stmt *s, const char *what)
 
 /* -- a request ------------------------------------------------------------------------------------------------ */
 struct req {
-    const uint8_t *frame, *dhcp;
+    const uint8_t *src, *dhcp;   /* the Ethernet source (the relay's for a relayed request), the DHCP message */
     uint32_t dlen;
     int ip_broadcast, type;
     uint64_t chaddr;
@@ -427,9 +427,32 @@ struct req {
     int cidlen;   /* -1: no option 61 */
 };
 
+static int parse_dhcp(const struct lane *l, const uint8_t *src, int ip_broadcast, const uint8_t *d, uint32_t dlen,
+                      struct req *r);
+
+/* A request another shard forwarded (vfab/vid/frame.py + frames.wrap): Ethernet, the vfab header (version 1,
+ * REQUEST, no reserved flag), its payload: version 1 | Ethernet source | flags (bit 0: IP broadcast) | DHCP. */
+#define VFAB_HDR 16
+#define REQ_HDR 8
+static int parse_wrapped(const struct lane *l, const uint8_t *f, uint32_t n, struct req *r)
+{
+    if (n < ETH + VFAB_HDR + REQ_HDR + MIN_DHCP)
+        return 0;
+    const uint8_t *h = f + ETH, *p = h + VFAB_HDR;
+    uint32_t len = be16(h + 6);
+    if (h[0] != 1 || h[1] != 1 || (h[2] & 0xF0) || ETH + VFAB_HDR + len > n || len < REQ_HDR + MIN_DHCP || p[0] != 1)
+        return 0;
+    uint32_t dlen = len - REQ_HDR;
+    if (dlen > DHCP_MAX)
+        return 0;
+    return parse_dhcp(l, p + 1, p[7] & 1, p + REQ_HDR, dlen, r);
+}
+
 /* 1: a clean DISCOVER or REQUEST the lane may look at; 0: the loop's (anything else, or any doubt) */
 static int parse(const struct lane *l, const uint8_t *f, uint32_t n, struct req *r)
 {
+    if (n >= ETH && be16(f + 12) == 0x88B5)
+        return parse_wrapped(l, f, n, r);
     if (n < ETH + IPH + UDPH + MIN_DHCP || be16(f + 12) != 0x0800)
         return 0;
     const uint8_t *ip = f + ETH;
@@ -447,15 +470,19 @@ static int parse(const struct lane *l, const uint8_t *f, uint32_t n, struct req 
         if (fold(sum16(udp, ulen, s)) != 0)
             return 0;
     }
-    const uint8_t *d = udp + UDPH;
-    uint32_t dlen = ulen - UDPH;
+    return parse_dhcp(l, f + 6, be32(ip + 16) == 0xFFFFFFFFu, udp + UDPH, ulen - UDPH, r);
+}
+
+static int parse_dhcp(const struct lane *l, const uint8_t *src, int ip_broadcast, const uint8_t *d, uint32_t dlen,
+                      struct req *r)
+{
     if (dlen < MIN_DHCP || dlen > DHCP_MAX || be32(d + BOOTP) != 0x63825363 || d[0] != 1 || d[1] != 1 || d[2] != 6)
         return 0;
     memset(r, 0, sizeof *r);
-    r->frame = f;
+    r->src = src;
     r->dhcp = d;
     r->dlen = dlen;
-    r->ip_broadcast = be32(ip + 16) == 0xFFFFFFFFu;
+    r->ip_broadcast = ip_broadcast;
     r->flags = be16(d + 10);
     r->ciaddr = be32(d + 12);
     r->giaddr = be32(d + 24);
@@ -524,7 +551,7 @@ static int parse(const struct lane *l, const uint8_t *f, uint32_t n, struct req 
             trusted |= l->relays[k] == r->giaddr;
         if (!trusted)
             return 0;
-    } else if (memcmp(d + 28, f + 6, 6) != 0) {
+    } else if (memcmp(d + 28, src, 6) != 0) {
         return 0;   /* spoofed: counted by the loop */
     }
     return 1;
@@ -576,7 +603,7 @@ static uint32_t build(const struct lane *l, const struct req *r, int type, uint3
     uint16_t port = 68;
     const uint8_t *mac;
     if (r->giaddr) {
-        dst = r->giaddr, mac = r->frame + 6, port = 67;
+        dst = r->giaddr, mac = r->src, port = 67;
     } else if (r->ciaddr) {
         dst = r->ciaddr, mac = r->dhcp + 28;
     } else if (r->flags & 0x8000) {
@@ -1224,6 +1251,51 @@ int lane_serve(struct lane *l, const uint8_t *data, const uint32_t *lens, int n,
     int served = 0;
     for (int i = 0; i < n; i++)
         served += verdicts[i];
+    return served;
+}
+
+/*
+ * Requests other shards forwarded to this one (vfab REQUEST frames, frames.wrap), served on the loop's thread
+ * between its batches: frames in order until the first the lane leaves to the loop (verdicts[i] 0 from there
+ * on, so a client's requests stay in order), each ACK only after an fdatasync of the WAL that covers it (one
+ * for the call), replies at out + i * REPLY_MAX.  Nothing while a frame the lane handed to the loop is
+ * unfinished.  Returns how many were served, -1 if the store or the disk failed (lane_error says why: none of
+ * the replies may leave then).
+ */
+int lane_serve_forwarded(struct lane *l, const uint8_t *data, const uint32_t *lens, int n, uint64_t now,
+                         uint8_t *out, uint32_t *outlens, int *verdicts)
+{
+    struct event evs[BURST];
+    int served = 0, any_durable = 0, nev = 0;
+    if (n < 0 || n > BURST)
+        return -1;
+    for (int i = 0; i < n; i++)
+        verdicts[i] = 0;
+    if (loop_busy(l))
+        return 0;
+    size_t off = 0;
+    pthread_mutex_lock(&l->mu);
+    for (int i = 0; i < n; i++) {
+        uint8_t *f = (uint8_t *)data + off;
+        int durable = 0, got = 0;
+        off += lens[i];
+        int rc = pass(l, &f, &lens[i], NULL, 1, now, out + (size_t)i * REPLY_MAX, &outlens[i], &verdicts[i],
+                      &durable, 0, &evs[nev], &got);
+        if (rc < 0 || !verdicts[i])
+            break;
+        __atomic_fetch_add(&l->counters[C_RX], 1, __ATOMIC_RELAXED);
+        any_durable |= durable;
+        nev += got;
+        served++;
+    }
+    pthread_mutex_unlock(&l->mu);
+    if (any_durable && sync_wal(l) != 0) {
+        __atomic_fetch_add(&l->counters[C_SYNC_FAILED], 1, __ATOMIC_RELAXED);
+        snprintf(l->err, sizeof l->err, "fdatasync of %s: %s", l->wal, strerror(errno));
+        return -1;
+    }
+    if (nev)
+        add_events(l, evs, nev);
     return served;
 }
 
