@@ -145,9 +145,11 @@ from vfab.vid import mackey  # noqa: E402
 from vfab.vid.state import ctl as statectl  # noqa: E402
 from vfab.vid.state.sched import proc_stat, run_seconds  # noqa: E402
 
-SERVER, PREFIX = "10.77.0.1", 20
-FIRST, LAST = "10.77.0.10", "10.77.15.250"
-RELAYS = [f"10.77.15.{251 + q}" for q in range(4)]
+# /19 since 2026-12-07: 490 udhcpc and 4 perfdhcp phases of 1,000 (3 rates and the avalanche) need 4,490
+# addresses, more than the /20's 4,081
+SERVER, PREFIX = "10.77.0.1", 19
+FIRST, LAST = "10.77.0.10", "10.77.31.250"
+RELAYS = [f"10.77.31.{251 + q}" for q in range(4)]
 LEASE = 3600
 OPTS = {"pool": f"{FIRST}-{LAST}", "mask": str(PREFIX), "server": SERVER, "lease": str(LEASE),
         "relays": ",".join(RELAYS)}
@@ -270,10 +272,17 @@ def relay_mac(q: int, key_fn: str = mackey.HASH) -> bytes:
     return mac.to_bytes(6, "big")
 
 
+def perf_stride(per: int) -> int:
+    """How far apart the relays' first chaddrs are: perfdhcp adds a client's number to the base's last bytes
+    without a carry out of them, so each relay's base is aligned (256 for up to 256 clients a relay)."""
+    return 1 << max(8, (per - 1).bit_length())
+
+
 def perf_base(run: int, q: int, per: int) -> bytes:
-    """chaddr of relay q's first client in perfdhcp run ``run``: the relays' clients continue one another's
-    sequence (relay q from q * per), so one run's chaddrs are numbered in sequence."""
-    return (SEQ_BASE + (run << 16) + q * per).to_bytes(6, "big")
+    """chaddr of relay q's first client in perfdhcp run ``run``: the relays' clients follow one another's
+    (relay q from q * perf_stride), so one run's chaddrs are numbered in sequence (with 250 a relay, 6
+    numbers skipped between relays)."""
+    return (SEQ_BASE + (run << 16) + q * perf_stride(per)).to_bytes(6, "big")
 
 
 def service_key_fn(server: str) -> str:
@@ -395,7 +404,8 @@ def perf_phase(tb: Testbed, relays: dc.ClientFarm, cap: dc.Capture, n: int, rate
         used["shard_load_max_over_mean"] = round(max(load.values()) / mean, 3) if mean else None
         used["shard_load_min_over_mean"] = round(min(load.values()) / mean, 3) if mean else None
     time.sleep(0.2)
-    chaddrs = {(SEQ_BASE + (run << 16) + i).to_bytes(6, "big") for i in range(4 * per)}
+    chaddrs = {(int.from_bytes(perf_base(run, q, per), "big") + i).to_bytes(6, "big") for q in range(4)
+               for i in range(per)}
     res = dc.dora(cap.messages(mark), chaddrs)
     lat = res.pop("latencies")
     res.pop("addresses")

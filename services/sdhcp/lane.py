@@ -288,9 +288,9 @@ class NativeLane:
     @_live(list)
     def serve_forwarded(self, frames: list[bytes], now_ms: int) -> list[bytes | None]:
         """(the loop's thread) Serve requests other shards forwarded (vfab REQUEST frames, ``frames.wrap``), in
-        order until the first the lane leaves to the loop (None from there on), ACKs after an fdatasync; nothing
-        while a frame the lane handed to the loop is unfinished.  LaneError if the store or the disk failed:
-        then no reply may leave."""
+        order until the first the lane leaves to the loop (None from there on), ACKs after an fdatasync (C:
+        ``lane_serve_forwarded`` says why frames it handed the loop need not wait).  LaneError if the store or
+        the disk failed: then no reply may leave."""
         return self._serve(self.lib.lane_serve_forwarded, frames, now_ms, True)
 
     def _serve(self, entry, frames: list[bytes], now_ms: int, in_order: bool) -> list[bytes | None]:

@@ -1258,9 +1258,13 @@ int lane_serve(struct lane *l, const uint8_t *data, const uint32_t *lens, int n,
  * Requests other shards forwarded to this one (vfab REQUEST frames, frames.wrap), served on the loop's thread
  * between its batches: frames in order until the first the lane leaves to the loop (verdicts[i] 0 from there
  * on, so a client's requests stay in order), each ACK only after an fdatasync of the WAL that covers it (one
- * for the call), replies at out + i * REPLY_MAX.  Nothing while a frame the lane handed to the loop is
- * unfinished.  Returns how many were served, -1 if the store or the disk failed (lane_error says why: none of
- * the replies may leave then).
+ * for the call), replies at out + i * REPLY_MAX.  The caller passes them only when nothing waited in its own
+ * queue before them.  Unlike the socket's frames, these are served while frames the lane handed to the loop
+ * are unfinished: those came straight from the socket, and a client's frames come one way (straight if its
+ * relay's key or its own is ours, else forwarded), so none of them is an earlier request of the same client;
+ * the lane hands the loop every frame of a key it does not own (3 in 4 with 4 shards), and waiting for them
+ * left most forwarded requests to Python.  Returns how many were served, -1 if the store or the disk failed
+ * (lane_error says why: none of the replies may leave then).
  */
 int lane_serve_forwarded(struct lane *l, const uint8_t *data, const uint32_t *lens, int n, uint64_t now,
                          uint8_t *out, uint32_t *outlens, int *verdicts)
@@ -1271,8 +1275,6 @@ int lane_serve_forwarded(struct lane *l, const uint8_t *data, const uint32_t *le
         return -1;
     for (int i = 0; i < n; i++)
         verdicts[i] = 0;
-    if (loop_busy(l))
-        return 0;
     size_t off = 0;
     pthread_mutex_lock(&l->mu);
     for (int i = 0; i < n; i++) {
