@@ -263,26 +263,11 @@ def idle_cpu(pids: list[int], seconds: float = 2.0) -> float:
 SEQ_BASE = 0x000C01000000   # perfdhcp's chaddrs: one sequence (run r from SEQ_BASE + r * 2**16), as perfdhcp numbers them
 
 
-def relay_mac(q: int, key_fn: str = mackey.HASH) -> bytes:
-    """Relay q's MAC: the first of a sequence whose key (by ``key_fn``) lies in key quarter q, so that relay q's
-    frames enter at quarter q's shard."""
-    mac = 0x025E00000001
-    while mackey.key(mac, key_fn) >> 22 != q:
-        mac += 1
-    return mac.to_bytes(6, "big")
-
-
-def perf_stride(per: int) -> int:
-    """How far apart the relays' first chaddrs are: perfdhcp adds a client's number to the base's last bytes
-    without a carry out of them, so each relay's base is aligned (256 for up to 256 clients a relay)."""
-    return 1 << max(8, (per - 1).bit_length())
-
-
 def perf_base(run: int, q: int, per: int) -> bytes:
     """chaddr of relay q's first client in perfdhcp run ``run``: the relays' clients follow one another's
-    (relay q from q * perf_stride), so one run's chaddrs are numbered in sequence (with 250 a relay, 6
+    (relay q from q * dc.perfdhcp_stride), so one run's chaddrs are numbered in sequence (with 250 a relay, 6
     numbers skipped between relays)."""
-    return (SEQ_BASE + (run << 16) + q * perf_stride(per)).to_bytes(6, "big")
+    return (SEQ_BASE + (run << 16) + q * dc.perfdhcp_stride(per)).to_bytes(6, "big")
 
 
 def service_key_fn(server: str) -> str:
@@ -626,7 +611,7 @@ def main() -> int:
     with Testbed(args.topo, poll=1.0) as tb:
         farms = {"udhcpc": dc.ClientFarm(tb, UDHCPC_HOST, "u", macs[:n_u], tb.workdir),
                  TOGETHER: dc.ClientFarm(tb, UDHCPC_HOST, "g", macs[n_u:], tb.workdir)}
-        relays = dc.ClientFarm(tb, RELAY_HOST, "r", [relay_mac(q, KEY_FN) for q in range(4)], tb.workdir)
+        relays = dc.ClientFarm(tb, RELAY_HOST, "r", [dc.relay_mac(q, KEY_FN) for q in range(4)], tb.workdir)
         caps = []
         try:
             t0 = time.monotonic()
