@@ -22,8 +22,13 @@ from vfab.vid.state import ctl as statectl
 
 SVC = "dhseq"
 PER = 250
-RELAYS = [f"10.78.7.{251 + q}" for q in range(4)]
-OPTS = {"pool": "10.78.0.10-10.78.7.250", "mask": "21", "server": "10.78.0.1", "lease": "600",
+RELAYS = [f"10.78.15.{251 + q}" for q in range(4)]
+# 4,081 addresses for the 2,000 clients of both runs: each shard's slice (a quarter) holds its share with room.
+# A pool as large as the clients is not enough yet: hashed keys give each shard a random sample's share
+# (with a /21, 2,033 addresses, 7 clients of the second run sent 7-10 DISCOVERs each and got no OFFER while
+# s4 had ACKed 507 leases, its slice holding ~508: most likely that slice ran dry; no shard lends addresses to
+# another, issue 44's address blocks are not built).
+OPTS = {"pool": "10.78.0.10-10.78.15.250", "mask": "20", "server": "10.78.0.1", "lease": "600",
         "relays": ",".join(RELAYS)}
 Q = 0x400000
 SHARDS = {"s1": ("vfh1", 0), "s2": ("vfh4", 1), "s3": ("vfh5", 2), "s4": ("vfh6", 3)}
@@ -49,7 +54,7 @@ def seq(testbed, tmp_path_factory):
     try:
         relays.create()
         for q in range(4):
-            relays.sh(q, "ip", "addr", "add", f"{RELAYS[q]}/21", "dev", relays.names[q])
+            relays.sh(q, "ip", "addr", "add", f"{RELAYS[q]}/20", "dev", relays.names[q])
         testbed.wait_revision(reg.state_revision(), timeout=60)
         cap = dc.Capture(testbed, "vfh2")
         yield {"relays": relays, "cap": cap, "procs": procs}
@@ -68,6 +73,7 @@ def shard_counters(testbed) -> dict[str, dict]:
     for name in SHARDS:
         body = statectl.command(testbed.registry, SVC, name, "STATS", {}).body
         out[name] = {"acks": body["sdhcp"]["counters"].get("acks", 0),
+                     "pool_exhausted": body["sdhcp"]["counters"].get("pool_exhausted", 0),
                      "native_acks": body["sdhcp"].get("native", {}).get("acks", 0),
                      "forwarded_native": body["counters"].get("forwarded_native", 0)}
     return out
@@ -81,11 +87,14 @@ def test_sequential_macs_spread_and_every_client_is_leased(testbed, seq, run, ra
     mark = cap.mark()
     runs = [dc.perfdhcp(relays, q, PER, bases[q].to_bytes(6, "big"), None if rate is None else rate // 4,
                         avalanche=rate is None) for q in range(4)]
-    reps = [dc.finish_perfdhcp(relays, r, timeout=PER / (rate or 4 * PER) * 4 + 30) for r in runs]
+    reps = [dc.finish_perfdhcp(relays, r, timeout=PER / (rate or PER) * 4 + 60) for r in runs]
     chaddrs = {(b + i).to_bytes(6, "big") for b in bases for i in range(PER)}
-    wait_for(lambda: dc.dora(cap.messages(mark), chaddrs)["leased"] == 4 * PER, 5, "the last ACKs on the wire")
+    try:
+        wait_for(lambda: dc.dora(cap.messages(mark), chaddrs)["leased"] == 4 * PER, 5, "the last ACKs on the wire")
+    except TimeoutError:
+        pass   # said below, with what is known of the clients left
     res = dc.dora(cap.messages(mark), chaddrs)
-    assert res["leased"] == 4 * PER, (res["unleased"], reps)
+    assert res["leased"] == 4 * PER, (f"{res['leased']} leased", shard_counters(testbed), res["unleased"], reps)
     assert res["distinct_addresses"] == 4 * PER and not res["held_twice"], res["held_twice"]
     after = shard_counters(testbed)
     acks = {n: after[n]["acks"] - before[n]["acks"] for n in SHARDS}
