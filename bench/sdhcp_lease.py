@@ -36,7 +36,19 @@ Kea; docs/measurements.md, 2026-11-29, sixth session).
   relay per quarter lets 4 shards each take their own relay's traffic (with
   one relay for all, every frame would enter at one shard and be forwarded).
   sdhcp serves them as trusted relays (``--opt relays=...``).  Runs at each
-  total rate of ``--rates`` (1,000, 2,000 and 4,000/s), fresh chaddrs per rate.
+  total rate of ``--rates`` (500, 2,000 and 4,000/s), then as an **avalanche**
+  (``--scenario avalanche``: every client at once, retransmitting until leased),
+  fresh chaddrs per run.  Since 2026-12-07 (issue 44) the chaddrs are **numbered
+  in sequence** across the 4 relays, as perfdhcp, vendors and Docker number
+  MACs (``seq_base``), and the relays' MACs are picked so that each relay's
+  *key* is in its quarter: the service's dhcp4 door keys by ``--keys``
+  (``mac-hash``, what ``vfab service add`` writes; ``mac-low24``, the old key,
+  puts every sequential chaddr in one quarter: one shard serves them all).  A
+  relay's frames enter at its quarter's shard, which forwards each request
+  whose client key another shard owns.  Each sdhcp run reports the ACKs per
+  shard and their largest/smallest over the mean (``shard_acks``,
+  ``shard_load_max_over_mean``); ``--servers`` may add ``sdhcp4low24`` (4
+  shards under the old key, side by side).
 * **A flood on a full pool**: then as many new perfdhcp clients as the pool
   has addresses left plus 1,000 (``FLOOD_BEYOND``), at 2,000/s, the same 4
   relays: every server fills its pool and then answers nothing; what it costs
@@ -129,13 +141,15 @@ from vfab.testbed import dhcpclients as dc  # noqa: E402
 from vfab.testbed.fabric import Testbed  # noqa: E402
 from vfab.testbed.procs import wait_for  # noqa: E402
 from vfab.testbed.net import TopoError, TopoSpec  # noqa: E402
-from vfab.vid import codec  # noqa: E402
+from vfab.vid import mackey  # noqa: E402
 from vfab.vid.state import ctl as statectl  # noqa: E402
 from vfab.vid.state.sched import proc_stat, run_seconds  # noqa: E402
 
-SERVER, PREFIX = "10.77.0.1", 20
-FIRST, LAST = "10.77.0.10", "10.77.15.250"
-RELAYS = [f"10.77.15.{251 + q}" for q in range(4)]
+# /19 since 2026-12-07: 490 udhcpc and 4 perfdhcp phases of 1,000 (3 rates and the avalanche) need 4,490
+# addresses, more than the /20's 4,081
+SERVER, PREFIX = "10.77.0.1", 19
+FIRST, LAST = "10.77.0.10", "10.77.31.250"
+RELAYS = [f"10.77.31.{251 + q}" for q in range(4)]
 LEASE = 3600
 OPTS = {"pool": f"{FIRST}-{LAST}", "mask": str(PREFIX), "server": SERVER, "lease": str(LEASE),
         "relays": ",".join(RELAYS)}
@@ -152,6 +166,8 @@ UDHCPC_PHASES = ("udhcpc", TOGETHER)   # one by one, and released together (each
 POOL_SIZE = int(ipaddress.IPv4Address(LAST)) - int(ipaddress.IPv4Address(FIRST)) + 1
 FLOOD_RATE = 2000      # new clients per second in the flood phase
 FLOOD_BEYOND = 1000    # flood clients beyond what is left of the pool
+AVALANCHE = "avalanche"
+KEY_FN = mackey.HASH   # the sdhcp services' key function (--keys)
 
 
 DURABILITY = {
@@ -244,21 +260,26 @@ def idle_cpu(pids: list[int], seconds: float = 2.0) -> float:
     return round((cpu_seconds(pids)[0] - c0) / seconds, 4)
 
 
-def relay_mac(q: int) -> bytes:
-    return bytes([0x02, 0x5E, 0x00, q << 6, 0x00, 0x01])
+SEQ_BASE = 0x000C01000000   # perfdhcp's chaddrs: one sequence (run r from SEQ_BASE + r * 2**16), as perfdhcp numbers them
 
 
-def perf_base(run: int, q: int) -> bytes:
-    """chaddr of relay q's first client in rate run ``run`` (key quarter q, as the relay)."""
-    return bytes([0x02, 0x5D, run + 1, q << 6, 0x00, 0x00])
+def perf_base(run: int, q: int, per: int) -> bytes:
+    """chaddr of relay q's first client in perfdhcp run ``run``: the relays' clients follow one another's
+    (relay q from q * dc.perfdhcp_stride), so one run's chaddrs are numbered in sequence (with 250 a relay, 6
+    numbers skipped between relays)."""
+    return (SEQ_BASE + (run << 16) + q * dc.perfdhcp_stride(per)).to_bytes(6, "big")
 
 
-def start_sdhcp(tb: Testbed, shards: int, profile: str | None = None) -> tuple[str, list]:
+def service_key_fn(server: str) -> str:
+    return mackey.LOW24 if server.endswith("low24") else KEY_FN
+
+
+def start_sdhcp(tb: Testbed, shards: int, profile: str | None = None, key_fn: str = mackey.HASH) -> tuple[str, list]:
     reg = tb.registry
     svc = f"dhlease{shards}"
     data = os.path.join(tb.workdir, f"data-{svc}")
     shutil.rmtree(data, ignore_errors=True)
-    reg.create_service(svc, kind="sdhcp", frontdoors=[{"kind": "dhcp4"}])
+    reg.create_service(svc, kind="sdhcp", frontdoors=[{"kind": "dhcp4", "key": key_fn}])
     opts = [a for k, v in OPTS.items() for a in ("--opt", f"{k}={v}")]
     procs = []
     for name, host, (lo, hi) in SHARDS[shards]:
@@ -279,7 +300,7 @@ def start_sdhcp(tb: Testbed, shards: int, profile: str | None = None) -> tuple[s
 
 def stop_sdhcp(tb: Testbed, svc: str, procs: list) -> dict:
     counters = {}
-    for (name, _, _), p in zip(SHARDS[int(svc[-1])], procs):
+    for (name, _, _), p in zip(SHARDS[int(svc[7])], procs):
         try:
             body = statectl.command(tb.registry, svc, name, "STATS", {}).body["sdhcp"]
             counters[name] = {**body["counters"], "native": body.get("native", {})}   # what the lane served
@@ -345,19 +366,31 @@ def turnaround(res: dict) -> None:
     res["offer_turnaround"], res["ack_turnaround"] = summary(turn["offer"]), summary(turn["ack"])
 
 
-def perf_phase(tb: Testbed, relays: dc.ClientFarm, cap: dc.Capture, n: int, rate: int, run: int,
-               pids: list[int]) -> dict:
+def perf_phase(tb: Testbed, relays: dc.ClientFarm, cap: dc.Capture, n: int, rate: int | None, run: int,
+               pids: list[int], shard_acks=None) -> dict:
+    """``n`` perfdhcp clients from the 4 relays at ``rate`` in all (None: an avalanche); ``shard_acks``: a
+    function giving each shard's ACKs so far (sdhcp), for the load per shard."""
     per = n // 4
     drops0 = socket_drops(pids)
     cpu0 = cpu_seconds(pids)
+    acks0 = shard_acks() if shard_acks else None
     machine = MachineCpu(tb)
     mark = cap.mark()
-    runs = [dc.perfdhcp(relays, q, per, perf_base(run, q), max(1, rate // 4)) for q in range(4)]
-    reps = [dc.finish_perfdhcp(relays, r, timeout=per / max(1, rate // 4) + 30) for r in runs]
+    runs = [dc.perfdhcp(relays, q, per, perf_base(run, q, per), max(1, (rate or 4) // 4), avalanche=rate is None)
+            for q in range(4)]
+    reps = [dc.finish_perfdhcp(relays, r, timeout=per / max(1, (rate or 4 * per) // 4) + 30) for r in runs]
     used = machine.used()
     used["server_socket_drops"] = socket_drops(pids) - drops0
+    if shard_acks:
+        got = shard_acks()
+        load = {k: got.get(k, 0) - acks0.get(k, 0) for k in got}
+        mean = sum(load.values()) / len(load) if load else 0
+        used["shard_acks"] = load
+        used["shard_load_max_over_mean"] = round(max(load.values()) / mean, 3) if mean else None
+        used["shard_load_min_over_mean"] = round(min(load.values()) / mean, 3) if mean else None
     time.sleep(0.2)
-    chaddrs = {perf_base(run, q)[:4] + i.to_bytes(2, "big") for q in range(4) for i in range(per)}
+    chaddrs = {(int.from_bytes(perf_base(run, q, per), "big") + i).to_bytes(6, "big") for q in range(4)
+               for i in range(per)}
     res = dc.dora(cap.messages(mark), chaddrs)
     lat = res.pop("latencies")
     res.pop("addresses")
@@ -365,7 +398,7 @@ def perf_phase(tb: Testbed, relays: dc.ClientFarm, cap: dc.Capture, n: int, rate
     drops = {k: int(sum(r.get(k, {}).get("drops", 0) for r in reps)) for k in ("DISCOVER-OFFER", "REQUEST-ACK")}
     mean = {k: round(sum(r.get(k, {}).get("avg delay", 0) for r in reps) / 4, 3)
             for k in ("DISCOVER-OFFER", "REQUEST-ACK")}
-    res.update(clients=n, offered_rate=rate, dora=summary(lat), **cpu_used(pids, cpu0, res["leased"], n),
+    res.update(clients=n, offered_rate=rate or "avalanche", dora=summary(lat), **cpu_used(pids, cpu0, res["leased"], n),
                perfdhcp_drops=drops, perfdhcp_mean_delay_ms=mean,
                perfdhcp_acks=int(sum(r.get("REQUEST-ACK", {}).get("received packets", 0) for r in reps)), **used)
     return res
@@ -396,9 +429,14 @@ def run_server(tb: Testbed, server: str, farms: dict[str, dc.ClientFarm], relays
     ``pin``: the server's and the fabric's threads on SERVER_CPUS before each phase (threads they start
     later inherit it)."""
     res: dict = {}
+    acks = None
     if server.startswith("sdhcp"):
-        svc, procs = start_sdhcp(tb, int(server[5:]), profile)
+        svc, procs = start_sdhcp(tb, int(server[5]), profile, service_key_fn(server))
         pids = [p.pid for p in procs]
+
+        def acks() -> dict[str, int]:
+            return {name: statectl.command(tb.registry, svc, name, "STATS", {}).body["sdhcp"]["counters"].get("acks", 0)
+                    for name, _, _ in SHARDS[int(server[5])]}
     else:
         peer = start_peer(tb, server)
         pids = [peer.pid]
@@ -418,14 +456,16 @@ def run_server(tb: Testbed, server: str, farms: dict[str, dc.ClientFarm], relays
             res[phase] = udhcpc_phase(tb, farm, cap_u, pids, together=phase == TOGETHER)
             print(line(server, f"{len(farm.macs)} udhcpc" + (" together" if phase == TOGETHER else ""), res[phase]),
                   flush=True)
-        for run, rate in enumerate(rates):
+        for run, rate in enumerate(rates + [None]):
             pin_servers()
-            r = perf_phase(tb, relays, cap_p, n_p, rate, run, pids)
-            res[f"perfdhcp_{rate}"] = r
-            print(line(server, f"{n_p} perfdhcp@{rate}/s", r), flush=True)
+            r = perf_phase(tb, relays, cap_p, n_p, rate, run, pids, acks)
+            res[f"perfdhcp_{rate or AVALANCHE}"] = r
+            print(line(server, f"{n_p} perfdhcp@{rate or AVALANCHE}" + ("/s" if rate else ""), r) +
+                  (f"; ACKs per shard {r['shard_acks']} (max/mean {r['shard_load_max_over_mean']})"
+                   if "shard_acks" in r else ""), flush=True)
         if n_flood:
             pin_servers()
-            r = perf_phase(tb, relays, cap_p, n_flood, FLOOD_RATE, len(rates), pids)
+            r = perf_phase(tb, relays, cap_p, n_flood, FLOOD_RATE, len(rates) + 1, pids)
             res["flood"] = r
             print(line(server, f"{n_flood} flood@{FLOOD_RATE}/s", r) + f", {r['cpu_ms_per_client']} CPU-ms per client",
                   flush=True)
@@ -449,6 +489,10 @@ def check(name: str, res: dict) -> list[str]:
         if phase in UDHCPC_PHASES and r["leased"] != r["clients"]:
             bad.append(f"{name}/{phase}: {r['clients'] - r['leased']} client(s) got no lease "
                        f"(what crossed vfh3's port for them: {r.get('unleased')})")
+        if name.startswith("sdhcp") and not name.startswith(("sdhcp4low24", "sdhcp1")) and \
+                phase.startswith("perfdhcp_") and (r.get("shard_load_max_over_mean") or 0) > 2:
+            bad.append(f"{name}/{phase}: a shard served {r['shard_load_max_over_mean']}x the mean ACKs "
+                       f"({r['shard_acks']}): the keys of sequential MACs did not spread")
     return bad
 
 
@@ -477,6 +521,7 @@ def medians(runs: list[dict]) -> dict:
                       "fabric_cpu_s": statistics.median(sum(r.get("fabric_cpu_s", {}).values()) for r in rs),
                       "start_spread_s": statistics.median(r.get("start_spread_s") or 0 for r in rs),
                       "tail_s": statistics.median(r.get("tail_s") or 0 for r in rs),
+                      "shard_load_max_over_mean": statistics.median(r.get("shard_load_max_over_mean") or 0 for r in rs),
                       "times_s": [r["time_s"] for r in rs]}
         if all("spawn_s" in r for r in rs):
             out[phase]["spawn_s"] = statistics.median(r["spawn_s"] for r in rs)
@@ -531,7 +576,10 @@ def main() -> int:
                                                        "line,2,3 puts vfh4-6 behind a second switch)")
     ap.add_argument("--pin", action="store_true", help="this process and the clients on CPU 0, the servers and the "
                                                        "fabric's daemons on CPU 1 (servers with a core of their own)")
-    ap.add_argument("--servers", default=None, help="comma-separated subset of sdhcp1,sdhcp2,sdhcp4,kea,dnsmasq")
+    ap.add_argument("--servers", default=None, help="comma-separated subset of sdhcp1,sdhcp2,sdhcp4,kea,dnsmasq, "
+                                                    "and sdhcp4low24 (4 shards keyed by the MAC's low 24 bits)")
+    ap.add_argument("--keys", default=mackey.HASH, choices=mackey.FUNCTIONS,
+                    help="the sdhcp services' key function (default mac-hash; sdhcp4low24 is always mac-low24)")
     args = ap.parse_args()
     need = {h for placed in SHARDS.values() for _, h, _ in placed} | {PEER_HOST, UDHCPC_HOST, RELAY_HOST}
     try:
@@ -548,20 +596,22 @@ def main() -> int:
         os.sched_setaffinity(0, CLIENT_CPUS)   # before the testbed: its threads and every client inherit it
     n_u = args.udhcpc or (20 if args.smoke else 245)
     n_p = (args.perf or (100 if args.smoke else 1000)) // 4 * 4
-    rates = [int(x) for x in (args.rates or ("1000" if args.smoke else "1000,2000,4000")).split(",")]
+    rates = [int(x) for x in (args.rates or ("1000" if args.smoke else "500,2000,4000")).split(",")]
+    global KEY_FN
+    KEY_FN = args.keys
     repeat = args.repeat or (1 if args.smoke else 3)
-    left = POOL_SIZE - 2 * n_u - n_p * len(rates)
+    left = POOL_SIZE - 2 * n_u - n_p * (len(rates) + 1)
     n_flood = 0 if args.no_flood or left < 0 else (left + FLOOD_BEYOND) // 4 * 4
     servers = (args.servers or ("sdhcp1,sdhcp2,kea,dnsmasq" if args.smoke else
                                 "sdhcp1,sdhcp2,sdhcp4,kea,dnsmasq")).split(",")
     rnd = random.Random(9)
-    macs = [bytes([0x02, 0x5B, 0x00]) + k.to_bytes(3, "big") for k in rnd.sample(range(1, codec.KEY_MAX), 2 * n_u)]
+    macs = [bytes([0x02, 0x5B, 0x00]) + k.to_bytes(3, "big") for k in rnd.sample(range(1, 1 << 24), 2 * n_u)]
     results: dict = {}
     bad: list[str] = []
     with Testbed(args.topo, poll=1.0) as tb:
         farms = {"udhcpc": dc.ClientFarm(tb, UDHCPC_HOST, "u", macs[:n_u], tb.workdir),
                  TOGETHER: dc.ClientFarm(tb, UDHCPC_HOST, "g", macs[n_u:], tb.workdir)}
-        relays = dc.ClientFarm(tb, RELAY_HOST, "r", [relay_mac(q) for q in range(4)], tb.workdir)
+        relays = dc.ClientFarm(tb, RELAY_HOST, "r", [dc.relay_mac(q, KEY_FN) for q in range(4)], tb.workdir)
         caps = []
         try:
             t0 = time.monotonic()
@@ -589,8 +639,10 @@ def main() -> int:
             for farm in farms.values():
                 farm.remove()
             relays.remove()
-    phases = [*UDHCPC_PHASES] + [f"perfdhcp_{r}" for r in rates] + (["flood"] if n_flood else [])
+    phases = [*UDHCPC_PHASES] + [f"perfdhcp_{r}" for r in rates] + [f"perfdhcp_{AVALANCHE}"] + \
+        (["flood"] if n_flood else [])
     heads = [f"{n_u} udhcpc", f"{n_u} udhcpc together"] + [f"{n_p} perfdhcp@{r}/s" for r in rates] + \
+        [f"{n_p} perfdhcp avalanche"] + \
         ([f"{n_flood} flood@{FLOOD_RATE}/s"] if n_flood else [])
     per = {k: "cpu_ms_per_client" if k == "flood" else "cpu_ms_per_lease" for k in phases}
     print(f"\nmedians of {repeat} run(s): time from the first DISCOVER to the last ACK s "
@@ -631,6 +683,7 @@ def main() -> int:
         print(f"{server:<9}" + "".join(f"{c:>28}" for c in cells))
     print("durability: " + "; ".join(f"{k}: {v}" for k, v in DURABILITY.items()))
     write("sdhcp_lease", {"udhcpc_clients": n_u, "perfdhcp_clients": n_p, "rates": rates, "repeat": repeat,
+                          "key_fn": KEY_FN, "perfdhcp_chaddrs": f"in sequence from {SEQ_BASE:012x} (+ run * 65536)",
                           "flood_clients": n_flood, "flood_rate": FLOOD_RATE, "topo": args.topo, "pool_left_for_flood": max(left, 0),
                           "smoke": args.smoke, "pinned": {"clients": sorted(CLIENT_CPUS), "servers": sorted(SERVER_CPUS)}
                           if args.pin else None,

@@ -47,7 +47,7 @@ def load_by_range(reg, service: str) -> dict[tuple[str, int], tuple[int, float]]
     for name, load in loads.items():
         for row in load.ranges if isinstance(load.ranges, list) else []:
             try:
-                lo, _hi, keys, rate = row
+                lo, _hi, keys, rate, *_ = row   # a 5th: the median record key (the balancer reads it)
                 out[(name, int(lo))] = (int(keys), float(rate))
             except (TypeError, ValueError):
                 continue

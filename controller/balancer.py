@@ -115,6 +115,8 @@ class BalancerConfig:
     split_window: float = 5.0
     merge_window: float = 10.0
     min_split_width: int = 256        # never split a range of fewer keys
+    split_median: int = 0             # 1: split at the median key of the range's records (its owner's load report:
+                                      # half its clients go), not at the middle of the range; 0: the middle
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -163,6 +165,7 @@ class BalancerConfig:
                                       f"lower merge_rate to <= {self.split_rate / 2:g}")
         within("split_keys", 0, 1 << 40)
         within("min_split_width", 2, 1 << 23, " keys")
+        within("split_median", 0, 1)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "balancer config") -> "BalancerConfig":
@@ -201,6 +204,7 @@ class RangeObs:
     rate: float | None = None   # requests/s (the owner's load report, else packets/s at the switches)
     keys: int | None = None
     busy: bool = False          # a state operation on it (or by its owner) is running
+    median: int | None = None   # the key below which half of its records lie (the owner's load report)
     held: bool = False          # an operator set its helpers by hand ('vfab helpers on|off'): never touched here
 
     @property
@@ -510,10 +514,12 @@ class Balancer:
         if not cands:
             return None
         hot = max(cands, key=lambda r: (r.rate or 0.0, r.keys or 0, r.width, -r.lo))
-        mid = hot.lo + hot.width // 2
+        mid, part = hot.lo + hot.width // 2, "upper half"
+        if cfg.split_median and hot.median is not None and hot.lo < hot.median <= hot.hi:
+            mid, part = hot.median, f"part from its median record key {hot.median:#08x}"
         why = (f"{rate:.0f} requests/s > {cfg.split_rate:g}" if over_rate else f"{nkeys} keys > {cfg.split_keys}")
         return Decision("split", obs.name, ((mid, hot.hi),),
-                        f"{owner}: {why} for {held:.1f} s; upper half of {hot.lo:#08x}-{hot.hi:#08x} to spare "
+                        f"{owner}: {why} for {held:.1f} s; {part} of {hot.lo:#08x}-{hot.hi:#08x} to spare "
                         f"{obs.spares[0]}", now, owner=owner, peer=obs.spares[0])
 
     def _merge(self, now: float, obs: ServiceObs, by_owner: dict) -> Decision | None:

@@ -272,9 +272,9 @@ class Runner:
                     continue
                 for row in load.ranges:
                     try:
-                        lo, _hi, keys, rate = row
+                        lo, _hi, keys, rate, *median = row   # the median record key: reported by some
                         if load.role.get(f"{int(lo):06x}", "owner") == "owner":
-                            loads[(ep_name, int(lo))] = (int(keys), float(rate))
+                            loads[(ep_name, int(lo))] = (int(keys), float(rate), int(median[0]) if median else None)
                     except (TypeError, ValueError):
                         continue
         except RegistryError as exc:
@@ -292,7 +292,7 @@ class Runner:
             busy = r.state == "moving" or r.owner in busy_eps or any(b.overlaps(r.range) for b in busy_ranges)
             robs.append(RangeObs(r.lo, r.hi, r.owner if r.state != "unassigned" else "", epoch=r.epoch,
                                  helpers=tuple(r.helpers), mirrors=tuple(r.mirrors), state=r.state, rate=rate,
-                                 keys=got[0] if got else None, busy=busy,
+                                 keys=got[0] if got else None, busy=busy, median=got[2] if got else None,
                                  held=any(h.overlaps(r.range) for h in held)))
         return ranges, eps, tuple(robs), busy_eps
 

@@ -54,6 +54,8 @@ HEADER = struct.Struct("!BBHI")
 MIN_LEN = HEADER.size
 NX_VENDOR = 0x00002320
 NXAST_REG_MOVE = 6
+NXAST_MULTIPATH = 10          # nx_action_multipath, 32 B; fields 0 = eth_src, algorithm 0 = modulo_n
+MULTIPATH = struct.Struct("!HHIHHHHHHIHHI")
 OXM_BASIC = ofp.OFPXMC_OPENFLOW_BASIC
 MAX_XID = 0xFFFFFFFF
 
@@ -155,8 +157,13 @@ def _encode_action(a: tuple) -> bytes:
         _, src, src_ofs, dst, dst_ofs, n_bits = a
         return struct.pack("!HHIHHHH", ofp.OFPAT_EXPERIMENTER, 24, NX_VENDOR, NXAST_REG_MOVE, n_bits, src_ofs,
                            dst_ofs) + _OXM_HDR[src, False] + _OXM_HDR[dst, False]
+    if op == "multipath":
+        _, _src, basis, n_links, dst, dst_ofs, n_bits = a
+        hdr = int.from_bytes(_OXM_HDR[dst, False], "big")
+        return MULTIPATH.pack(ofp.OFPAT_EXPERIMENTER, MULTIPATH.size, NX_VENDOR, NXAST_MULTIPATH, 0, basis, 0, 0,
+                              n_links - 1, 0, 0, dst_ofs << 6 | (n_bits - 1), hdr)
     raise ValueError(f"action {a!r} cannot be encoded: known actions are output, normal, flood, controller, "
-                     "set_eth_dst, group, move, goto")
+                     "set_eth_dst, group, move, multipath, goto")
 
 
 def encode_actions(actions: Iterable[tuple]) -> bytes:
@@ -203,10 +210,23 @@ def decode_actions(buf, off: int, end: int) -> list[tuple]:
                 out.append(("unknown", "move", src, dst))
             else:
                 out.append(("move", names[0], src_ofs, names[1], dst_ofs, n_bits))
+        elif atype == ofp.OFPAT_EXPERIMENTER and alen >= MULTIPATH.size and \
+                struct.unpack_from("!IH", buf, off + 4) == (NX_VENDOR, NXAST_MULTIPATH):
+            out.append(_multipath(*MULTIPATH.unpack_from(buf, off)[4:]))
         else:
             out.append(("unknown", atype, bytes(buf[off:off + alen])))
         off += alen
     return out
+
+
+def _multipath(fields: int, basis: int, _pad: int, algorithm: int, max_link: int, arg: int, _pad1: int,
+               ofs_nbits: int, dst) -> tuple:
+    """The action tuple of a multipath (dst: an OXM/NXM header or os-ken's field name); unknown if not ours."""
+    name = dst if isinstance(dst, str) else (_OXM_NAME.get((dst >> 16, (dst >> 9) & 0x7F)) if not dst & 0x100
+                                            else None)
+    if fields != 0 or algorithm != 0 or arg != 0 or name is None:
+        return ("unknown", "multipath", fields, algorithm, dst)
+    return ("multipath", "eth_src", basis, max_link + 1, name, ofs_nbits >> 6, (ofs_nbits & 0x3F) + 1)
 
 
 _DECODED: dict[bytes, tuple] = {}
@@ -388,6 +408,9 @@ def _spec_actions(actions) -> list[tuple]:
             out.append(("group", act.group_id))
         elif name == "NXActionRegMove":
             out.append(("move", act.src_field, act.src_ofs, act.dst_field, act.dst_ofs, act.n_bits))
+        elif name == "NXActionMultipath":
+            out.append(_multipath(act.fields, act.basis, 0, act.algorithm, act.max_link, act.arg, 0, act.ofs_nbits,
+                                  act.dst))
         else:
             out.append(("unknown", name))
     return out

@@ -15,7 +15,10 @@ Actions are tuples: ``("output", port)``, ``("set_eth_dst", mac_int)``,
 ``("group", gid)``, ``("goto", table)``, ``("normal",)``, ``("controller",)``,
 ``("flood",)``, ``("move", src_field, src_ofs, dst_field, dst_ofs, n_bits)``
 (copy ``n_bits`` bits of one header field into another, bit 0 = the field's
-least significant bit: OVS's Nicira ``move``; build it with ``move()``); an
+least significant bit: OVS's Nicira ``move``; build it with ``move()``),
+``("multipath", "eth_src", basis, n_links, dst_field, dst_ofs, n_bits)`` (OVS's
+Nicira ``multipath``, algorithm ``modulo_n``: the hash of the source MAC modulo
+``n_links`` into ``n_bits`` bits of a field; build it with ``multipath()``); an
 empty action tuple drops.
 """
 
@@ -99,6 +102,20 @@ def move(src: str, src_ofs: int, dst: str, dst_ofs: int, n_bits: int) -> tuple:
             raise ValueError(f"move: bits {ofs}..{ofs + n_bits - 1} are outside {name} "
                              f"({FIELD_BITS[name]} bits: 0..{FIELD_BITS[name] - 1})")
     return ("move", src, src_ofs, dst, dst_ofs, n_bits)
+
+
+def multipath(src: str, basis: int, n_links: int, dst: str, dst_ofs: int) -> tuple:
+    """The ``multipath`` action (fields ``eth_src``, algorithm ``modulo_n``), checked: ``n_links`` a power of two
+    in 2..65536 (OVS's limit), its bits inside ``dst``."""
+    if src != "eth_src":
+        raise ValueError(f"multipath: only eth_src can be hashed (OVS's eth_src fields), not {src!r}")
+    if not (isinstance(n_links, int) and 2 <= n_links <= 1 << 16 and n_links & (n_links - 1) == 0):
+        raise ValueError(f"multipath: n_links {n_links!r} must be a power of two in 2..65536")
+    if not (isinstance(basis, int) and 0 <= basis <= 0xFFFF):
+        raise ValueError(f"multipath: basis {basis!r} must be in 0..65535")
+    n_bits = n_links.bit_length() - 1
+    move(dst, dst_ofs, dst, dst_ofs, n_bits)  # the same bounds check as a move's
+    return ("multipath", src, basis, n_links, dst, dst_ofs, n_bits)
 
 
 @dataclass(frozen=True)

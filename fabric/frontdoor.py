@@ -19,6 +19,8 @@ table 0 at the priority the compiler reserves (400), cookie kind FRONTDOOR::
     match    in_port=P, eth_src=<that host's own MAC>, <the kind's protocol match>
     actions  set eth_dst = VID(service, key 0)              (vfab.vid.codec)
              move <key source>[0..23] -> eth_dst[<key bits>] (Nicira move)
+               (dhcp4 with key mac-hash instead: multipath(eth_src) -> key bits 8..23,
+                move eth_src[0..7] -> key bits 0..7; see vfab.vid.mackey)
              goto table 1                                  (normal VID routing)
 
 Matching ``eth_src`` keeps port security: a host speaks only for its own MAC,
@@ -50,8 +52,12 @@ the suffix layout's bits 16..39; both layouts work.
 
 Kinds:
 
-- ``dhcp4`` (no parameters): ``udp, udp_dst=67``; key = the low 24 bits of the
-  client MAC (``eth_src``).
+- ``dhcp4``: ``udp, udp_dst=67``; ``key`` (the key function of the client MAC
+  ``eth_src``, ``vfab.vid.mackey``): ``mac-hash`` (what ``vfab service add --kind
+  sdhcp`` writes: OVS ``multipath`` hashes the MAC into key bits 8..23, a ``move``
+  puts its low byte in bits 0..7, so sequential MACs spread over the key space)
+  or ``mac-low24`` (the MAC's low 24 bits; what a record naming no ``key`` means,
+  as every record did before ``mac-hash``).
 - ``udp``: ``ip`` (IPv4 address, required), ``port`` (1..65535, required),
   ``key`` (``ip_src`` (default): the low 24 bits of the client's IPv4 source
   address, or ``eth_src``): ``udp, ipv4_dst=ip, udp_dst=port``.
@@ -63,8 +69,8 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from vfab.fabric.flows import TABLE_ADMIT, TABLE_ROUTE, FlowSpec, Kind, make_cookie, match, move
-from vfab.vid import codec
+from vfab.fabric.flows import TABLE_ADMIT, TABLE_ROUTE, FlowSpec, Kind, make_cookie, match, move, multipath
+from vfab.vid import codec, mackey
 from vfab.vid.errors import VidError
 
 ETH_IPV4 = 0x0800
@@ -99,6 +105,7 @@ class Door:
     params: dict = field(default_factory=dict, compare=False)
     answers: tuple = ()        # match fields of the servers' answers (guarded), as (name, value) pairs
     source_guard: bool = False  # requests only from the sending host's registered IPv4 addresses (if any)
+    key_fn: str = mackey.LOW24  # how the key comes from key_field (vfab.vid.mackey)
 
     @property
     def label(self) -> str:
@@ -173,12 +180,21 @@ def _udp_answers(src_port: int, src_ip: int | None = None, dst_port: int | None 
 
 KEY_FIELDS = {"ip_src": "ipv4_src", "eth_src": "eth_src"}  # the udp kind's "key" → the header field
 
+def _key_fn(value: Any) -> str:
+    try:
+        return mackey.check(value)
+    except mackey.KeyFunctionError as exc:
+        raise ValueError(str(exc)) from None
+
+
 register(DoorKind(
-    "dhcp4", {},
+    "dhcp4",
+    {"key": Param(_key_fn, required=False, default=mackey.LEGACY,
+                  help=f"key function of the client MAC: {mackey.HASH} or {mackey.LOW24}")},
     lambda svc, i, p: Door(svc, i, "dhcp4", _udp_protocol(DHCP_SERVER_PORT), "eth_src", p,
-                           _udp_answers(DHCP_SERVER_PORT, dst_port=DHCP_CLIENT_PORT)),
-    help="DHCPv4 (udp_dst=67) from host ports; key = low 24 bits of the client MAC; DHCP answers "
-         "(67 -> 68) only from the service's hosts",
+                           _udp_answers(DHCP_SERVER_PORT, dst_port=DHCP_CLIENT_PORT), key_fn=p["key"]),
+    help="DHCPv4 (udp_dst=67) from host ports; key = the client MAC's key function (mac-hash: hashed, "
+         "mac-low24: its low 24 bits); DHCP answers (67 -> 68) only from the service's hosts",
 ))
 
 register(DoorKind(
@@ -243,14 +259,20 @@ def overlap(a: Door, b: Door) -> bool:
 
 
 # -- flows ------------------------------------------------------------------------------
-def key_rewrite(service_id: int, layout: codec.Layout | str, key_field: str) -> tuple[tuple, ...]:
-    """Actions turning a frame into a VID of the service whose key is ``key_field``'s low 24 bits.
+def key_rewrite(service_id: int, layout: codec.Layout | str, key_field: str,
+                key_fn: str = mackey.LOW24) -> tuple[tuple, ...]:
+    """Actions turning a frame into a VID of the service whose key is ``key_fn`` of ``key_field``: its low 24
+    bits, or (``mac-hash``, a MAC field) ``vfab.vid.mackey``'s hash, which the service computes alike.
 
     The base VID (key 0) and the key's bit position in the MAC come from the codec,
     so both layouts work and no MAC is built by hand.
     """
     base = codec.encode(service_id, 0, layout=layout).value
     key_ofs = (codec.encode(service_id, 1, layout=layout).value ^ base).bit_length() - 1
+    if key_fn == mackey.HASH:
+        return (("set_eth_dst", base),
+                multipath(key_field, mackey.BASIS, 1 << mackey.HASH_BITS, "eth_dst", key_ofs + mackey.LOW_BITS),
+                move(key_field, 0, "eth_dst", key_ofs, mackey.LOW_BITS))
     return (("set_eth_dst", base), move(key_field, 0, "eth_dst", key_ofs, codec.KEY_BITS))
 
 
@@ -265,7 +287,7 @@ def door_flows(door: Door, service_id: int, layout: codec.Layout | str,
     door's requests from any other source address of that MAC.
     Without it, a tenant sending a request from another host's address had the service's replies (memcached's
     multi-get answers: an amplifier) sent to that host."""
-    actions = (*key_rewrite(service_id, layout, door.key_field), ("goto", TABLE_ROUTE))
+    actions = (*key_rewrite(service_id, layout, door.key_field, door.key_fn), ("goto", TABLE_ROUTE))
     cookie = make_cookie(Kind.FRONTDOOR, service_id, lo=door.index)
     proto = dict(door.protocol)
     out = []

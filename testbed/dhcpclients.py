@@ -520,6 +520,24 @@ class PerfRun:
     report: dict = field(default_factory=dict)
 
 
+def relay_mac(q: int, key_fn: str, parts: int = 4, first: int = 0x025E00000001) -> bytes:
+    """A relay's MAC whose key (``vfab.vid.mackey`` ``key_fn``) lies in part ``q`` of ``parts`` equal parts of the
+    key space: the first of a sequence from ``first``.  The dhcp4 door steers a relayed frame by the relay's MAC,
+    so relay q's frames enter at part q's shard."""
+    from vfab.vid import mackey
+
+    mac = first
+    while mackey.key(mac, key_fn) * parts >> 24 != q:
+        mac += 1
+    return mac.to_bytes(6, "big")
+
+
+def perfdhcp_stride(per: int) -> int:
+    """How far apart to put the first chaddrs of perfdhcp instances of ``per`` clients each: perfdhcp adds a
+    client's number to its base's last bytes without a carry out of them, so each base is aligned."""
+    return 1 << max(8, (per - 1).bit_length())
+
+
 def perfdhcp(farm: ClientFarm, i: int, clients: int, base_mac: bytes, rate: int | None, wait_us: int = 500000,
              avalanche: bool = False, tb=None) -> PerfRun:
     """Start perfdhcp in farm namespace ``i``: ``clients`` DORAs from chaddr ``base_mac`` upwards."""

@@ -34,6 +34,7 @@ from collections import Counter
 from typing import Iterable
 
 from vfab.fabric.flows import TABLE_ADMIT, FlowSpec, GroupSpec, SwitchConfig, split_cookie
+from vfab.vid import mackey
 
 PSEUDO_PORTS = {"normal": "NORMAL", "controller": "CONTROLLER", "flood": "FLOOD"}
 Delivery = tuple[int, "int | str", int]  # (dpid, port, eth_dst)
@@ -143,6 +144,11 @@ class FakeFabric:
                     raise FakeTableError(f"switch {dpid:#x}: {act!r} on a packet without {src} or {dst}")
                 bits = (1 << n_bits) - 1
                 pkt[dst] = pkt[dst] & ~(bits << dst_ofs) | ((pkt[src] >> src_ofs) & bits) << dst_ofs
+            elif op == "multipath":   # OVS: jhash of eth_src modulo n_links (vfab.vid.mackey reproduces it)
+                _, src, basis, n_links, dst, dst_ofs, n_bits = act
+                link = mackey.jhash_bytes(pkt[src].to_bytes(6, "big"), basis) % n_links
+                bits = (1 << n_bits) - 1
+                pkt[dst] = pkt[dst] & ~(bits << dst_ofs) | link << dst_ofs
             elif op == "group":
                 self._group(dpid, act[1], pkt, out, hops)
             elif op == "goto":

@@ -1,7 +1,7 @@
 """sdhcp as a backend of the stateful-endpoint loop (``vfab.vid.state``): RFC 2131 server behaviour.
 
 The loop hands it batches of DHCP requests (wrapped by ``frames.py``) whose key
-(the low 24 bits of chaddr) lies in a range this shard owns; a batch is one
+(chaddr's, by the service's key function: ``Store.key``, ``vfab.vid.mackey``) lies in a range this shard owns; a batch is one
 SQLite transaction, fsync'd before any reply leaves, and every lease or
 address row it writes is returned as a record so the loop puts it on every
 mirror (and on a running copy) before the reply leaves either.
@@ -58,7 +58,6 @@ from vfab.services.sdhcp.pool import Pool
 from vfab.services.sdhcp.reply import Options, destination, prepare, reply, reply_limit
 from vfab.services.sdhcp.store import BOUND, DECLINED, FREE, HELD, NONE, OFFERED, RELEASED, Addr, Lease, Store
 from vfab.services.sdhcp.wire import BOOTREQUEST, HTYPE_ETHERNET, ZERO, Message, MessageType, Opt
-from vfab.vid.codec import KEY_MAX
 from vfab.vid.ranges import FULL, Range
 from vfab.vid.state.backend import BadRequest, Refusal, Request, StoreBackend
 
@@ -74,9 +73,10 @@ SERVED = {MessageType.DISCOVER, MessageType.REQUEST, MessageType.DECLINE, Messag
 NO_SYNC = {MessageType.DISCOVER, MessageType.INFORM}   # batches of only these commit without an fsync
 
 
-def open_backend(datadir: str, name: str, config: Config | None = None) -> "SdhcpBackend":
-    """The backend of shard ``name``, its leases at DATADIR/NAME.sqlite (``config`` None: the stored one)."""
-    return SdhcpBackend(Store(os.path.join(datadir, f"{name}.sqlite"), config))
+def open_backend(datadir: str, name: str, config: Config | None = None, key_fn: str | None = None) -> "SdhcpBackend":
+    """The backend of shard ``name``, its leases at DATADIR/NAME.sqlite (``config``, ``key_fn`` None: the stored
+    ones; ``Store``)."""
+    return SdhcpBackend(Store(os.path.join(datadir, f"{name}.sqlite"), config, key_fn))
 
 
 @dataclass
@@ -153,7 +153,7 @@ class SdhcpBackend(StoreBackend):
         return src, bcast, wire.parse(dhcp)
 
     def key_of(self, payload: bytes) -> int:
-        """The key of a request (chaddr's low 24 bits); BadRequest (counted) for anything not served.
+        """The key of a request (chaddr's, as the front door computes it); BadRequest (counted) for anything not served.
 
         The parsed request is kept for ``handle_batch`` (the loop asks the key of every request of a batch
         first, then serves them): parsing each twice cost ~7% of a busy shard (bench/sdhcp_lease.py, cProfile)."""
@@ -169,7 +169,7 @@ class SdhcpBackend(StoreBackend):
         if len(self._parsed) >= PARSED_MAX:  # requests held or forwarded are not served here: forget them
             self._parsed.clear()
         self._parsed[payload] = (src, bcast, msg)
-        return int.from_bytes(msg.chaddr, "big") & KEY_MAX
+        return self.store.key(msg.chaddr)
 
     def _refuse(self, msg: Message, src: bytes) -> tuple[str, str] | None:
         if msg.op != BOOTREQUEST:
@@ -267,7 +267,7 @@ class SdhcpBackend(StoreBackend):
             return a.until <= ctx.now, a, None
         if a.holder == c:
             return True, a, None
-        if not ctx.owns(a.holder & KEY_MAX):
+        if not ctx.owns(self.store.key(a.holder)):
             return False, a, None  # its holder is served elsewhere: kept for it
         other = self.store.lease(a.holder)
         if other is not None and other.ip == ip and other.active(ctx.now):
@@ -294,7 +294,7 @@ class SdhcpBackend(StoreBackend):
                 return ip, self.store.addr(ip), None
         for a, b in self.pool.segments(key, ctx.ranges):
             for row, other in self.store.reclaimable(self.pool.first + a, self.pool.first + b, ctx.now):
-                if ctx.owns(row.holder & KEY_MAX):
+                if ctx.owns(self.store.key(row.holder)):
                     return row.ip, row, other
         if self._full is None or self._full[0] != slots or ctx.now - self._last_full_log >= FULL_LOG_MS:
             self._last_full_log = ctx.now
@@ -323,7 +323,7 @@ class SdhcpBackend(StoreBackend):
                 records.append((home, rec))
         if stale is not None and stale.chaddr != c:
             _, rec = st.put_lease(replace(stale, ip=0, state=NONE, expires=ctx.now))
-            records.append((stale.vkey, rec))
+            records.append((self.store.key(stale.chaddr), rec))
             self.counters["reclaimed"] += 1
         _, rec = st.put_lease(Lease(c, ip, state, expires, msg.client_id or b"",
                                     lease.version if lease is not None else 0))
@@ -402,7 +402,7 @@ class SdhcpBackend(StoreBackend):
             self.counters["other_server"] += 1
         elif lease is not None and lease.ip and lease.ip == int(msg.ciaddr) and lease.state != RELEASED:
             _, rec = self.store.put_lease(replace(lease, state=RELEASED, expires=ctx.now))
-            records.append((lease.vkey, rec))
+            records.append((self.store.key(lease.chaddr), rec))
             ctx.bindings.append((lease.chaddr, None, ctx.now))
             self.counters["releases"] += 1
         else:
@@ -417,7 +417,7 @@ class SdhcpBackend(StoreBackend):
         ip = int(ip)
         if lease is not None and lease.ip == ip:
             _, rec = self.store.put_lease(replace(lease, ip=0, state=NONE, expires=ctx.now))
-            records.append((lease.vkey, rec))
+            records.append((self.store.key(lease.chaddr), rec))
             ctx.bindings.append((c, None, ctx.now))
         home = self.pool.home_of(ip)
         a = self.store.addr(ip) if ctx.owns(home) else None
@@ -433,6 +433,10 @@ class SdhcpBackend(StoreBackend):
             return None
         self.counters["informs"] += 1
         return reply(msg, MessageType.ACK, self.server, options=self._inform_options)
+
+    def median_key(self, rng: Range, n: int) -> int:
+        """(load reports) The key below which half of the ``n`` clients known in ``rng`` lie."""
+        return self.store.median_key(rng, n)
 
     # -- status -----------------------------------------------------------------------------------------
     def stats(self, ranges: list[Range]) -> dict:

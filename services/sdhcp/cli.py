@@ -1,4 +1,5 @@
 """``vfab sdhcp status SERVICE``: each shard's ranges, pool use, leases, counters and rates.
+``vfab sdhcp rekey SERVICE``: switch the service's front door to another key function (``vfab.vid.mackey``).
 
 Asks every live shard of the service for its STATS over its control socket
 (the same socket 'vfab split' talks to), so the numbers are the shard's own,
@@ -17,16 +18,22 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import click
 
 from vfab.cli.cmd_state import load_by_range
 from vfab.cli.common import NameType, errors, pass_ctx, table
+from vfab.vid import mackey
+from vfab.vid.codec import KEY_MAX
 from vfab.vid.errors import StateError
+from vfab.vid.registry import schema
 from vfab.vid.state import ctl
 
 DROPS = ("malformed", "wrong_op", "bad_chaddr", "wrong_type", "spoofed", "relayed_dropped", "bad_frames")
 RATED = ("offers", "acks", "naks")
+WARN_FREE = 0.1    # warn when a shard's free addresses are at most this share of its slice ...
+WARN_MIN = 16      # ... or this many
 
 
 @click.group("sdhcp")
@@ -82,7 +89,29 @@ def shard_stats(reg, service: str, interval: float = 0.0) -> list[dict]:
         e.pop("_t", None)
         if "slice" in e:
             e["pool_use"] = round(100.0 * e.get("held", 0) / e["slice"], 1) if e["slice"] else 0.0
+            why = running_out(e)
+            if why:
+                e["warning"] = why
     return out
+
+
+def running_out(e: dict) -> str | None:
+    """Why shard ``e`` (a ``shard_stats`` entry) is about to refuse new clients, or None.  Before it does: its
+    slice's free addresses are at most ``WARN_FREE`` of it (at least ``WARN_MIN``); or it did already."""
+    if not e.get("owns"):
+        return None
+    size, free = e["slice"], e["slice"] - e.get("held", 0) - e.get("declined", 0)
+    refused = e.get("counters", {}).get("pool_exhausted", 0)
+    if size == 0:
+        return "owns keys but no address of the pool (its ranges are narrower than the pool's spacing): " \
+               "its new clients get no OFFER; merge its ranges into a neighbour's"
+    if refused:
+        return (f"refused {refused} DISCOVERs: its slice of {size} addresses was full ({free} free now); split "
+                f"its range ('vfab split', the balancer's split_keys) or grow the pool")
+    if free <= max(WARN_MIN, WARN_FREE * size):
+        return (f"{free} of its {size} addresses free ({e['pool_use']:g}% in use): it refuses new clients once "
+                f"they are gone; split its range ('vfab split', the balancer's split_keys) or grow the pool")
+    return None
 
 
 def _rate(x) -> str:
@@ -157,3 +186,51 @@ def status(c, service: str, interval: float, as_json: bool) -> None:
                           ["shard", "owns", "slice", "in use", "bound", "offered", "declined", "req/s",
                            "offers/acks/naks per s", "dropped/s", "native",
                            "offers/acks/naks/releases/dropped/no address"], rows))
+    for s in shards:
+        if s.get("warning"):
+            click.echo(f"warning: shard {s['shard']} {s['warning']}")
+
+
+@sdhcp.command("rekey")
+@click.argument("service", type=NameType("service"))
+@click.option("--to", "to", type=click.Choice(mackey.FUNCTIONS), default=mackey.HASH, show_default=True,
+              help="Key function of the client MAC: mac-hash spreads sequentially numbered MACs over every shard; "
+                   "mac-low24 is the MAC's low 24 bits (services created before mac-hash).")
+@pass_ctx
+@errors
+def rekey(c, service: str, to: str) -> None:
+    """Switch SERVICE's dhcp4 front door to key function --to.  A lease row lives at the shard owning its
+    client's key, so this needs one shard owning every key (merge first: 'vfab merge'); the switch and the
+    record change in one etcd transaction that fails if any range changed meanwhile.  Then restart that shard
+    (and its mirrors): at start each stores its leases under the new keys, and clients keep their addresses.
+
+    Example: vfab merge dhcp 0x800000-0xffffff --to s1 && vfab sdhcp rekey dhcp && (restart s1)
+    """
+    reg = c.registry
+    svc = reg.service(service)
+    got = reg.get(schema.service_key(service))
+    ranges = reg.ranges(service)
+    now = mackey.of_service(svc)
+    if not any(isinstance(d, dict) and d.get("kind") == "dhcp4" for d in svc.frontdoors):
+        raise click.ClickException(f"service {service!r} has no dhcp4 front door: only an sdhcp service is re-keyed")
+    if now == to:
+        click.echo(f"service {service} already keys clients by {to}")
+        return
+    owners = {r.owner for r, _ in ranges}
+    if len(owners) != 1 or sum(r.hi - r.lo + 1 for r, _ in ranges) != KEY_MAX + 1 or "" in owners:
+        held = ", ".join(f"{r.lo:#x}-{r.hi:#x} {r.owner or '(none)'}" for r, _ in ranges) or "no range"
+        raise click.ClickException(
+            f"service {service!r} is split ({held}): leases live at the owner of their client's key, and a new key "
+            f"function moves most clients to another key.  Merge every range onto one shard first ('vfab merge "
+            f"{service} LO-HI --to SHARD'), then run this again")
+    doors = [dict(d, key=to) if isinstance(d, dict) and d.get("kind") == "dhcp4" else d for d in svc.frontdoors]
+    compares = [reg.cmp_mod(schema.service_key(service), got[1])]
+    compares += [reg.cmp_mod(schema.range_key(service, r.lo), mod) for r, mod in ranges]
+    ok, _ = reg.txn(compares, {schema.service_key(service): replace(svc, frontdoors=doors).to_json()})
+    if not ok:
+        raise click.ClickException(f"service {service!r} or its ranges changed meanwhile: run this again")
+    shard = next(iter(owners))
+    click.echo(f"service {service} keys clients by {to} now (was {now}); restart shard {shard}"
+               + (" and its mirrors " + ", ".join(sorted({m for r, _ in ranges for m in r.mirrors}))
+                  if any(r.mirrors for r, _ in ranges) else "")
+               + ": it re-keys its leases at start; until then it serves every key as before")

@@ -44,7 +44,7 @@ from vfab.cli.cmd_state import load_by_range
 from vfab.testbed import dhcpclients as dc
 from vfab.testbed.fabric import Testbed
 from vfab.testbed.procs import wait_for
-from vfab.vid import codec
+from vfab.vid import mackey
 from vfab.vid.ranges import Range
 from vfab.vid.registry import schema
 from vfab.vid.state import ctl as statectl
@@ -102,16 +102,22 @@ class Plan:
 
 
 def client_macs(plan: Plan, seed: int = 9) -> tuple[list[bytes], list[str]]:
-    """MACs (key = low 24 bits, spread over the key space) and each client's kind.  dhclient and dhcpcd
-    alternate between the upper half (the shard that will be killed) and the lower half, upper first."""
-    rnd = random.Random(seed)
-    keys = rnd.sample(range(1, codec.KEY_MAX), plan.total)
+    """MACs numbered in sequence, as a vendor's or a test rig's are (the front door's ``mac-hash`` key spreads
+    them over the key space: ``vfab.vid.mackey``), and each client's kind.  dhclient and dhcpcd alternate
+    between the upper half of the key space (the shard that will be killed) and the lower half, upper first:
+    each takes the next MAC of its own sequence whose key lies there."""
     kinds = ["udhcpc"] * plan.udhcpc + ["dhclient"] * plan.dhclient + ["dhcpcd"] * plan.dhcpcd
-    for first, n in ((plan.udhcpc, plan.dhclient), (plan.udhcpc + plan.dhclient, plan.dhcpcd)):
+    first = 0x025A10000000 + random.Random(seed).randrange(1 << 16) * 256
+    macs = [first + 1 + i for i in range(plan.udhcpc)]
+    nxt = first + (1 << 20)
+    for n in (plan.dhclient, plan.dhcpcd):
         for j in range(n):
             half = UPPER if j % 2 == 0 else Range(1, UPPER.lo - 1)
-            keys[first + j] = rnd.randrange(half.lo, half.hi)
-    return [bytes([0x02, 0x5A, 0x10]) + k.to_bytes(3, "big") for k in keys], kinds
+            while mackey.key(nxt) not in half:
+                nxt += 1
+            macs.append(nxt)
+            nxt += 1
+    return [m.to_bytes(6, "big") for m in macs], kinds
 
 
 class Demo:
@@ -187,7 +193,7 @@ class Demo:
         return len(ds)
 
     def key(self, i: int) -> int:
-        return int.from_bytes(self.farm.macs[i], "big") & codec.KEY_MAX
+        return mackey.key(self.farm.macs[i])   # the service's key function: 'vfab service add' writes mac-hash
 
     def line(self, t0: float, extra: str = "") -> str:
         loads = load_by_range(self.reg, SVC)

@@ -39,7 +39,7 @@ from ipaddress import IPv4Address
 from vfab.services.sdhcp import wire
 from vfab.services.sdhcp.backend import OFFER_HOLD
 from vfab.services.sdhcp.store import LANE_SQL
-from vfab.vid import codec
+from vfab.vid import codec, mackey
 from vfab.vid.codec import KEY_MAX
 from vfab.vid.errors import TransportError
 
@@ -114,8 +114,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lane_counters.argtypes = [p, u64p, c.c_int]
     lib.lane_error.restype = None
     lib.lane_error.argtypes = [p, c.c_char_p, c.c_int]
-    lib.lane_serve.restype = c.c_int
-    lib.lane_serve.argtypes = [p, c.c_char_p, u32p, c.c_int, c.c_uint64, c.c_char_p, u32p, i32p]
+    for name in ("lane_serve", "lane_serve_forwarded"):
+        getattr(lib, name).restype = c.c_int
+        getattr(lib, name).argtypes = [p, c.c_char_p, u32p, c.c_int, c.c_uint64, c.c_char_p, u32p, i32p]
     lib.lane_reply_max.restype = c.c_int
     lib.lane_burst.restype = c.c_int
     return lib
@@ -175,8 +176,8 @@ class NativeLane:
         self.backend = backend
         store, config = backend.store, backend.config
         net = config.network
-        cfg = (ctypes.c_uint32 * 7)(int(config.first), config.size, int(config.server), int(net.network_address),
-                                    int(net.netmask), config.lease, OFFER_HOLD)
+        cfg = (ctypes.c_uint32 * 8)(int(config.first), config.size, int(config.server), int(net.network_address),
+                                    int(net.netmask), config.lease, OFFER_HOLD, store.stored_key_fn == mackey.HASH)
         opts = wire.encode_options(backend._options.encoded)
         relays = list(config.relays)
         rel = (ctypes.c_uint32 * max(1, len(relays)))(*[int(IPv4Address(r)) for r in relays])
@@ -282,6 +283,17 @@ class NativeLane:
     def serve(self, frames: list[bytes], now_ms: int) -> list[bytes | None]:
         """Serve ``frames`` as one pass at ``now_ms`` (no socket, no queue, no fsync): each one's reply frame,
         or None for one the lane leaves to the loop.  LaneError if the store failed."""
+        return self._serve(self.lib.lane_serve, frames, now_ms, False)
+
+    @_live(list)
+    def serve_forwarded(self, frames: list[bytes], now_ms: int) -> list[bytes | None]:
+        """(the loop's thread) Serve requests other shards forwarded (vfab REQUEST frames, ``frames.wrap``), in
+        order until the first the lane leaves to the loop (None from there on), ACKs after an fdatasync (C:
+        ``lane_serve_forwarded`` says why frames it handed the loop need not wait).  LaneError if the store or
+        the disk failed: then no reply may leave."""
+        return self._serve(self.lib.lane_serve_forwarded, frames, now_ms, True)
+
+    def _serve(self, entry, frames: list[bytes], now_ms: int, in_order: bool) -> list[bytes | None]:
         burst, rmax = self.lib.lane_burst(), self.lib.lane_reply_max()
         out: list[bytes | None] = []
         for i in range(0, len(frames), burst):
@@ -290,10 +302,12 @@ class NativeLane:
             replies = ctypes.create_string_buffer(rmax * len(part))
             rlens = (ctypes.c_uint32 * len(part))()
             verdicts = (ctypes.c_int * len(part))()
-            if self.lib.lane_serve(self.h, b"".join(part), lens, len(part), now_ms, replies, rlens, verdicts) < 0:
+            if entry(self.h, b"".join(part), lens, len(part), now_ms, replies, rlens, verdicts) < 0:
                 raise LaneError(self.error())
             raw = replies.raw
             out += [raw[j * rmax:j * rmax + rlens[j]] if verdicts[j] else None for j in range(len(part))]
+            if in_order and not all(verdicts):
+                return out + [None] * (len(frames) - len(out))
         return out
 
     # -- the threads ---------------------------------------------------------------------------------------

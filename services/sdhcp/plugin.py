@@ -2,7 +2,8 @@
 
 ``vfab service add NAME --kind sdhcp [--opt NAME=VALUE ...]`` records the kind
 and the dhcp4 front door (table 0: ``udp,tp_dst=67`` from host ports → the
-service's VID whose key is the low 24 bits of the client MAC).  Options given
+service's VID whose key is the client MAC's hash, ``vfab.vid.mackey``'s
+``mac-hash``: sequentially numbered MACs spread over the key space).  Options given
 there are checked by the same code the shards use (``config.parse_opts``), so
 an operator learns of a bad pool before starting any shard, and kept in the
 service record (``Service.opts``), where every shard reads them at start
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 from vfab.services.sdhcp.config import OPTIONS, parse_opts
 from vfab.services.sdhcp.errors import DhcpError
+from vfab.vid import mackey
 from vfab.vid.errors import VidError
 from vfab.vid.plugin import ServicePlugin, register
 
@@ -42,15 +44,15 @@ PLUGIN = register(SdhcpPlugin(
     key_of="vfab.services.sdhcp.plugin:key_of",
     backend="vfab.services.sdhcp.backend:open_backend",
     cli="vfab.services.sdhcp.cli:sdhcp",
-    frontdoors=({"kind": "dhcp4"},),
+    frontdoors=({"kind": "dhcp4", "key": mackey.HASH},),
     options=dict(OPTIONS),
 ))
 
 
 def key_of(payload: bytes) -> int:
-    """The VID key of an sdhcp request payload (``frames.py``): chaddr's low 24 bits (the front door's key)."""
+    """The VID key of an sdhcp request payload (``frames.py``) in a service this plug-in creates: chaddr's
+    ``mac-hash`` key (the front door's; a shard keys by its own service's door: ``Store.key``)."""
     from vfab.services.sdhcp import frames, wire
-    from vfab.vid.codec import KEY_MAX
 
     _, _, dhcp = frames.unwrap(payload)
-    return int.from_bytes(wire.parse(dhcp).chaddr, "big") & KEY_MAX
+    return mackey.key(wire.parse(dhcp).chaddr, mackey.HASH)

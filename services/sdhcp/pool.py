@@ -2,7 +2,7 @@
 
 Each address of a pool of N has a fixed **home key** in the 24-bit key space,
 spread evenly over it; a client's **first choice** is the address whose home
-is the nearest at or below the client's own key (the low 24 bits of its MAC)::
+is the nearest at or below the client's own key (its MAC's key, ``vfab.vid.mackey``)::
 
     slot(k) = floor(k * N / 2**24)          the client's first-choice address index
     home(i) = ceil(i * 2**24 / N)           the home key of address index i
@@ -20,8 +20,8 @@ candidates upward from ``slot(k)``, cyclically, over the owned slots only
 
 Consequence (a limit, see README): a shard's slice is about N x (width of its
 ranges) / 2**24 addresses, whatever the number of clients whose MACs fall in
-them.  MACs whose low 24 bits cluster in a narrow range exhaust that range's
-slice first.
+them.  Keys clustered in a narrow range (MACs numbered in sequence under the
+old ``mac-low24`` key function) exhaust that range's slice first.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from vfab.services.sdhcp.errors import DhcpError
 from vfab.services.sdhcp.lane import LaneError, LanePort, NativeLane, SHARED, enabled as lane_enabled, vid_base
 from vfab.services.sdhcp.pool import subtract
 from vfab.services.sdhcp.port import DhcpPort
-from vfab.vid import codec
+from vfab.vid import codec, mackey
 from vfab.vid.envelope import Envelope
 from vfab.vid.frame import ETH_TYPE
 from vfab.vid.ranges import Range
@@ -174,6 +174,33 @@ class SdhcpLoop(EndpointLoop):
         finally:
             self._lane_sync()
 
+    def _serve_ctl(self) -> None:
+        """The loop's control socket, then: requests other shards forwarded here (a relay's clients enter at the
+        shard owning the relay's key, and most belong to another's) go to the native lane first, in order, if
+        nothing else waited before them; what it leaves stays for the loop.  In Python each cost ~0.4 ms of
+        CPU, and their queue kept the lane's grant revoked (``_lane_ranges``): with sequential MACs behind 4
+        relays nearly every request of 4 shards went through Python (bench/sdhcp_lease.py, 2026-12-07)."""
+        before = len(self.pending)
+        super()._serve_ctl()
+        if self.lane is not None and before == 0 and self.pending:
+            self._lane_forwarded()
+
+    def _lane_forwarded(self) -> None:
+        items = list(self.pending)
+        try:
+            replies = self.lane.serve_forwarded([raw for raw, _ in items], int(self.backend.clock() * 1000))
+        except LaneError:
+            return   # the store or the disk failed (the lane's faults log says so): the loop serves them
+        served = 0
+        for reply in replies:
+            if reply is None:
+                break
+            self.port.send(reply)
+            served += 1
+        for _ in range(served):
+            self.pending.popleft()
+        self.counters["forwarded_native"] += served
+
     def take_rates(self) -> dict[int, int]:
         rates = super().take_rates()
         if self.lane is not None:
@@ -226,7 +253,7 @@ class SdhcpLoop(EndpointLoop):
         if req is None or req[2] != self.server_ip:
             return
         sha, spa, _ = req
-        key = int.from_bytes(sha, "big") & codec.KEY_MAX
+        key = self.backend.store.key(sha)
         rec = self.view.find(key)
         if rec is None or rec.owner != self.name or not self._authoritative() \
                 or any(key in rng for rng, _ in self.paused.values()):
@@ -262,12 +289,34 @@ def parse_opt_list(texts: list[str]) -> dict[str, str]:
     return out
 
 
+def migrate_keys(store, held: list[Range], name: str, service: str) -> int:
+    """Store the leases under the service's key function (``Store.rekey``) if they are under another; how many
+    rows moved.  Only a shard that holds every key of the service (owns or mirrors it: ``held``), or none, may:
+    else the rows whose new key another shard owns would be dropped as not held.  DhcpError says what to do."""
+    if store.key_fn == store.stored_key_fn:
+        return 0
+    if held and sum(r.hi - r.lo + 1 for r in held) != codec.KEY_MAX + 1:
+        raise DhcpError(
+            f"{name}: the leases in {store.path} are keyed by {store.stored_key_fn}, but service {service}'s front "
+            f"door keys clients by {store.key_fn} now, and this shard holds only {', '.join(map(str, held))}: a "
+            f"lease whose new key another shard owns would be lost.  Merge every range of {service} onto one shard "
+            f"first ('vfab merge'; 'vfab sdhcp rekey' checks this), then restart that shard and its mirrors")
+    old = store.stored_key_fn
+    n = store.rekey()
+    log.warning("%s: %d leases re-keyed from %s to %s (service %s's front door): clients keep their addresses",
+                name, n, old, store.key_fn, service)
+    return n
+
+
 def open_server(registry: Registry, service: str, name: str, iface: str, datadir: str,
                 config: Config | None = None, netns: str | None = None, ttl: int = 3,
                 native: bool = True) -> SdhcpLoop:
-    """An announced sdhcp shard, ready to ``serve``; ``native``: with its native lane (lane.py)."""
-    backend = open_backend(datadir, name, config)
+    """An announced sdhcp shard, ready to ``serve``; ``native``: with its native lane (lane.py).  Its leases are
+    keyed by the service's front door's key function (``migrate_keys`` moves them there if need be)."""
+    key_fn = mackey.of_service(registry.service(service))
+    backend = open_backend(datadir, name, config, key_fn)
     try:
+        migrate_keys(backend.store, [r.range for r in read_view(registry, service).held_by(name)], name, service)
         return SdhcpLoop(registry, service, name, iface, backend, netns=netns, ttl=ttl, native=native)
     except BaseException:
         backend.store.close()
@@ -279,8 +328,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 Serve DHCPv4 (RFC 2131) for the key ranges this shard owns.
 
 Clients are unmodified (udhcpc, dhclient, dhcpcd, ...).  They reach the service
-through its dhcp4 front door: the switch steers each DHCP frame by the low 24
-bits of the client MAC to the shard owning that key.  Shards split, merge, move
+through its dhcp4 front door: the switch steers each DHCP frame by the client
+MAC's key (a hash of it, or its low 24 bits for a service created before: the
+front door's key function) to the shard owning that key.  Shards split, merge, move
 and mirror like any stateful endpoint ('vfab split|merge|move|mirror'), their
 leases and their slice of the pool with them.  Leases are on disk (fsync) and on
 every mirror before the ACK leaves.

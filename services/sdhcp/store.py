@@ -4,9 +4,10 @@ unless the batch acknowledges nothing (``Store.begin``).
 Two kinds of rows, each stored under the VID key that decides who owns it (the
 state layer copies, replicates and drops records by that key):
 
-``lease``  one per client MAC (``chaddr``), under the MAC's key (its low 24
-           bits, the front door's key): the address the client holds or last
-           held, state (offered, bound, released, none), expiry, client id.
+``lease``  one per client MAC (``chaddr``), under the MAC's key (the front
+           door's key function, ``vfab.vid.mackey``: the store records which, and
+           ``rekey`` moves every row to another): the address the client holds or
+           last held, state (offered, bound, released, none), expiry, client id.
 ``addr``   one per address ever handed out, under the address's **home key**
            (``pool.py``): the MAC holding it, state (held, declined, free) and,
            for a declined address, until when.
@@ -41,7 +42,7 @@ from typing import Iterator
 from vfab.services.sdhcp.config import Config, parse_opts
 from vfab.services.sdhcp.errors import DhcpError
 from vfab.services.sdhcp.pool import Pool
-from vfab.vid.codec import KEY_MAX
+from vfab.vid import mackey
 from vfab.vid.ranges import Range
 from vfab.vid.state.backend import BackendError
 from vfab.vid.state.sqlstore import SqliteStore
@@ -112,10 +113,6 @@ class Lease:
     client_id: bytes = b""
     version: int = 0
 
-    @property
-    def vkey(self) -> int:
-        return self.chaddr & KEY_MAX
-
     def active(self, now: int) -> bool:
         return self.ip != 0 and self.state in (OFFERED, BOUND) and self.expires > now
 
@@ -174,12 +171,17 @@ class Store(SqliteStore):
     ``config`` None: use the configuration this store was created with (a restarted shard).
     A store refuses a configuration of another pool (``Config.fingerprint``): its rows were placed by the
     old pool's home keys.
+
+    ``key_fn`` (``vfab.vid.mackey``): the key function of the service's front door, under which lease rows are
+    keyed.  None: the one the store was written with (``mackey.LEGACY`` for a store older than the choice).
+    A store written under another one keeps its rows' keys (``key_fn`` then says the service's, ``stored_key_fn``
+    the rows') until :meth:`rekey` moves them: the shard does that at start when it may (``server.open_server``).
     """
 
     Error = StoreError
     WHAT = "lease store"
 
-    def __init__(self, path: str, config: Config | None = None):
+    def __init__(self, path: str, config: Config | None = None, key_fn: str | None = None):
         super().__init__(path)
         self._exec_script(SCHEMA)
         row = self._exec("SELECT value FROM meta WHERE name='config'").fetchone()
@@ -196,6 +198,14 @@ class Store(SqliteStore):
             self._exec("INSERT INTO meta (name, value) VALUES ('config', ?) ON CONFLICT(name) DO UPDATE "
                        "SET value=excluded.value", (json.dumps(self.config.to_opts(), sort_keys=True),))
         self.pool = Pool(int(self.config.first), self.config.size)
+        row = self._exec("SELECT value FROM meta WHERE name='key_fn'").fetchone()
+        if row is None:
+            empty = self._exec("SELECT 1 FROM lease LIMIT 1").fetchone() is None
+            row = (key_fn or mackey.LEGACY,) if empty else (mackey.LEGACY,)
+            self._set_key_fn(row[0])
+        self.stored_key_fn: str = mackey.check(row[0])
+        self.key_fn: str = mackey.check(key_fn or self.stored_key_fn)
+        self.key = mackey.keyer(self.stored_key_fn)   # chaddr -> the key its lease row is stored under
         self.grow_wal()
         self.fp = self.config.fingerprint
         # (lo, hi) of a first_free search -> (ip, ms): at ms every address in [lo, ip) was taken
@@ -205,6 +215,28 @@ class Store(SqliteStore):
         self.freed = 0
         # The shard's native lane (lane.py), once it has one: it writes this store too, under ``writer_lock``.
         self.lane = None
+
+    def _set_key_fn(self, fn: str) -> None:
+        self._exec("INSERT INTO meta (name, value) VALUES ('key_fn', ?) ON CONFLICT(name) DO UPDATE "
+                   "SET value=excluded.value", (fn,))
+
+    def rekey(self) -> int:
+        """Store every lease row under its key by ``key_fn`` (from ``stored_key_fn``), in one fsync'd
+        transaction with the recorded key function; how many rows.  Only for a shard that holds every key (or
+        none): rows whose new key another shard owns would be dropped as not held (``keep_only``)."""
+        if self.key_fn == self.stored_key_fn:
+            return 0
+        new = mackey.keyer(self.key_fn)
+
+        def run(db: sqlite3.Connection) -> int:
+            db.create_function("vfab_mac_key", 1, new, deterministic=True)
+            n = db.execute("UPDATE lease SET vkey = vfab_mac_key(chaddr)").rowcount
+            db.execute("UPDATE meta SET value=? WHERE name='key_fn'", (self.key_fn,))
+            return n
+
+        n = self._txn(run, durable=True)
+        self.stored_key_fn, self.key = self.key_fn, new
+        return n
 
     def _may_free(self) -> None:
         """An address may have become free: forget the search hints (the native lane's too), move ``freed``."""
@@ -282,7 +314,7 @@ class Store(SqliteStore):
         new = Lease(row.chaddr, row.ip, row.state, row.expires, row.client_id[:MAX_CLIENT_ID], row.version + 1)
         if new.state not in (OFFERED, BOUND):
             self._may_free()  # a lease ended: its address may be reclaimed
-        self._exec(SQL_PUT_LEASE, (new.chaddr, new.vkey, new.ip, new.state, new.expires, new.client_id, new.version))
+        self._exec(SQL_PUT_LEASE, (new.chaddr, self.key(new.chaddr), new.ip, new.state, new.expires, new.client_id, new.version))
         return new, pack_lease(self.fp, new)
 
     def put_addr(self, row: Addr) -> tuple[Addr, bytes]:
@@ -325,6 +357,13 @@ class Store(SqliteStore):
     def count(self, rng: Range) -> int:
         """Clients known in ``rng`` (lease rows): the unit of progress and of load reports."""
         return self._exec("SELECT count(*) FROM lease WHERE vkey BETWEEN ? AND ?", (rng.lo, rng.hi)).fetchone()[0]
+
+    def median_key(self, rng: Range, n: int) -> int:
+        """The key of the middle one of ``n`` (its ``count``) lease rows in ``rng``: half of the range's clients
+        have a key below it (the balancer's split point by records, ``split_median``)."""
+        row = self._exec("SELECT vkey FROM lease WHERE vkey BETWEEN ? AND ? ORDER BY vkey LIMIT 1 OFFSET ?",
+                         (rng.lo, rng.hi, n // 2)).fetchone()
+        return row[0] if row else rng.lo + (rng.hi - rng.lo + 1) // 2
 
     def snapshot(self, rng: Range, chunk_bytes: int = 256 * 1024) -> Iterator[tuple[bytes, int]]:
         """(blob, lease records in it) chunks of every lease and address row in ``rng``, from one read."""
@@ -380,7 +419,7 @@ class Store(SqliteStore):
                 "VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(chaddr) DO UPDATE SET ip=excluded.ip, state=excluded.state, "
                 "expires=excluded.expires, client_id=excluded.client_id, version=excluded.version, gen=excluded.gen "
                 "WHERE " + newer.format(t="lease"),
-                [(r.chaddr, r.vkey, r.ip, r.state, r.expires, r.client_id, r.version, g) for r in leases])
+                [(r.chaddr, self.key(r.chaddr), r.ip, r.state, r.expires, r.client_id, r.version, g) for r in leases])
             db.executemany(
                 "INSERT INTO addr (ip, vkey, holder, state, until, version, gen) VALUES (?,?,?,?,?,?,?) "
                 "ON CONFLICT(ip) DO UPDATE SET holder=excluded.holder, state=excluded.state, until=excluded.until, "

@@ -358,7 +358,7 @@ def test_host_addresses_are_checked(ips, says):
 # -- validation -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("entry, says", [
     ({"kind": "tftp"}, "kind 'tftp' is unknown: known kinds are dhcp4, udp"),
-    ({"kind": "dhcp4", "port": 67}, "unknown parameter(s) 'port': dhcp4 takes none"),
+    ({"kind": "dhcp4", "port": 67}, "unknown parameter(s) 'port': dhcp4 takes key"),
     ({"kind": "udp", "port": 11211}, "parameter 'ip' is missing"),
     ({"kind": "udp", "ip": "10.0.0.300", "port": 1}, "parameter 'ip' must be an IPv4 address"),
     ({"kind": "udp", "ip": "224.0.0.1", "port": 1}, "must be a unicast IPv4 address"),

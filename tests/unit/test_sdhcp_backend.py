@@ -26,7 +26,7 @@ from vfab.services.sdhcp.errors import DhcpError
 from vfab.services.sdhcp.port import dhcp_filter
 from vfab.services.sdhcp.store import BOUND, DECLINED, FREE, HELD, HINT_MS, RELEASED, Addr, Store, StoreError
 from vfab.services.sdhcp.wire import Message, MessageType, Opt
-from vfab.vid import plugin
+from vfab.vid import mackey, plugin
 from vfab.vid.codec import KEY_MAX
 from vfab.vid.ranges import FULL, Range
 from vfab.vid.state.backend import BadRequest, Request
@@ -339,11 +339,11 @@ def test_vfab_service_add_checks_sdhcp_options_and_records_the_front_door(regist
                                                                     [])])
     assert res.exit_code == 0, res.output
     svc = registry.service("dh")
-    assert svc.kind == "sdhcp" and svc.frontdoors == [{"kind": "dhcp4"}]
+    assert svc.kind == "sdhcp" and svc.frontdoors == [{"kind": "dhcp4", "key": "mac-hash"}]
     res = runner.invoke(cli, [*args, "dh2", "--kind", "sdhcp", "--opt", "pool=192.168.77.10-192.168.77.250",
                               "--opt", "mask=24", "--opt", "server=192.168.77.20"])
     assert res.exit_code == 2 and "inside the pool" in res.output and "move it out of the pool" in res.output
-    assert plugin.get("sdhcp").resolve("key_of")(frames.request(MAC, dhcp(MessageType.DISCOVER))) == 0x200001
+    assert plugin.get("sdhcp").resolve("key_of")(frames.request(MAC, dhcp(MessageType.DISCOVER))) == mackey.key(MAC, mackey.HASH)
     res = runner.invoke(cli, ["--etcd", registry.endpoint, "sdhcp", "status", "dh"])
     assert res.exit_code == 0 and "sdhcp dh" in res.output
 

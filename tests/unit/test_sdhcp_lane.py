@@ -26,6 +26,7 @@ from vfab.services.sdhcp.lane import NativeLane
 from vfab.services.sdhcp.store import Store
 from vfab.services.sdhcp.wire import Message, MessageType, Opt
 from vfab.services.sdhcp.errors import DhcpError
+from vfab.vid import mackey
 from vfab.vid.codec import KEY_MAX
 from vfab.vid.frame import parse as parse_frame
 from vfab.vid.ranges import Range
@@ -47,10 +48,12 @@ pytestmark = pytest.mark.skipif(not os.path.exists(lanemod.NATIVE_PATH),
 class Pair:
     """Store A (Python) and store B (lane, then Python), fed the same frames."""
 
-    def __init__(self, tmp_path, lib_path: str = lanemod.NATIVE_PATH):
+    def __init__(self, tmp_path, lib_path: str = lanemod.NATIVE_PATH, key_fn: str = mackey.LOW24,
+                 forwarded: bool = False):
+        self.forwarded = forwarded   # feed the lane each frame as another shard forwards it (frames.wrap)
         config = parse_opts(OPTS)
-        self.a = SdhcpBackend(Store(str(tmp_path / "a.sqlite"), config))
-        self.b = SdhcpBackend(Store(str(tmp_path / "b.sqlite"), config))
+        self.a = SdhcpBackend(Store(str(tmp_path / "a.sqlite"), config, key_fn))
+        self.b = SdhcpBackend(Store(str(tmp_path / "b.sqlite"), config, key_fn))
         self.now = NOW
         for be in (self.a, self.b):
             be.clock = lambda: self.now / 1000
@@ -87,7 +90,7 @@ class Pair:
 
     def send(self, raw: bytes, kind: str = "") -> bytes | None:
         want = self.python(self.a, raw)
-        got = self.lane.serve([raw], self.now)[0]
+        got = self.lane.serve([raw], self.now)[0] if not self.forwarded else self.lane_forwarded(raw)
         native = got is not None
         if not native:
             got = self.python(self.b, raw)
@@ -99,6 +102,13 @@ class Pair:
         assert got == want, f"{kind}: native={native}\n lane/B {got and got.hex()}\n python {want and want.hex()}"
         assert self.rows(self.a) == self.rows(self.b), kind
         return got
+
+    def lane_forwarded(self, raw: bytes) -> bytes | None:
+        try:
+            wrapped = frames.wrap(raw, PORT_MAC)
+        except DhcpError:
+            return None   # not a request any shard would forward
+        return self.lane.serve_forwarded([wrapped], self.now)[0]
 
     @staticmethod
     def rows(be: SdhcpBackend):
@@ -177,7 +187,18 @@ def pair(tmp_path):
     p.close()
 
 
-def test_the_lane_answers_every_common_request_as_the_python_backend_does(pair):
+@pytest.fixture(params=[(mackey.HASH, False), (mackey.LOW24, False), (mackey.HASH, True)],
+                ids=["mac-hash", "mac-low24", "forwarded"])
+def keyed(tmp_path, request):
+    """A pair under each key function (vfab.vid.mackey), and one whose lane gets each frame as another shard
+    forwards it to this one (``NativeLane.serve_forwarded``)."""
+    p = Pair(tmp_path, key_fn=request.param[0], forwarded=request.param[1])
+    yield p
+    p.close()
+
+
+def test_the_lane_answers_every_common_request_as_the_python_backend_does(keyed):
+    pair = keyed
     rnd = random.Random(7)
     styles = ["udhcpc", "dhclient", "dhcpcd", "perfdhcp"]
     macs = set()
@@ -205,6 +226,25 @@ def test_consecutive_macs_share_a_first_slot_and_get_the_same_addresses(pair):
         mac = bytes([2, 0, 0, 0x20, 0, i])
         pair.send(frame(mac, MessageType.DISCOVER), "discover")
     assert all(pair.kinds["discover"])
+
+
+def test_the_lane_keys_clients_by_the_stores_key_function(keyed):
+    """Sequential MACs granted half the key space: the lane serves exactly those whose key (mackey, the front
+    door's) is in it, with the key's VID as the reply's source; the rest go to the loop.  Under mac-hash about
+    half of them; under mac-low24 all (their low 24 bits are all below the half)."""
+    half = KEY_MAX // 2
+    keyed.grant([(0, half)])
+    fn = keyed.b.store.key_fn
+    macs = [bytes([0, 0x0C, 1, 2, 3, i]) for i in range(64)]
+    mine = [m for m in macs if mackey.key(m, fn) <= half]
+    assert len(mine) == (64 if fn == mackey.LOW24 else len(mine)) and (fn == mackey.LOW24 or 16 < len(mine) < 48)
+    for mac in macs:
+        got = keyed.lane.serve([frame(mac, MessageType.DISCOVER)], keyed.now)[0]
+        assert (got is not None) == (mac in mine), (mac.hex(), fn)
+        if got is not None:
+            assert got[6:12] == (VID_BASE | mackey.key(mac, fn)).to_bytes(6, "big")
+            assert keyed.b.store.db.execute("SELECT vkey FROM lease WHERE chaddr=?",
+                                            (int.from_bytes(mac, "big"),)).fetchone()[0] == mackey.key(mac, fn)
 
 
 def test_the_lane_serves_only_what_it_is_granted_and_only_until_its_deadline(pair):
@@ -255,9 +295,9 @@ def _mutations(rnd: random.Random, good: list[bytes], n: int):
         yield bytes(data)
 
 
-def run_fuzz(tmp_path, lib_path: str, rounds: int, seed: int) -> tuple[int, int]:
+def run_fuzz(tmp_path, lib_path: str, rounds: int, seed: int, forwarded: bool = False) -> tuple[int, int]:
     """Mutated frames through both paths; whatever the lane serves, Python answers the same."""
-    p = Pair(tmp_path, lib_path)
+    p = Pair(tmp_path, lib_path, forwarded=forwarded)
     try:
         rnd = random.Random(seed)
         good = []
@@ -282,6 +322,25 @@ def test_mutated_frames_are_served_as_python_serves_them_or_left_to_the_loop(tmp
     assert served > 100 and punted > 1000   # both sides of the lane were exercised
 
 
+def test_mutated_forwarded_requests_are_served_as_python_serves_them(tmp_path):
+    served, punted = run_fuzz(tmp_path, lanemod.NATIVE_PATH, 2000, 12, forwarded=True)
+    assert served > 50 and punted > 500
+
+
+def test_a_forwarded_pass_stops_at_the_first_request_left_to_the_loop_and_waits_for_the_loop(pair):
+    """In order: a request the lane leaves to the loop (a RELEASE) stops the pass, the ones after it too;
+    and nothing is served while a frame the lane handed to the loop is unfinished."""
+    a, b = bytes([2, 0, 0, 0x10, 0, 1]), bytes([2, 0, 0, 0x10, 0, 2])
+    wrapped = [frames.wrap(frame(m, t), PORT_MAC) for m, t in
+               ((a, MessageType.DISCOVER), (a, MessageType.RELEASE), (b, MessageType.DISCOVER))]
+    got = pair.lane.serve_forwarded(wrapped, pair.now)
+    assert got[0] is not None and got[1:] == [None, None]
+    assert pair.lane.serve_forwarded(wrapped[2:], pair.now)[0] is not None
+    bad = bytearray(wrapped[0])
+    bad[14] = 2                                          # vfab version 2: not ours to read
+    assert pair.lane.serve_forwarded([bytes(bad)], pair.now) == [None]
+
+
 def test_the_fuzz_under_address_sanitizer(tmp_path):
     """The same fuzz with the library built with ASan and UBSan, in a child process (the sanitizer's runtime
     must be loaded first)."""
@@ -290,8 +349,10 @@ def test_the_fuzz_under_address_sanitizer(tmp_path):
     subprocess.run(["make", "-s", "-C", os.path.dirname(native), "build/libvfab_sdhcp_asan.so"], check=True)
     runtime = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True,
                              check=True).stdout.strip()
+    (tmp_path / "fwd").mkdir()
     code = ("import sys, pathlib; sys.path.insert(0, %r); import test_sdhcp_lane as t; "
-            "print(t.run_fuzz(pathlib.Path(%r), %r, 1500, 5))" % (os.path.dirname(__file__), str(tmp_path), asan_lib))
+            "print(t.run_fuzz(pathlib.Path(%r), %r, 1500, 5), t.run_fuzz(pathlib.Path(%r), %r, 800, 6, True))"
+            % (os.path.dirname(__file__), str(tmp_path), asan_lib, str(tmp_path / "fwd"), asan_lib))
     env = {**os.environ, "LD_PRELOAD": runtime, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",
            "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)

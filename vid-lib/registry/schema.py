@@ -442,7 +442,8 @@ class OpRec(Record):
 
 @dataclass
 class Load(Record):
-    """What a stateful endpoint reports about its ranges: [[lo, hi, keys, requests/s], ...]."""
+    """What a stateful endpoint reports about its ranges: [[lo, hi, keys, requests/s(, median key)], ...] (the
+    median key: below it lie half of the range's records, where the backend tells it)."""
 
     KIND: ClassVar[str] = "load"
     at: float

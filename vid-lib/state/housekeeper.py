@@ -165,7 +165,11 @@ class Housekeeper:
         # report can follow the last one after up to 1.5 x LOAD_PERIOD (and later on a loaded machine)
         now = time.monotonic()
         span, self._taken = max(now - self._taken, 0.05), now
-        rows = [[r.lo, r.hi, self._count(r.range), rates.get(r.lo, 0) / span] for r in mine]
+        rows = []
+        for r in mine:   # [lo, hi, records, requests/s] and, if the backend tells, the median record key
+            n = self._count(r.range)
+            median = self._counts[(r.lo, r.hi)][3]
+            rows.append([r.lo, r.hi, n, rates.get(r.lo, 0) / span] + ([median] if median is not None else []))
         held = {(r.lo, r.hi) for r in mine}
         for gone in [k for k in self._counts if k not in held]:
             del self._counts[gone]
@@ -174,7 +178,8 @@ class Housekeeper:
                 lease=lp.lease.id or None)
 
     def _count(self, rng) -> int:
-        """The records in ``rng`` for a load report: counted again only when the store changed since (its
+        """The records in ``rng`` for a load report (with the key below which half of them lie, if the backend
+        tells it: ``median_key``, kept beside the count): counted again only when the store changed since (its
         ``count_version``), and then not sooner than 100x the last count's CPU time after it (``COUNT_SHARE``).
         A SQL count over 100,000 lease rows costs ~18 ms of CPU once SQLite's cache has gone cold, and a
         report goes out every second: an idle shard counted its unchanged rows each time."""
@@ -187,7 +192,9 @@ class Housekeeper:
             return got[1]
         t0 = time.thread_time()
         n = backend.count(rng)
-        self._counts[(rng.lo, rng.hi)] = (version, n, now + (time.thread_time() - t0) / COUNT_SHARE)
+        median_key = getattr(backend, "median_key", None)
+        median = median_key(rng, n) if median_key is not None and n >= 2 else None
+        self._counts[(rng.lo, rng.hi)] = (version, n, now + (time.thread_time() - t0) / COUNT_SHARE, median)
         return n
 
     def _run_drops(self) -> None:

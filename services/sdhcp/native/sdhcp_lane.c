@@ -88,6 +88,7 @@ struct lane {
 
     /* configuration (lane_open) */
     uint32_t first, size, server, net, netmask, lease_s, offer_hold_ms;
+    int key_hash;         /* the key function (vfab.vid.mackey): 1 mac-hash, 0 mac-low24 */
     uint64_t vid_base;
     uint8_t server_be[4];
     uint8_t opts[512];
@@ -170,6 +171,41 @@ static uint32_t home_of(const struct lane *l, uint32_t ip)
     uint64_t i = ip - l->first;
     return (uint32_t)(((i << 24) + l->size - 1) / l->size);
 }
+/* -- the key of a MAC (vfab/vid/mackey.py): what the front door's flow computes in the switch ------------- */
+static uint32_t rot32(uint32_t x, int k) { return (x << k) | (x >> (32 - k)); }
+
+/* lookup3's hash of the 6 MAC bytes, words read little-endian (OVS jhash_bytes, the multipath hash) */
+static uint32_t mac_jhash(const uint8_t *m, uint32_t basis)
+{
+    uint32_t a, b, c;
+    a = b = c = 0xDEADBEEFu + 6 + basis;
+    a += (uint32_t)m[0] | (uint32_t)m[1] << 8 | (uint32_t)m[2] << 16 | (uint32_t)m[3] << 24;
+    b += (uint32_t)m[4] | (uint32_t)m[5] << 8;
+    c ^= b; c -= rot32(b, 14);
+    a ^= c; a -= rot32(c, 11);
+    b ^= a; b -= rot32(a, 25);
+    c ^= b; c -= rot32(b, 16);
+    a ^= c; a -= rot32(c, 4);
+    b ^= a; b -= rot32(a, 14);
+    c ^= b; c -= rot32(b, 24);
+    return c;
+}
+
+static uint32_t mac_key(const struct lane *l, const uint8_t *m)
+{
+    if (l->key_hash)   /* multipath(eth_src, basis 0, modulo_n, 65536) -> bits 8..23, the low byte -> bits 0..7 */
+        return (mac_jhash(m, 0) & 0xFFFFu) << 8 | m[5];
+    return ((uint32_t)m[3] << 16 | (uint32_t)m[4] << 8 | m[5]) & KEY_MAX;
+}
+
+static uint32_t chaddr_key(const struct lane *l, uint64_t chaddr)
+{
+    uint8_t m[6];
+    for (int k = 0; k < 6; k++)
+        m[k] = (uint8_t)(chaddr >> (40 - 8 * k));
+    return mac_key(l, m);
+}
+
 static int in_ranges(const struct lane *l, uint32_t key, uint32_t *lo)
 {
     for (int i = 0; i < l->nranges; i++)
@@ -344,7 +380,7 @@ static int put_lease(struct lane *l, uint64_t chaddr, uint32_t ip, int state, ui
     sqlite3_stmt *s = l->put_lease;   /* chaddr, vkey, ip, state, expires, client_id, version */
     sqlite3_reset(s);
     sqlite3_bind_int64(s, 1, (sqlite3_int64)chaddr);
-    sqlite3_bind_int64(s, 2, chaddr & KEY_MAX);
+    sqlite3_bind_int64(s, 2, chaddr_key(l, chaddr));
     sqlite3_bind_int64(s, 3, ip);
     sqlite3_bind_int(s, 4, state);
     sqlite3_bind_int64(s, 5, (sqlite3_int64)expires);
@@ -380,7 +416,7 @@ static int run(struct lane *l, sqlite3_stmt *s, const char *what)
 
 /* -- a request ------------------------------------------------------------------------------------------------ */
 struct req {
-    const uint8_t *frame, *dhcp;
+    const uint8_t *src, *dhcp;   /* the Ethernet source (the relay's for a relayed request), the DHCP message */
     uint32_t dlen;
     int ip_broadcast, type;
     uint64_t chaddr;
@@ -391,9 +427,32 @@ struct req {
     int cidlen;   /* -1: no option 61 */
 };
 
+static int parse_dhcp(const struct lane *l, const uint8_t *src, int ip_broadcast, const uint8_t *d, uint32_t dlen,
+                      struct req *r);
+
+/* A request another shard forwarded (vfab/vid/frame.py + frames.wrap): Ethernet, the vfab header (version 1,
+ * REQUEST, no reserved flag), its payload: version 1 | Ethernet source | flags (bit 0: IP broadcast) | DHCP. */
+#define VFAB_HDR 16
+#define REQ_HDR 8
+static int parse_wrapped(const struct lane *l, const uint8_t *f, uint32_t n, struct req *r)
+{
+    if (n < ETH + VFAB_HDR + REQ_HDR + MIN_DHCP)
+        return 0;
+    const uint8_t *h = f + ETH, *p = h + VFAB_HDR;
+    uint32_t len = be16(h + 6);
+    if (h[0] != 1 || h[1] != 1 || (h[2] & 0xF0) || ETH + VFAB_HDR + len > n || len < REQ_HDR + MIN_DHCP || p[0] != 1)
+        return 0;
+    uint32_t dlen = len - REQ_HDR;
+    if (dlen > DHCP_MAX)
+        return 0;
+    return parse_dhcp(l, p + 1, p[7] & 1, p + REQ_HDR, dlen, r);
+}
+
 /* 1: a clean DISCOVER or REQUEST the lane may look at; 0: the loop's (anything else, or any doubt) */
 static int parse(const struct lane *l, const uint8_t *f, uint32_t n, struct req *r)
 {
+    if (n >= ETH && be16(f + 12) == 0x88B5)
+        return parse_wrapped(l, f, n, r);
     if (n < ETH + IPH + UDPH + MIN_DHCP || be16(f + 12) != 0x0800)
         return 0;
     const uint8_t *ip = f + ETH;
@@ -411,20 +470,24 @@ static int parse(const struct lane *l, const uint8_t *f, uint32_t n, struct req 
         if (fold(sum16(udp, ulen, s)) != 0)
             return 0;
     }
-    const uint8_t *d = udp + UDPH;
-    uint32_t dlen = ulen - UDPH;
+    return parse_dhcp(l, f + 6, be32(ip + 16) == 0xFFFFFFFFu, udp + UDPH, ulen - UDPH, r);
+}
+
+static int parse_dhcp(const struct lane *l, const uint8_t *src, int ip_broadcast, const uint8_t *d, uint32_t dlen,
+                      struct req *r)
+{
     if (dlen < MIN_DHCP || dlen > DHCP_MAX || be32(d + BOOTP) != 0x63825363 || d[0] != 1 || d[1] != 1 || d[2] != 6)
         return 0;
     memset(r, 0, sizeof *r);
-    r->frame = f;
+    r->src = src;
     r->dhcp = d;
     r->dlen = dlen;
-    r->ip_broadcast = be32(ip + 16) == 0xFFFFFFFFu;
+    r->ip_broadcast = ip_broadcast;
     r->flags = be16(d + 10);
     r->ciaddr = be32(d + 12);
     r->giaddr = be32(d + 24);
     r->chaddr = ((uint64_t)be16(d + 28) << 32) | be32(d + 30);
-    r->key = (uint32_t)(r->chaddr & KEY_MAX);
+    r->key = mac_key(l, d + 28);
     r->cidlen = -1;
     uint8_t seen[32] = {0};
     uint32_t i = MIN_DHCP;
@@ -488,7 +551,7 @@ static int parse(const struct lane *l, const uint8_t *f, uint32_t n, struct req 
             trusted |= l->relays[k] == r->giaddr;
         if (!trusted)
             return 0;
-    } else if (memcmp(d + 28, f + 6, 6) != 0) {
+    } else if (memcmp(d + 28, src, 6) != 0) {
         return 0;   /* spoofed: counted by the loop */
     }
     return 1;
@@ -540,7 +603,7 @@ static uint32_t build(const struct lane *l, const struct req *r, int type, uint3
     uint16_t port = 68;
     const uint8_t *mac;
     if (r->giaddr) {
-        dst = r->giaddr, mac = r->frame + 6, port = 67;
+        dst = r->giaddr, mac = r->src, port = 67;
     } else if (r->ciaddr) {
         dst = r->ciaddr, mac = r->dhcp + 28;
     } else if (r->flags & 0x8000) {
@@ -773,7 +836,7 @@ static uint32_t arp(struct lane *l, const uint8_t *f, uint32_t n, uint8_t *out)
     if (be16(a) != 1 || be16(a + 2) != 0x0800 || a[4] != 6 || a[5] != 4 || be16(a + 6) != 1 ||
         memcmp(a + 8, f + 6, 6) != 0 || memcmp(a + 24, l->server_be, 4) != 0)
         return 0;   /* not Ethernet/IPv4, not a request, a sender speaking for another MAC, not for us */
-    uint32_t key = ((uint32_t)a[11] << 16) | ((uint32_t)a[12] << 8) | a[13];
+    uint32_t key = mac_key(l, a + 8);
     if (!in_ranges(l, key, NULL))
         return 0;
     uint8_t vid[6];
@@ -953,7 +1016,7 @@ void lane_close(struct lane *l);
 
 /*
  * path: the store; sql: six statements, NUL-separated (lease, addr, taken_at, first_gap, put_lease, put_addr);
- * cfg: first, size, server, net, netmask, lease_s, offer_hold_ms; opts: the reply options after 53 and 54;
+ * cfg: first, size, server, net, netmask, lease_s, offer_hold_ms, key function (1 mac-hash, 0 mac-low24); opts: the reply options after 53 and 54;
  * rules: 256 x (exact, step, least) (step 0: a code wire.py does not know).
  */
 struct lane *lane_open(const char *path, const char *sql, const uint32_t *cfg, uint64_t vid_base, int sock,
@@ -977,7 +1040,7 @@ struct lane *lane_open(const char *path, const char *sql, const uint32_t *cfg, u
     l->ev = calloc(EVENTS_CAP, sizeof *l->ev);
     l->watch_all = 1;
     l->first = cfg[0], l->size = cfg[1], l->server = cfg[2], l->net = cfg[3], l->netmask = cfg[4];
-    l->lease_s = cfg[5], l->offer_hold_ms = cfg[6];
+    l->lease_s = cfg[5], l->offer_hold_ms = cfg[6], l->key_hash = cfg[7] != 0;
     put32(l->server_be, l->server);
     l->vid_base = vid_base;
     memcpy(l->opts, opts, opts_len);
@@ -1188,6 +1251,53 @@ int lane_serve(struct lane *l, const uint8_t *data, const uint32_t *lens, int n,
     int served = 0;
     for (int i = 0; i < n; i++)
         served += verdicts[i];
+    return served;
+}
+
+/*
+ * Requests other shards forwarded to this one (vfab REQUEST frames, frames.wrap), served on the loop's thread
+ * between its batches: frames in order until the first the lane leaves to the loop (verdicts[i] 0 from there
+ * on, so a client's requests stay in order), each ACK only after an fdatasync of the WAL that covers it (one
+ * for the call), replies at out + i * REPLY_MAX.  The caller passes them only when nothing waited in its own
+ * queue before them.  Unlike the socket's frames, these are served while frames the lane handed to the loop
+ * are unfinished: those came straight from the socket, and a client's frames come one way (straight if its
+ * relay's key or its own is ours, else forwarded), so none of them is an earlier request of the same client;
+ * the lane hands the loop every frame of a key it does not own (3 in 4 with 4 shards), and waiting for them
+ * left most forwarded requests to Python.  Returns how many were served, -1 if the store or the disk failed
+ * (lane_error says why: none of the replies may leave then).
+ */
+int lane_serve_forwarded(struct lane *l, const uint8_t *data, const uint32_t *lens, int n, uint64_t now,
+                         uint8_t *out, uint32_t *outlens, int *verdicts)
+{
+    struct event evs[BURST];
+    int served = 0, any_durable = 0, nev = 0;
+    if (n < 0 || n > BURST)
+        return -1;
+    for (int i = 0; i < n; i++)
+        verdicts[i] = 0;
+    size_t off = 0;
+    pthread_mutex_lock(&l->mu);
+    for (int i = 0; i < n; i++) {
+        uint8_t *f = (uint8_t *)data + off;
+        int durable = 0, got = 0;
+        off += lens[i];
+        int rc = pass(l, &f, &lens[i], NULL, 1, now, out + (size_t)i * REPLY_MAX, &outlens[i], &verdicts[i],
+                      &durable, 0, &evs[nev], &got);
+        if (rc < 0 || !verdicts[i])
+            break;
+        __atomic_fetch_add(&l->counters[C_RX], 1, __ATOMIC_RELAXED);
+        any_durable |= durable;
+        nev += got;
+        served++;
+    }
+    pthread_mutex_unlock(&l->mu);
+    if (any_durable && sync_wal(l) != 0) {
+        __atomic_fetch_add(&l->counters[C_SYNC_FAILED], 1, __ATOMIC_RELAXED);
+        snprintf(l->err, sizeof l->err, "fdatasync of %s: %s", l->wal, strerror(errno));
+        return -1;
+    }
+    if (nev)
+        add_events(l, evs, nev);
     return served;
 }
 
