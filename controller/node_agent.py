@@ -55,6 +55,23 @@ def local_addresses() -> list[str]:
     return [p[p.index("inet") + 1] for p in (ln.split() for ln in out.splitlines()) if "inet" in p]
 
 
+def prime_neighbours(ips: list[str], wait: float = 1.0) -> None:
+    """Have the kernel resolve each of ``ips`` on the underlay now (one ping each, at once; at most ``wait`` s).
+
+    The userspace datapath learns a tunnel's next hop by snooping ARP on the underlay bridge; a frame sent
+    into a tunnel whose next hop it does not know yet is dropped while it asks.  A ping from this machine
+    makes the kernel ask first, so the first frame into a new tunnel is not the one lost.
+    """
+    pings = [subprocess.Popen(["ping", "-n", "-q", "-c", "1", "-W", str(max(1, int(wait))), ip],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for ip in ips]
+    for p in pings:
+        try:
+            p.wait(wait + 1)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 class NodeAgent:
     def __init__(self, reg: Registry, name: str, tunnel_ip: str, bridge: str, *, ttl: int = 5,
                  refresh: float = 2.0, state_dir: str | None = None):
@@ -218,6 +235,7 @@ class NodeAgent:
             self.filtered = peers_ips
         if add:
             tunnels.apply_ports(self.bridge, add, [])
+            prime_neighbours([t.remote_ip for t in add])
         for t in add:
             log.info("node %s: tunnel %s to node %s at %s", self.name, t.name, t.peer, t.remote_ip)
         for name in remove:

@@ -33,19 +33,23 @@ def nodes(reg: Registry) -> dict[str, schema.Node]:
 
 
 def _holder(reg: Registry, key: str) -> str:
-    """Who holds ``key`` and for how long still, for an error message."""
+    """Who holds node record ``key`` and for how long still, for an error message."""
     got = reg.get(key)
     lease = reg.lease_of(key)
     if got is None:
         return "nobody any more (it just left: try again)"
-    left = ""
+    try:
+        node = schema.Node.from_json(got[0], key)
+        who = f"node {node.name} at {node.tunnel_ip}, agent {node.agent or '?'}"
+    except RegistryError:
+        who = got[0].decode(errors="replace")[:200]
     if lease:
         try:
-            out = reg._post("/lease/timetolive", {"ID": str(lease)})   # noqa: SLF001 - read-only lease query
-            left = f", its lease ends in {int(out.get('TTL', 0))} s unless its agent renews it"
+            out = reg._post("/lease/timetolive", {"ID": str(lease)})   # noqa: SLF001 - a read-only lease query
+            who += f"; its lease ends in {int(out.get('TTL', 0))} s unless its agent renews it"
         except RegistryError:
             pass
-    return f"{got[0].decode(errors='replace')[:200]}{left}"
+    return who
 
 
 def join(reg: Registry, node: schema.Node, lease: int, *, retake: bool = False) -> int:
@@ -65,9 +69,10 @@ def join(reg: Registry, node: schema.Node, lease: int, *, retake: bool = False) 
         raise Conflict(f"node name {node.name!r} is taken by a live node: {_holder(reg, key)}. Pick another "
                        f"--name, or run 'vfab node leave --name {node.name}' if that machine is gone")
     if ip_owner is not None and (not retake or reg.lease_of(ip_key) != lease):
-        raise Conflict(f"tunnel address {node.tunnel_ip} is already node {ip_owner[0].decode(errors='replace')!r}'s: "
-                       "each node needs its own underlay address (--tunnel-ip); if that node is gone, "
-                       f"'vfab node leave --name {ip_owner[0].decode(errors='replace')}' frees it")
+        other = ip_owner[0].decode(errors="replace")
+        raise Conflict(f"tunnel address {node.tunnel_ip} is already taken by node {other!r}: each node needs its "
+                       f"own underlay address (--tunnel-ip); if that node is gone, 'vfab node leave --name {other}' "
+                       "frees it")
     raise Conflict(f"node {node.name!r} could not be registered (its records changed meanwhile): try again")
 
 
