@@ -36,7 +36,7 @@ def fabric(ranges: list[Owned], n: int) -> tuple[FakeFabric, dict[int, int]]:
 
 
 def owner_of(ranges: list[Owned], key: int) -> str:
-    return next(r.node for r in ranges if r.lo <= key <= r.hi)
+    return next((r.node for r in ranges if r.lo <= key <= r.hi), MISS)
 
 
 def check_every_node_reaches_the_owner(ranges: list[Owned], n: int, samples: int = 300) -> dict[int, int]:
@@ -50,6 +50,9 @@ def check_every_node_reaches_the_owner(ranges: list[Owned], n: int, samples: int
             got = table.inject(ingress, CLIENT_PORT, 0x02FB00000001, vid, 0x88B5)
             want = [] if owner == MISS else [(int(owner[1:]), LOCAL_PORT, vid)]
             assert got == want, f"key {key:#x} from n{ingress}: {got}, owner {owner or 'none'}"
+            if owner == MISS:   # not even sent into a tunnel to be dropped there
+                hit = table.lookup(ingress, TABLE_ROUTE, {"in_port": CLIENT_PORT, "eth_dst": vid, "eth_type": 0x88B5})
+                assert hit is None or hit.actions == (), f"key {key:#x} of no range from n{ingress}: {hit}"
     return sizes
 
 
@@ -88,3 +91,9 @@ def test_unowned_keys_and_a_node_without_a_tunnel_go_nowhere():
     check_every_node_reaches_the_owner(ranges, 2)
     flows = node_routes(SVC, "prefix", ranges, "n1", {}, lambda r: (("output", 1),))
     assert all(f.actions == () for f in flows if f.actions != (("output", 1),))   # no tunnel yet: dropped
+
+
+def test_keys_no_range_covers_go_nowhere():
+    # a gap (no record at all) inside what n2 owns: n2's prefix must not swallow it
+    ranges = [Owned(0, 0x4FFFFF, "n2"), Owned(0x500000, 0x5FFFFF, "n1"), Owned(0x800000, 0xFFFFFF, "n2")]
+    check_every_node_reaches_the_owner(ranges, 2)
