@@ -91,6 +91,7 @@ class NodeAgent:
         self.filtered: list[str] | None = None    # peer addresses the filter admits now (None: not set yet)
         self.warned: set[str] = set()
         self.left = False
+        self.unreachable = False   # the last lease renewal could not reach etcd
         self.on_joined = lambda: None   # called once registered (the CLI says so)
         self.join_rev = 0          # the revision of this agent's registration
         self.gone_rev = 0          # the revision at which the record was seen deleted after it (a leave)
@@ -285,9 +286,9 @@ class NodeAgent:
                     next_refresh = now + self.refresh
                     try:
                         self.reconcile()
-                    except (VfabError, RegistryError) as exc:
-                        log.warning("node %s: reconcile failed: %s; retrying", self.name, exc)
-                        self.dirty.set()
+                    except (VfabError, RegistryError) as exc:   # again at the next refresh, not in a spin
+                        log.warning("node %s: reconcile failed: %s; retrying in %g s", self.name, exc,
+                                    self.refresh)
                 self.dirty.wait(min(beat, self.refresh) / 2)
         finally:
             stop.set()
@@ -302,10 +303,17 @@ class NodeAgent:
         """Renew the lease; re-register when etcd let it end (this agent was starved, or etcd lost it)."""
         try:
             if self.reg.keepalive_once(self.lease) > 0:
+                if self.unreachable:
+                    log.warning("node %s: etcd reachable again", self.name)
+                self.unreachable = False
                 return True
         except RegistryError as exc:
-            log.warning("node %s: lease renewal failed: %s", self.name, exc)
+            if not self.unreachable:   # once per outage, not once per beat
+                log.warning("node %s: lease renewal failed: %s; retrying every %.1f s", self.name, exc,
+                            max(self.ttl / 3.0, 0.2))
+            self.unreachable = True
             return False
+        self.unreachable = False
         log.warning("node %s: its lease %x ended (the agent was starved past %d s?): registering again",
                     self.name, self.lease, self.ttl)
         try:

@@ -53,6 +53,7 @@ SUBNET = "172.16.45"
 UNDERLAY_MTU = 9000
 MAX_HOSTS = 16
 DPID_BASE = 0xFB00
+PORT_OFPORT = 100
 
 
 def sh(*cmd: str, check: bool = True) -> str:
@@ -298,7 +299,9 @@ class HostsTestbed:
         in_ns(name, "ip", "link", "set", "eth0", "up")
         in_ns(name, "ethtool", "-K", "eth0", "tx", "off")   # the datapath never completes partial checksums
         in_ns(h.ns, "ip", "link", "set", name, "up")
-        h.ovs.vsctl("--may-exist", "add-port", INT, name, "--", "set", "interface", name, f"ofport_request={k}")
+        # OpenFlow port PORT_OFPORT + K: clear of the tunnel ports, which take the lowest free numbers
+        h.ovs.vsctl("--may-exist", "add-port", INT, name, "--", "set", "interface", name,
+                    f"ofport_request={PORT_OFPORT + k}")
         ofport = int(h.ovs.vsctl("get", "interface", name, "ofport"))
         h.ports[name] = {"ns": name, "mac": mac, "ofport": ofport}
         return name
