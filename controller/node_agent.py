@@ -55,12 +55,32 @@ def local_addresses() -> list[str]:
     return [p[p.index("inet") + 1] for p in (ln.split() for ln in out.splitlines()) if "inet" in p]
 
 
-def prime_neighbours(ips: list[str], wait: float = 1.0) -> None:
-    """Have the kernel resolve each of ``ips`` on the underlay now (one ping each, at once; at most ``wait`` s).
+def next_hop(ip: str) -> tuple[str, str] | None:
+    """(the neighbour a packet to ``ip`` goes to first, its interface), by this namespace's routes."""
+    out = subprocess.run(["ip", "-j", "route", "get", ip], capture_output=True, text=True).stdout
+    try:
+        route = json.loads(out)[0]
+        return route.get("gateway", ip), route["dev"]
+    except (ValueError, IndexError, KeyError, TypeError):
+        return None
 
-    The userspace datapath learns a tunnel's next hop by snooping ARP on the underlay bridge; a frame sent
-    into a tunnel whose next hop it does not know yet is dropped while it asks.  A ping from this machine
-    makes the kernel ask first, so the first frame into a new tunnel is not the one lost.
+
+def neighbour_mac(ip: str, dev: str) -> str:
+    out = subprocess.run(["ip", "-j", "neigh", "show", "to", ip, "dev", dev], capture_output=True, text=True).stdout
+    try:
+        return next((n["lladdr"] for n in json.loads(out) if n.get("lladdr")), "")
+    except (ValueError, TypeError):
+        return ""
+
+
+def prime_neighbours(ips: list[str], wait: float = 1.0) -> int:
+    """Give the userspace datapath the next hop of each of ``ips`` now; how many it got.
+
+    The datapath learns a tunnel's next hop only by snooping ARP *replies* on the underlay bridge, and drops
+    what it cannot send meanwhile: the first frame into a new tunnel was lost.  The kernel may never send a
+    request of its own (it learns a peer from the peer's request), so a ping alone does not do: each peer is
+    pinged once (all at once, at most ``wait`` s) so the kernel resolves its next hop, and the address the
+    kernel holds for it is handed to OVS (``tnl/neigh/set``).
     """
     pings = [subprocess.Popen(["ping", "-n", "-q", "-c", "1", "-W", str(max(1, int(wait))), ip],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for ip in ips]
@@ -70,6 +90,20 @@ def prime_neighbours(ips: list[str], wait: float = 1.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+    done = 0
+    for ip in ips:
+        hop = next_hop(ip)
+        mac = neighbour_mac(*hop) if hop else ""
+        if not mac:
+            log.warning("next hop of %s unknown (no ARP answer): the first frames into its tunnel may be lost",
+                        ip)
+            continue
+        try:
+            ovs.appctl("tnl/neigh/set", hop[1], hop[0], mac)
+            done += 1
+        except ovs.OvsError as exc:
+            log.warning("cannot give OVS the next hop of %s: %s", ip, exc)
+    return done
 
 
 class NodeAgent:
@@ -153,9 +187,9 @@ class NodeAgent:
                            refused=refused if refused is not None else (old.refused if old else 0))
 
     def join(self) -> None:
-        others = nodes.nodes(self.reg)
-        for other in others.values():
-            why = tunnels.mismatched(self.build_record(), other) if other.name != self.name else ""
+        mine = self.build_record()
+        for other in nodes.nodes(self.reg).values():
+            why = tunnels.mismatched(mine, other) if other.name != self.name else ""
             if why:
                 log.warning("node %s: %s", self.name, why)
         saved = self._saved_lease()

@@ -123,3 +123,12 @@ def _ovsdb_value(v):
         if kind == "uuid":
             return body
     return v
+
+
+def appctl(*args: str, target: str = "ovs-vswitchd", timeout: int = 10, rundir: str | None = None) -> str:
+    """``ovs-appctl -t TARGET ARGS`` (the daemon found through its pidfile in ``$OVS_RUNDIR``)."""
+    proc = subprocess.run(["ovs-appctl", f"--timeout={timeout}", "-t", target, *args], capture_output=True,
+                          text=True, env=_env(rundir))
+    if proc.returncode != 0:
+        raise OvsError(f"ovs-appctl {' '.join(args)} failed: {proc.stderr.strip()}")
+    return proc.stdout

@@ -101,6 +101,11 @@ def test_agents_mesh_and_register(tb):
         for t in tunnels.current(INT, rundir=h.rundir).values():
             assert (t.encap, t.key, t.local_ip) == ("geneve", tunnels.FABRIC_VNI, h.tunnel_ip)
             assert t.remote_ip == tb.hosts[t.peer].tunnel_ip
+        # the agent gave OVS each peer's next hop (OVS only snoops ARP replies, and the kernel of a host that
+        # was asked first never sends a request: without it the first frame into that tunnel is lost)
+        neigh = h.ovs.appctl("tnl/neigh/show")
+        for peer in set(found) - {name}:
+            assert tb.hosts[peer].tunnel_ip in neigh, f"{name} has no next hop for {peer}:\n{neigh}"
     # the ports added after the join reach the records (the agent looks every 2 s)
     wait_for(lambda: all(tb.ports[n] in nodes.nodes(tb.registry)[n].ports for n in found), 10,
              "the ports in the node records")
@@ -204,6 +209,19 @@ def test_leave_removes_the_node_everywhere_and_it_can_join_again(tb):
     res = subprocess.run([sys.executable, "-m", "vfab.cli", "--etcd", tb.etcd.endpoint, "node", "leave", "--name",
                           "nosuch"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 1 and "node 'nosuch' is not registered (nodes: host1, host2, host3)" in res.stderr
+
+
+def test_a_stopped_agent_leaves_its_tunnels_and_a_restarted_one_rejoins(tb):
+    """Stopping the agent (SIGTERM) is not leaving: the host's tunnels stay (its data plane keeps forwarding),
+    the others drop theirs only when its lease ends, and the agent started again rejoins."""
+    own = tb.peers("host1")
+    assert own == {"host2", "host3"}
+    tb.stop_agent("host1")
+    wait_for(lambda: "host1" not in nodes.nodes(tb.registry), 10, "host1's lease to end")
+    assert tb.peers("host1") == own                      # its own tunnels were left in place
+    wait_for(lambda: "host1" not in tb.peers("host2"), 10, "host2 to drop its tunnel to host1")
+    tb.start_agent("host1")
+    tb.wait_mesh()
 
 
 def test_killed_host_is_dropped_then_rejoins(tb):
