@@ -146,4 +146,60 @@ def list_(c, etcd, as_json) -> None:
                                                      "refused", "up", "agent"], rows))
 
 
+UNIT = """\
+[Unit]
+Description=vfab node agent ({name}): registration and tunnels of this machine in the vfab fabric
+After=network-online.target openvswitch-switch.service
+Wants=network-online.target
+Requires=openvswitch-switch.service
+
+[Service]
+Type=simple
+ExecStart={exe} node join --etcd {etcd} --tunnel-ip {ip} --name {name} --bridge {bridge} --ttl {ttl}
+# exit 0 = 'vfab node leave' removed this node: stay stopped; anything else: start again (the lease is
+# taken back if it is still alive, see --state-dir)
+Restart=on-failure
+RestartSec=1
+KillSignal=SIGTERM
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+@node.command("unit")
+@_ETCD
+@click.option("--tunnel-ip", required=True, metavar="IP", help="This machine's IPv4 address on the underlay.")
+@click.option("--name", type=NameType("node"), default=None, help="Node name (default: the host name).")
+@click.option("--bridge", default=DEFAULT_BRIDGE, show_default=True, help="Integration bridge.")
+@click.option("--ttl", type=click.IntRange(2, 3600), default=5, show_default=True, help="Lease of the registration, s.")
+@click.option("--out", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Write the unit here (e.g. /etc/systemd/system/vfab-node.service) instead of printing it.")
+@pass_ctx
+@errors
+def unit(c, etcd, tunnel_ip, name, bridge, ttl, out) -> None:
+    """A systemd unit that runs 'vfab node join' with these settings (their form is checked here, the machine
+    when the agent starts).
+
+    Example, on each of three machines: vfab node unit --etcd 10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379
+    --tunnel-ip 10.0.1.N --out /etc/systemd/system/vfab-node.service && systemctl enable --now vfab-node"""
+    import shutil
+    import sys
+
+    try:
+        tunnel_ip = schema.check_tunnel_ip(tunnel_ip)
+    except VidError as exc:
+        raise click.BadParameter(str(exc), param_hint="--tunnel-ip") from None
+    members = ",".join(parse_endpoints(etcd)) if etcd else c.etcd
+    exe = shutil.which("vfab") or f"{sys.executable} -m vfab.cli"
+    text = UNIT.format(name=name or default_name(), exe=exe, etcd=members,
+                       ip=tunnel_ip, bridge=bridge, ttl=ttl)
+    if out is None:
+        click.echo(text, nl=False)
+        return
+    with open(out, "w") as fh:
+        fh.write(text)
+    click.echo(f"wrote {out}: 'systemctl daemon-reload && systemctl enable --now {os.path.basename(out)}'", err=True)
+
+
 COMMANDS = [node]

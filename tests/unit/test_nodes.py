@@ -156,3 +156,17 @@ def test_control_network_reaches_root_loopback_from_a_namespace_until_cut(ns):
     finally:
         net.close()
         srv.close()
+
+
+def test_cli_node_unit_writes_a_systemd_unit(tmp_path):
+    out = tmp_path / "vfab-node.service"
+    r = CliRunner().invoke(cli, ["node", "unit", "--etcd", "http://10.0.0.1:2379,10.0.0.2:2379", "--tunnel-ip",
+                                 "10.0.1.2", "--name", "m2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    text = out.read_text()
+    exec_line = next(ln for ln in text.splitlines() if ln.startswith("ExecStart="))
+    assert exec_line.endswith("node join --etcd 10.0.0.1:2379,10.0.0.2:2379 --tunnel-ip 10.0.1.2 --name m2 "
+                              "--bridge br-vfab --ttl 5")
+    assert "Restart=on-failure" in text and "[Install]" in text
+    r = CliRunner().invoke(cli, ["node", "unit", "--etcd", "10.0.0.1:2379", "--tunnel-ip", "10.0.1.256"])
+    assert r.exit_code == 2 and "is not an IPv4 address" in r.output
