@@ -20,7 +20,8 @@ BENCHES = ["etcd_client.py", "reroute.py", "reroute_busy.py", "own_flows.py", "f
            "sdhcp_lease.py",
            "sdhcp_failover.py",
            "sdhcp_ops.py",
-           "sdhcp_path.py"]
+           "sdhcp_path.py",
+           "tunnel_rtt.py"]
 
 
 def main() -> int:
