@@ -22,7 +22,8 @@ BENCHES = ["etcd_client.py", "etcd_leader_loss.py", "reroute.py", "reroute_busy.
            "sdhcp_lease.py",
            "sdhcp_failover.py",
            "sdhcp_ops.py",
-           "sdhcp_path.py"]
+           "sdhcp_path.py",
+           "tunnel_rtt.py"]
 
 
 def main() -> int:

@@ -5,7 +5,8 @@ Services are reached through VIDs (MAC addresses that name a service and a
 it now.  Start a local fabric with 'vfab up', inspect it with 'vfab status',
 'vfab ranges SERVICE' and 'vfab flows', move a range with 'vfab route'.
 'vfab hosts' lists the hosts and the addresses each may send requests from;
-'vfab host set' changes that (its registered addresses, or DHCP).
+'vfab host set' changes that (its registered addresses, or DHCP).  A fabric
+across machines: 'vfab node join' on each (Open vSwitch + tunnels), 'vfab node list'.
 
 Create a service with 'vfab service add NAME --kind KIND' (its kind's settings
 with --opt; 'vfab service show NAME' prints them).  Stateful services
@@ -25,7 +26,7 @@ import click
 
 import vfab.services.memcached_helper.plugin  # noqa: F401  (registers kind memcached)
 import vfab.services.sdhcp.plugin  # noqa: F401  (registers kind sdhcp; vid-lib's BUILTIN lists echo, elastic-kvs)
-from vfab.cli import cmd_balancer, cmd_fabric, cmd_flows, cmd_helpers, cmd_hosts, cmd_ranges, cmd_state
+from vfab.cli import cmd_balancer, cmd_fabric, cmd_flows, cmd_helpers, cmd_hosts, cmd_node, cmd_ranges, cmd_state
 from vfab.cli.common import Ctx, etcd_list
 from vfab.vid import plugin
 
@@ -42,7 +43,7 @@ def cli(ctx: click.Context, etcd: str | None, verbose: bool) -> None:
     ctx.obj = Ctx(etcd)
 
 
-for module in (cmd_fabric, cmd_ranges, cmd_hosts, cmd_flows, cmd_state, cmd_balancer, cmd_helpers):
+for module in (cmd_fabric, cmd_ranges, cmd_hosts, cmd_node, cmd_flows, cmd_state, cmd_balancer, cmd_helpers):
     for command in module.COMMANDS:
         cli.add_command(command)
 for _plug in plugin.load().values():  # each service type brings its own command group

@@ -23,6 +23,12 @@
                                                      agent (the endpoint's lease): the endpoint is a helper
     /vfab/v1/holds/<service>               Holds     {holds: [[lo, hi, what, at]]}  ranges whose helpers an
                                                      operator set by hand: the balancer leaves them alone
+    /vfab/v1/nodes/<name>                  Node      {name, tunnel_ip, dpid, bridge, ports, peers, ...}  a fabric
+                                                     host (its Open vSwitch), leased by its node agent
+    /vfab/v1/node-ips/<tunnel ip>          <name>    same lease: makes tunnel addresses unique
+
+``hosts/`` holds where a MAC attaches (a port's record); a machine of the fabric is a *node* (``vfab node
+join``), kept in ``nodes/`` so the controller never recompiles on a node's changes (``PASSIVE``).
 """
 
 from __future__ import annotations
@@ -105,9 +111,17 @@ def link_key(dpid: int, port: int) -> str:
     return f"{ROOT}links/{dpid:016x}/{port}"
 
 
+def node_key(name: str) -> str:
+    return f"{ROOT}nodes/{check_name('node', name)}"
+
+
+def node_ip_key(ip: str) -> str:
+    return f"{ROOT}node-ips/{ipaddress.IPv4Address(ip)}"
+
+
 MISS_KEY = f"{ROOT}config/miss"
 FOLDERS = ("services", "service-ids", "endpoints", "ranges", "hosts", "bindings", "switches", "links", "config",
-           "applied", "counters", "ops", "load", "balancer", "helpers", "holds")
+           "applied", "counters", "ops", "load", "balancer", "helpers", "holds", "nodes", "node-ips")
 
 
 def op_key(service: str, op_id: str) -> str:
@@ -545,9 +559,72 @@ class Holds(Record):
         return [(Range(lo, hi), what, at) for lo, hi, what, at in self.holds]
 
 
+ENCAPS = ("geneve", "vxlan")
+TUNNEL_KEY_MAX = (1 << 24) - 1    # Geneve's and VXLAN's 24-bit VNI
+
+
+def check_tunnel_ip(ip: Any, what: str = "tunnel address") -> str:
+    """``ip`` as a normalised unicast IPv4 address, or a VidError saying why it cannot carry tunnels."""
+    try:
+        if not isinstance(ip, str):
+            raise TypeError(ip)
+        addr = ipaddress.IPv4Address(ip)
+    except (ValueError, TypeError):
+        raise VidError(f"{what} {ip!r} is not an IPv4 address (dotted quad, e.g. 172.16.45.1; IPv6 underlays "
+                       "are not supported yet)") from None
+    if addr.is_loopback or addr.is_multicast or addr.is_unspecified or addr.is_link_local or \
+            str(addr) == "255.255.255.255":
+        raise VidError(f"{what} {addr} cannot carry tunnels: it is a loopback, multicast, link-local, broadcast "
+                       "or unspecified address; give the address of this host on the underlay network")
+    return str(addr)
+
+
+@dataclass
+class Node(Record):
+    """A fabric host: its Open vSwitch integration bridge ``bridge`` (datapath id ``dpid``) reached through
+    tunnels (``encap``, VNI ``key``) to ``tunnel_ip``.  ``ports``: the bridge's own ports (name -> OpenFlow port
+    number; tunnels left out); ``peers``: the nodes its agent has built a tunnel to; ``joined``: when (unix s);
+    ``agent``: which process keeps it (``pid@hostname``); ``refused``: tunnel packets from addresses that are no
+    node's its filter dropped.  Leased by that agent: its lease is the node's
+    liveness."""
+    KIND: ClassVar[str] = "node"
+    name: str
+    tunnel_ip: str
+    dpid: int
+    bridge: str
+    encap: str = "geneve"
+    key: int = 0
+    ports: dict = field(default_factory=dict)
+    peers: list = field(default_factory=list)
+    joined: float = 0.0
+    agent: str = ""
+    refused: int = 0      # tunnel packets its underlay filter dropped (from addresses that are no node's)
+
+    def __post_init__(self) -> None:
+        check_name("node", self.name)
+        self.tunnel_ip = check_tunnel_ip(self.tunnel_ip, f"node {self.name}: tunnel address")
+        _need("node", "dpid", self.dpid, int)
+        _need("node", "bridge", self.bridge, str)
+        if self.encap not in ENCAPS:
+            raise VidError(f"node {self.name}: encapsulation {self.encap!r} is unknown: one of {', '.join(ENCAPS)}")
+        _need("node", "key", self.key, int)
+        if not 0 <= self.key <= TUNNEL_KEY_MAX:
+            raise VidError(f"node {self.name}: tunnel key {self.key} is out of range: 0..{TUNNEL_KEY_MAX}")
+        _need("node", "ports", self.ports, dict)
+        for port, num in self.ports.items():
+            if not isinstance(port, str) or not isinstance(num, int) or isinstance(num, bool):
+                raise VidError(f"node {self.name}: port {port!r}: {num!r} is not a name and an OpenFlow port number")
+        _need("node", "peers", self.peers, list)
+        for peer in self.peers:
+            check_name("node peer", peer)
+        _need("node", "joined", self.joined, (int, float))
+        _need("node", "agent", self.agent, str)
+        _need("node", "refused", self.refused, int)
+
+
 # Folders that never change what the controller compiles (its own reports, endpoints' ops and load, the
 # balancer's status: its decisions reach the switches through the ranges it writes).
-PASSIVE = ("applied", "counters", "ops", "load", "balancer", "helpers", "holds")
+PASSIVE = ("applied", "counters", "ops", "load", "balancer", "helpers", "holds", "nodes", "node-ips")
 
 
 def parse_key(key: str) -> tuple[str, list[str]] | None:
