@@ -117,7 +117,7 @@ class EndpointLoop(PeerSide, Replication):
         self.pending: collections.deque = collections.deque()   # (raw, hops) to (re)classify
         self.paused: dict[int, tuple[Range, list]] = {}
         self.incoming: dict[int, Incoming] = {}
-        self.fenced: list = []
+        self.fenced: list = []   # (raw, hops, vk, epoch of its range when it came): held while not authoritative
         self.targets: dict[str, list[Range]] = {}
         self.op: OpRunner | None = None
         self.ending: set[str] = set()   # (loop thread) ops ended whose final record is still being written
@@ -400,13 +400,34 @@ class EndpointLoop(PeerSide, Replication):
             return
         self._last_timers = now
         if self.fenced and self._authoritative():
-            self.pending.extend(self.fenced)
-            self.fenced = []
+            self._unfence()
         for inc in [i for i in self.incoming.values() if now - i.seen > INCOMING_IDLE]:
             self._silent_source(inc)
 
     def _authoritative(self) -> bool:
         return self.lease.valid and self.view_generation == self.lease.generation
+
+    def _unfence(self) -> None:
+        """Authority is back: serve what was held while it lapsed, for ranges still ours; drop the rest.
+
+        A request held here while this endpoint was stopped or cut off came under an epoch that is over
+        once its range was taken over (or moved) meanwhile: its client has retried to the new owner since,
+        and may have its answer and gone on.  Forwarded now it would arrive as if fresh (issue 42), so it is
+        dropped here (and a new owner refuses a forward stamped with an older epoch than its own: _fwd_in).
+        """
+        stale: dict[tuple[int, int, str], int] = {}
+        for raw, hops, vk, epoch in self.fenced:
+            rec = self.view.find(vk)
+            if rec is not None and rec.owner == self.name:
+                self.pending.append((raw, hops))
+            else:
+                k = (epoch, rec.epoch if rec else 0, rec.owner if rec and rec.owner else "nobody")
+                stale[k] = stale.get(k, 0) + 1
+        self.fenced = []
+        for (was, now, owner), n in stale.items():
+            self.counters["fenced_dropped"] += n
+            log.warning("%s: dropped %d request(s) held while this endpoint had no authority: their range moved on "
+                        "(epoch %d, now %d owned by %s); their clients retry there", self.name, n, was, now, owner)
 
     # -- data ---------------------------------------------------------------------------------------
     def _batch(self) -> None:
@@ -470,7 +491,7 @@ class EndpointLoop(PeerSide, Replication):
                 next(h for rng, h in self.paused.values() if vk in rng).append((raw, 0))
                 self.counters["held"] += 1
             elif role == "fenced":
-                self.fenced.append((raw, hops))
+                self.fenced.append((raw, hops, vk, self.view.find(vk).epoch))
                 self.counters["fenced"] += 1
             elif role == "ignore":
                 self.counters["mirror_ignored"] += 1
@@ -596,8 +617,7 @@ class EndpointLoop(PeerSide, Replication):
             self.source_alive(env.sender, [int(lo) for lo in b.get("los", [])])
             return None
         if t == "FWD":
-            hops = int(b.get("hops", 1))
-            self.pending.extend((raw, hops) for raw in env.blobs)
+            self._fwd_in(env)
             return None
         if t == "BEGIN":
             return self._begin(env)
