@@ -118,6 +118,10 @@ class EndpointLoop(PeerSide, Replication):
         self.paused: dict[int, tuple[Range, list]] = {}
         self.incoming: dict[int, Incoming] = {}
         self.fenced: list = []   # (raw, hops, vk, epoch of its range when it came): held while not authoritative
+        # The view before a map that came while this endpoint had no authority (its lease lapsed, or was just
+        # granted anew), until the port has been read empty once: what waits in it came meanwhile, routed by
+        # that view (_came_while_away)
+        self.away: View | None = None
         self.targets: dict[str, list[Range]] = {}
         self.op: OpRunner | None = None
         self.ending: set[str] = set()   # (loop thread) ops ended whose final record is still being written
@@ -207,6 +211,8 @@ class EndpointLoop(PeerSide, Replication):
             return
         old = self.view
         self.view = view
+        if self.away is None and (not self._authoritative() or generation not in (None, self.view_generation)):
+            self.away = old   # a map that comes while (or as) authority is regained: see _came_while_away
         if generation is not None:
             self.view_generation = generation
         if [r.range for r in old.held_by(self.name)] != [r.range for r in view.held_by(self.name)]:
@@ -443,6 +449,8 @@ class EndpointLoop(PeerSide, Replication):
             frames.append((got[0], 0))
         if frames:
             self._handle(frames)
+        if drained:
+            self.away = None
         if self.unsynced_since and (drained or time.monotonic() - self.unsynced_since >= GROUP_HOLD):
             self._sync_now()
 
@@ -459,10 +467,19 @@ class EndpointLoop(PeerSide, Replication):
             return "ignore"  # the owner got it too (mirrored delivery)
         return "forward"
 
+    def _came_while_away(self, vk: int) -> bool:
+        """A request from the port, read before it was read empty after the lease came back: routed here by
+        the view before (this endpoint owned its range) while this endpoint was stopped or cut off, and its
+        range has moved on since.  Dropped, like the requests held while fenced (_unfence): the lease
+        keeper can register again and the map can change before the loop reads the port."""
+        old, new = self.away.find(vk), self.view.find(vk)
+        return old is not None and old.owner == self.name and (new is None or new.owner != self.name)
+
     def _handle(self, frames: list) -> None:
         reqs: list[Request] = []
         meta: list[Frame] = []
         direct: list = []
+        away = 0
         for raw, hops in frames:
             try:
                 frame = parse(raw)
@@ -479,6 +496,9 @@ class EndpointLoop(PeerSide, Replication):
             except BadRequest as exc:
                 self.counters["bad_requests"] += 1
                 direct.append((frame, None, self.backend.error_reply(frame.payload, Refusal.BAD_REQUEST, str(exc))))
+                continue
+            if self.away is not None and hops == 0 and self._came_while_away(vk):
+                away += 1
                 continue
             role = self._role(vk, hops)
             if role == "serve":
@@ -502,6 +522,10 @@ class EndpointLoop(PeerSide, Replication):
                 direct.append((frame, vk, self.backend.error_reply(
                     frame.payload, Refusal.WRONG_OWNER,
                     f"{self.name} does not own key {vk:#08x} and cannot reach its owner")))
+        if away:
+            self.counters["fenced_dropped"] += away
+            log.warning("%s: dropped %d request(s) that reached this endpoint while it had no authority, for ranges "
+                        "that moved on meanwhile; their clients retry at the new owner", self.name, away)
         for frame, vk, payload in direct:
             self._reply(frame, vk, payload)
         if not reqs:
