@@ -192,11 +192,11 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(testbed, serve
         vk = proto.vkey(b"keep")
         raw = cli.api
         bad = {
-            "oversized": proto.REQ.pack(2, 0, 4, 7, 1) + b"keep" + b"x" * (proto.MAX_VALUE + 1),
-            "empty key": proto.REQ.pack(2, 0, 0, 7, 2) + b"v",
-            "unknown op": proto.REQ.pack(9, 0, 4, 7, 3) + b"keep",
+            "oversized": proto.REQ.pack(2, 0, 4, 7, 1, 0, 0) + b"keep" + b"x" * (proto.MAX_VALUE + 1),
+            "empty key": proto.REQ.pack(2, 0, 0, 7, 2, 0, 0) + b"v",
+            "unknown op": proto.REQ.pack(9, 0, 4, 7, 3, 0, 0) + b"keep",
             "truncated": b"\x02\x00",
-            "key past end": proto.REQ.pack(1, 0, 100, 7, 4) + b"keep",
+            "key past end": proto.REQ.pack(1, 0, 100, 7, 4, 0, 0) + b"keep",
         }
         for what, payload in bad.items():
             seq = raw.send_request(vk, payload)
