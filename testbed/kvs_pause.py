@@ -13,6 +13,7 @@ two clients on vfh2/vfh3)::
     SIGCONT the owner: it registers again and deals with what it held
         (before issue 42: forwarded it to the new owner, which applied A's PUT
         again over B's newer ones)
+    client A sends its PUT once more (a late copy of it): answered from its completion record
     client B reads the hot key for READ_FOR s
     the new owner mirrors to the old one: roles swap for the next repetition
 
@@ -96,7 +97,7 @@ def run(tb: Testbed, service: str, reps: int, writes: int = WRITES, say=print) -
                 took = time.monotonic() - t_stop
                 while p.reply is None and not p.error:
                     writer.poll(0.05)
-                a_row = _row("A", p)
+                a_row, attempts = _row("A", p), p.attempts
                 rows.append(a_row)
                 for i in range(writes):
                     rows.append(_op(other, "B", Op.PUT, HOT, f"b{rep}-{i}"))
@@ -118,15 +119,25 @@ def run(tb: Testbed, service: str, reps: int, writes: int = WRITES, say=print) -
             except TimeoutError as exc:
                 raise TimeoutError(f"{exc} (its counters since SIGSTOP: {held or 'not registered again'}; log "
                                    f"{servers[owner].logpath})") from None
+            # A's PUT once more, as a late copy of it would still arrive (a retry that waited in the network, a
+            # forward): the completion record that moved to the new owner must answer it, with its first version
+            p.reply, p.attempts = None, 0
+            writer.inflight[p.reqid] = p
+            writer._send(p)
+            while p.reply is None and not p.error:
+                writer.poll(0.05)
+            late = (p.reply.status.name, p.reply.version) if p.reply is not None else ("TIMEOUT", 0)
             t_read = time.monotonic() + READ_FOR
             while time.monotonic() < t_read:
                 rows.append(_op(other, "B", Op.GET, HOT))
-            seen = {"rep": rep, "owner": owner, "takeover_s": round(took, 2), "a_attempts": p.attempts,
-                    "a_status": a_row[6], "held": dict(held), "last_read": rows[-1][3]}
+            seen = {"rep": rep, "owner": owner, "takeover_s": round(took, 2), "a_attempts": attempts,
+                    "a_status": a_row[6], "a_version": a_row[7], "late_copy": late, "held": dict(held),
+                    "last_read": rows[-1][3]}
             reps_seen.append(seen)
             say(f"  repetition {rep + 1}/{reps}: {owner} stopped, {mirror} took over after {took:.2f} s; A's put "
-                f"{seen['a_status']} after {p.attempts} attempt(s); {owner} held {held['fenced']} request(s): "
-                f"forwarded {held['forwarded']}, dropped {held['fenced_dropped']}; read {seen['last_read']!r}")
+                f"{seen['a_status']} after {attempts} attempt(s); {owner} held {held['fenced']} request(s): "
+                f"forwarded {held['forwarded']}, dropped {held['fenced_dropped']}; A's put sent again: {late[0]} "
+                f"version {late[1]} (first: {a_row[7]}); read {seen['last_read']!r}")
             owner, mirror = mirror, owner
         at = time.monotonic()
         final = kvs.read_back(tb, "vfh3", service, [HOT])

@@ -348,4 +348,6 @@ def test_a_paused_owner_never_reapplies_a_write_over_newer_acknowledged_ones(tes
     assert len(out["reps"]) == reps and all(r["a_status"] == "OK" for r in out["reps"]), out["reps"]
     # each time the old owner had held the client's PUT, and none of what it held was forwarded
     assert all(r["held"]["fenced_dropped"] >= 1 and r["held"]["forwarded"] == 0 for r in out["reps"]), out["reps"]
+    # a late copy of the client's PUT, sent after it all, is answered from its record with its first version
+    assert all(r["late_copy"] == ("OK", r["a_version"]) for r in out["reps"]), out["reps"]
     assert out["final"] == {kvs_pause.HOT: f"b{reps - 1}-{kvs_pause.WRITES - 1}"}
