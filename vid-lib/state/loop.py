@@ -22,7 +22,10 @@ Replies leave from the VID that was asked (port security lets only the
 range's owner source it), so a client can tell a real reply from a forged one.
 An owner serves only while its lease is known to be alive
 (:mod:`.lease`): stopped past its TTL it holds requests until it has
-registered again and re-read the range map.
+registered again and re-read the range map, then serves those of ranges still
+its own and drops the others, never forwarding them as if fresh (their clients
+have retried at the new owner: issue 42).  A forward carries the epoch it was
+routed by, and an owner refuses one older than its own (replication.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,11 @@ A served batch whose writes must reach mirrors (durably) or running copies
 out on per-peer DEALER sockets and the batch's replies wait for every ack
 while the loop keeps serving control messages.  A peer that fails is fenced
 off (a mirror is removed from the range in etcd) or fails its copy; when even
-that is impossible, the writes are answered UNAVAILABLE.
+that is impossible, or a range the batch wrote to is no longer this endpoint's
+in etcd (taken over while it was stopped), the writes are answered UNAVAILABLE.
+A mirror's REPL names the epochs of its ranges: a peer that has since taken one
+over refuses it (peer.py).  A FWD names the epoch it was routed by: an owner at
+a later epoch refuses it (a request the old owner held across the change).
 
 Pipelined (a backend without group commit): while batches wait for their acks
 the loop serves up to ``pipeline`` of them, and every batch served meanwhile
