@@ -39,6 +39,7 @@ class KvsBackend(StoreBackend):
     def __init__(self, store: Store):
         self.store = store
         self.counters: collections.Counter = collections.Counter()
+        self._changed = False   # the batch being served changed data (not only completion records)
 
     # -- the data path --------------------------------------------------------------------------
     def key_of(self, payload: bytes) -> int:
@@ -57,7 +58,11 @@ class KvsBackend(StoreBackend):
         now = time.time()
         if all(r.payload[:1] == GET_OP for r in requests):  # reads only: no write lock, no commit
             return [self._one(r, records, now) for r in requests], records
-        self.store.begin()
+        # Committed without waiting for the disk, then the write-ahead log is synced once if the batch changed
+        # any data (as durable as a synchronous commit: the sync covers every frame of the log).  A batch whose
+        # only writes are completion records of DELETEs that found nothing skips the sync: see _one.
+        self._changed = False
+        self.store.begin(durable=False)
         try:
             for r in requests:
                 replies.append(self._one(r, records, now))
@@ -65,6 +70,8 @@ class KvsBackend(StoreBackend):
         except BaseException:
             self.store.rollback()
             raise
+        if self._changed:
+            self.store.sync()
         return replies, records
 
     def _one(self, r: Request, records: list, now: float) -> bytes | None:
@@ -105,6 +112,12 @@ class KvsBackend(StoreBackend):
                                client=req.client).serialize()
         value = req.value if req.op is Op.PUT else None
         not_found = req.op is Op.DEL and (row is None or row[0] is None)
+        # A DELETE that found nothing changes no data, only its key's completion records: they are committed
+        # without a sync of their own (before this, such a delete wrote nothing; with a sync each, the median
+        # delete of a 1-client put:get:del load took 0.385 ms against main's 0.314, bench/ab.py).  They survive a crash of the process, reach the mirrors (which apply
+        # them durably) before the reply, and the next sync of this store, any later write's, covers them.
+        # Only a power loss before that could lose one: a late copy of that DELETE would then find no record.
+        self._changed = self._changed or not not_found
         version = (row[1] if row else 0) + 1
         try:
             done = session.add(done, req.client, req.reqid, req.acked, req.deadline,

@@ -86,6 +86,19 @@ def test_a_delete_of_a_missing_key_leaves_its_record(backend):
     assert backend.store.row(b"ghost")[:2] == (b"boo", 2)
 
 
+def test_only_a_batch_that_changed_data_waits_for_the_disk(backend, monkeypatch):
+    """A DELETE that found nothing leaves only its completion record: committed, not synced on its own (the
+    next write's sync covers it); a batch that changed data is synced before its replies are returned."""
+    syncs = []
+    monkeypatch.setattr(backend.store, "sync", lambda: syncs.append(1))
+    backend.handle_batch([req(Op.DEL, b"ghost", reqid=1), req(Op.GET, b"ghost", reqid=2)])
+    assert syncs == [] and session.lookup(backend.store.row(b"ghost")[2], CLIENT, 1)[0] == session.DONE
+    backend.handle_batch([req(Op.DEL, b"ghost", reqid=3), req(Op.PUT, b"k", b"v", reqid=4)])
+    assert syncs == [1]
+    backend.handle_batch([req(Op.DEL, b"k", reqid=5)])          # a delete that deletes
+    assert syncs == [1, 1]
+
+
 def test_a_request_past_its_deadline_is_refused_and_not_applied(backend):
     replies, records = backend.handle_batch([req(Op.PUT, b"k", b"late", reqid=1, deadline=time.time() - 2)])
     assert reply(replies).status is Status.EXPIRED and "deadline" in reply(replies).message and records == []
