@@ -22,6 +22,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import parser, write  # noqa: E402
+from vfab.services.elastic_kvs import session  # noqa: E402
 from vfab.services.elastic_kvs import store as store_mod  # noqa: E402
 from vfab.services.elastic_kvs.store import Store  # noqa: E402
 from vfab.vid.ranges import Range  # noqa: E402
@@ -63,7 +64,9 @@ def main() -> int:
         for i in range(0, n, 2000):
             src.begin(durable=False)
             for j in range(i, min(n, i + 2000)):
-                src.write(b"key:%08d" % j, value, 1, j + 1, row=None)
+                # each row with its writer's completion record, as a client's PUT leaves it (session.py)
+                done = session.serialize({1: session.Entry(0, 0, {j + 1: 1})})
+                src.write(b"key:%08d" % j, value, 1, done, row=None)
             src.commit()
         src.sync()
         samples = {p: {k: [] for k in ("pack_cpu_s", "fresh_wall_s", "fresh_cpu_s", "fresh_commit_s",

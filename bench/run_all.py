@@ -9,7 +9,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCHES = ["etcd_client.py", "etcd_leader_loss.py", "reroute.py", "reroute_busy.py", "own_flows.py", "flow_install.py", "routing_overhead.py", "filtered_receive.py", "kvs_throughput.py",
-           "kvs_ops.py",
+           "kvs_ops.py", "kvs_pause.py",
            "kvs_apply.py",
            "store_sync.py",
            "helper_batching.py",

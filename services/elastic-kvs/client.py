@@ -1,10 +1,12 @@
 """elastic-KVS client library: get/put/delete with timeouts, retries and request ids.
 
-Each operation gets a random 64-bit request id (with the client's random
-64-bit id it names the operation); a retry re-sends the very same request, so a PUT or DELETE
-whose reply was lost is applied once — the server recognises the pair even
-after the key moved to another server.  Clients never reconnect and never
-learn who owns a key: they send to the key's VID and the fabric delivers.
+A client is a session: a random 64-bit client id, and requests numbered 1, 2, ... in it (with the client
+id the number names the operation); a retry re-sends the very same operation, so a PUT or DELETE whose
+reply was lost is applied once — its completion record answers it wherever the key has moved since
+(``session.py``).  Every request also says which operations the client has finished (``acked``: all below
+the oldest one still in flight) and until when it may arrive (``deadline``: when the client will have given
+up on it, plus a margin), so servers know when they may forget a record.  Clients never reconnect and
+never learn who owns a key: they send to the key's VID and the fabric delivers.
 
 A reply is accepted only if it comes from the VID the request went to (the
 switch lets only the key's owner send from it), echoes this client's id and
@@ -17,9 +19,8 @@ forms.
 
 from __future__ import annotations
 
-import os
+import math
 import secrets
-import struct
 import time
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ from vfab.vid import api
 from vfab.vid.registry import Registry
 
 RETRY_STATUSES = (Status.WRONG_OWNER, Status.UNAVAILABLE)
-IDS = struct.Struct("!512Q")  # request ids drawn from the OS at a time
+DEADLINE_SLACK = 2.0   # s beyond the client's own give-up time that a request stays valid (clock steps, queues)
 
 
 class KvsTimeout(KvsError):
@@ -44,6 +45,7 @@ class Pending:
     reqid: int
     vk: int
     submitted: float
+    expires: int = 0     # the request's deadline (UNIX s)
     deadline: float = 0.0
     attempts: int = 0
     tag: object = None
@@ -60,8 +62,8 @@ class KvsClient:
         self.timeout = timeout
         self.retries = retries
         self.client_id = client_id if client_id is not None else secrets.randbits(63) | 1
-        self.inflight: dict[int, Pending] = {}
-        self._ids: list[int] = []
+        self.inflight: dict[int, Pending] = {}   # by request id, in the order sent (ids grow)
+        self._seq = 0
         self.counters = {"sent": 0, "retries": 0, "timeouts": 0, "stray_replies": 0, "retry_status": 0,
                          "forged_replies": 0}
 
@@ -72,24 +74,27 @@ class KvsClient:
             proto.check_value(value)
         elif value:
             raise KvsError(f"{Op(op).name} carries no value")
-        reqid = self._reqid()
-        while reqid in self.inflight:
-            reqid = self._reqid()
-        p = Pending(op, bytes(key), bytes(value), reqid, proto.vkey(key), time.monotonic(), tag=tag)
+        self._seq += 1
+        p = Pending(op, bytes(key), bytes(value), self._seq, proto.vkey(key), time.monotonic(), tag=tag,
+                    expires=math.ceil(time.time() + self.budget() + DEADLINE_SLACK))
         self.inflight[p.reqid] = p
         self._send(p)
         return p
 
-    def _reqid(self) -> int:
-        """An unguessable non-zero 64-bit request id from the OS's CSPRNG, read 512 ids at a time (one
-        getrandom call per id cost a 1-client load ~5 % of its time here)."""
-        if not self._ids:
-            self._ids = list(IDS.unpack(os.urandom(IDS.size)))
-        return self._ids.pop() or 1
+    def budget(self) -> float:
+        """s from an operation's first attempt until this client gives up on it (every attempt's timeout)."""
+        return sum(self.timeout * min(2 ** a, 4) for a in range(self.retries + 1)) + 0.02 * self.retries ** 2
+
+    def acked(self) -> int:
+        """The oldest operation still in flight (every one before it is finished), or the next one."""
+        for reqid in self.inflight:
+            return reqid
+        return self._seq + 1
 
     def _send(self, p: Pending) -> None:
-        # submit checked the key and the value
-        self.api.send_request(p.vk, proto.pack_request(p.op, self.client_id, p.reqid, p.key, p.value))
+        # submit checked the key and the value; a retry carries what the client has finished by now
+        self.api.send_request(p.vk, proto.pack_request(p.op, self.client_id, p.reqid, p.key, p.value,
+                                                       self.acked(), p.expires))
         p.attempts += 1
         p.deadline = time.monotonic() + self.timeout * min(2 ** (p.attempts - 1), 4)
         self.counters["sent"] += 1
@@ -147,7 +152,7 @@ class KvsClient:
         if p.error:
             raise KvsTimeout(f"{p.op.name} {p.key[:40]!r}: {p.error}; is a server up for this key "
                              "('vfab ranges', 'vfab status')?")
-        if p.reply.status in (Status.BAD_REQUEST, Status.WRONG_OWNER, Status.UNAVAILABLE):
+        if p.reply.status in (Status.BAD_REQUEST, Status.WRONG_OWNER, Status.UNAVAILABLE, Status.EXPIRED):
             raise KvsError(f"{p.op.name} {p.key[:40]!r} refused ({p.reply.status.name}): {p.reply.message}")
         return p.reply
 

@@ -10,8 +10,13 @@ Request::
     +---------------+---------------+-------------------------------+
     |                    client id (8 B, random per client)         |
     +---------------------------------------------------------------+
-    |          request id (8 B, random per request, != 0)            |
+    |     request id = sequence number (8 B, 1, 2, ... per client)  |
     +---------------------------------------------------------------+
+    |  acked (8 B): the client has the final outcome of every       |
+    |  request of its with a lower sequence number (0: says nothing)|
+    +-------------------------------+-------------------------------+
+    |  deadline (4 B, UNIX seconds) |
+    +-------------------------------+-------------------------------+
     |  key (key length B) ... value (rest of the payload, PUT only) |
 
 Reply (sent from the VID that was asked: a client drops replies from anywhere else)::
@@ -27,12 +32,14 @@ Reply (sent from the VID that was asked: a client drops replies from anywhere el
     +---------------------------------------------------------------+
     |  value (GET, status OK) or a UTF-8 error message (status >= 3) |
 
-Client and request ids are random 64-bit numbers, so a host that is not the
-key's owner can neither guess a reply's ids nor send it from the key's VID
-(port security).  (client id, request id) names one logical operation: a retried PUT or DELETE
-carries the same pair and is applied once (the server remembers the last
-``RECENT_MAX`` pairs per key, and the memory moves with the key).  Versions
-start at 1 for the first write of a key and grow by one per write; a deleted
+The client id is a random 64-bit number (a client session), so a host that is not the key's owner can
+neither guess a reply's ids nor send it from the key's VID (port security).  (client id, request id)
+names one logical operation: a retried PUT or DELETE carries the same pair and is applied once, however
+late a copy of it arrives and wherever the key has moved meanwhile: the key's completion records
+(``session.py``) answer it, ``acked`` lets the server forget them, and ``deadline`` (by when the client
+stops retrying) bounds how long a session's records must be kept.  A request whose deadline has passed
+is refused (EXPIRED), never applied.  Versions start at 1 for the first write of a key and grow by one
+per write (a DELETE of a missing key too: it leaves a tombstone with its completion record); a deleted
 key keeps its version as a tombstone.
 """
 
@@ -45,13 +52,12 @@ from hashlib import blake2b
 
 from vfab.vid.errors import VfabError
 
-REQ = struct.Struct("!BBHQQ")
+REQ = struct.Struct("!BBHQQQI")
 REP = struct.Struct("!BBHQQQ")
 REQ_LEN = REQ.size
 REP_LEN = REP.size
 MAX_KEY = 128
 MAX_VALUE = 1280  # + header + key fits one vfab frame (1488 B of payload)
-RECENT_MAX = 16
 
 
 class KvsError(VfabError):
@@ -70,6 +76,7 @@ class Status(enum.IntEnum):
     BAD_REQUEST = 3  # malformed or over a limit: the message says which
     WRONG_OWNER = 4  # the range is not this server's (a stale route); retry
     UNAVAILABLE = 5  # the server could not make the write durable; retry later
+    EXPIRED = 6      # the request's deadline passed before a server could apply it: it was not applied
 
 
 def check_key(key: bytes) -> bytes:
@@ -96,6 +103,8 @@ class Request:
     reqid: int
     key: bytes
     value: bytes = b""
+    acked: int = 0
+    deadline: int = 0
 
     def serialize(self) -> bytes:
         check_key(self.key)
@@ -103,20 +112,21 @@ class Request:
             check_value(self.value)
         elif self.value:
             raise KvsError(f"{self.op.name} carries no value")
-        return pack_request(self.op, self.client, self.reqid, self.key, self.value)
+        return pack_request(self.op, self.client, self.reqid, self.key, self.value, self.acked, self.deadline)
 
 
-def pack_request(op: Op, client: int, reqid: int, key: bytes, value: bytes = b"") -> bytes:
+def pack_request(op: Op, client: int, reqid: int, key: bytes, value: bytes = b"", acked: int = 0,
+                 deadline: int = 0) -> bytes:
     """A request's bytes from fields already checked (``check_key``/``check_value``; ``Request.serialize``
     checks them first)."""
-    return REQ.pack(op, 0, len(key), client, reqid) + key + value
+    return REQ.pack(op, 0, len(key), client, reqid, acked, deadline) + key + value
 
 
 def parse_request(data: bytes) -> Request:
     """Parse a request; KvsError says what is wrong. Never raises anything else."""
     if len(data) < REQ_LEN:
         raise KvsError(f"truncated request: {len(data)} B, the header alone is {REQ_LEN} B")
-    op, flags, klen, client, reqid = REQ.unpack_from(data, 0)
+    op, flags, klen, client, reqid, acked, deadline = REQ.unpack_from(data, 0)
     try:
         op = Op(op)
     except ValueError:
@@ -128,21 +138,24 @@ def parse_request(data: bytes) -> Request:
     if REQ_LEN + klen > len(data):
         raise KvsError(f"truncated request: key length says {klen} B, {len(data) - REQ_LEN} B follow")
     if reqid == 0:
-        raise KvsError("request id 0 is reserved: use random non-zero ids")
+        raise KvsError("request id 0 is reserved: number a client's requests from 1")
+    if acked > reqid:
+        raise KvsError(f"acked {acked} is above the request's own id {reqid}: a client acknowledges only "
+                       "requests it sent before")
     key = bytes(data[REQ_LEN:REQ_LEN + klen])
     value = bytes(data[REQ_LEN + klen:])
     if op is not Op.PUT and value:
         raise KvsError(f"{op.name} carries no value, but {len(value)} B follow the key")
     if len(value) > MAX_VALUE:
         raise KvsError(f"value of {len(value)} B is too large: the limit is {MAX_VALUE} B")
-    return Request(op, client, reqid, key, value)
+    return Request(op, client, reqid, key, value, acked, deadline)
 
 
 def peek(data: bytes) -> tuple[int, int, bytes | None]:
     """(client id, request id, key or None) of whatever can be read of a request; never raises."""
     if len(data) < REQ_LEN:
         return 0, 0, None
-    _op, _flags, klen, client, reqid = REQ.unpack_from(data, 0)
+    _op, _flags, klen, client, reqid, _acked, _deadline = REQ.unpack_from(data, 0)
     key = bytes(data[REQ_LEN:REQ_LEN + klen]) if 1 <= klen <= MAX_KEY and REQ_LEN + klen <= len(data) else None
     return client, reqid, key
 

@@ -355,7 +355,7 @@ def load(host: str, port: int, clients: int, duration: float, keys: list[bytes],
         length, op, klen, body = plan[st[2]]
         st[1], st[2], st[3], st[5] = st[1] + 1, (st[2] + 1) % len(plan), time.perf_counter(), op
         try:  # one frame < 1.5 KB in flight: an empty send buffer always takes it whole
-            sock.sendall(head.pack(length, op, 0, klen, st[0], st[1]) + body)
+            sock.sendall(head.pack(length, op, 0, klen, st[0], st[1], 0, 0) + body)  # no session fields: TCP, no retries
         except OSError:
             fail(sock)
 

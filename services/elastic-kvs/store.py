@@ -9,16 +9,16 @@ keeps the paper's one file per key (``standard.py``).
 
 Table ``kv``: key (unique), vkey (24-bit VID key, indexed), value (NULL =
 deleted: a tombstone keeps the version so a later copy cannot resurrect an
-older value), version, recent (the last ``RECENT_MAX`` (client, request id)
-pairs that wrote the key: a retried write is recognised wherever the key
-lives).
+older value), version, done (the key's completion records, ``session.py``:
+a retried or late write is recognised wherever the key lives, and they are
+written in the transaction of the write they record).
 
 State record (what a split, mirror or replication ships; this module owns it)::
 
-    +-------+-------+---------------+---------------+-------+-------+-------+
-    | klen  | vkey  |    version    |  vlen | flags |  nrec | key | value |  recent (16 B each)
-    | 2 B   | 4 B   |     8 B       |  2 B  |  1 B  |  1 B  |     |       |
-    flags bit 0: tombstone (no value)
+    +-------+-------+---------------+-------+-------+-------+-----+-------+------+
+    | klen  | vkey  |    version    |  vlen | flags |  dlen | key | value | done |
+    | 2 B   | 4 B   |     8 B       |  2 B  |  1 B  |  2 B  |     |       |      |
+    flags bit 0: tombstone (no value); done: the completion table (dlen B)
 
 Applying a record is version-gated: it wins only over an older version, so
 snapshot chunks and live replication may arrive in any order.
@@ -34,14 +34,13 @@ import struct
 import threading
 from typing import Iterator
 
-from vfab.services.elastic_kvs.proto import RECENT_MAX, KvsError, vkey
+from vfab.services.elastic_kvs.proto import KvsError, vkey
 from vfab.vid.ranges import Range
 from vfab.vid.state.backend import BackendError
 from vfab.vid.state.sqlstore import SqliteStore, why
 
 log = logging.getLogger("vfab.kvs.store")
-REC = struct.Struct("!HIQHBB")
-PAIR = struct.Struct("!QQ")
+REC = struct.Struct("!HIQHBH")
 TOMBSTONE = 1
 # A commit that takes the WAL past this many pages copies them into the database file before it returns (the
 # loop's thread waits): 256 pages (1 MB) instead of SQLite's 1,000 cut the longest chunk of a 100k-key copy
@@ -65,10 +64,10 @@ class StoreError(KvsError, BackendError):
 # written here); see begin_copy.  kv_vkey_gen finds a range's rows of earlier generations from the index
 # alone: clearing after a copy that overwrote every row reads no table row.
 ID_BITS = 20
-LAYOUT = 2            # PRAGMA user_version of this layout; older stores are converted on open
+LAYOUT = 3            # PRAGMA user_version of this layout; older stores are converted on open
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (id INTEGER PRIMARY KEY, k BLOB NOT NULL, vkey INTEGER NOT NULL, value BLOB,
-                               version INTEGER NOT NULL, recent BLOB NOT NULL, gen INTEGER NOT NULL DEFAULT 0,
+                               version INTEGER NOT NULL, done BLOB NOT NULL, gen INTEGER NOT NULL DEFAULT 0,
                                UNIQUE (vkey, k));
 CREATE INDEX IF NOT EXISTS kv_vkey_gen ON kv (vkey, gen);
 CREATE INDEX IF NOT EXISTS kv_live ON kv (vkey) WHERE value IS NOT NULL;
@@ -77,16 +76,17 @@ CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 # The id a new row of vkey ?1 gets: the next free one of its block (NULL, an ordinary rowid, if it is full).
 NEW_ID = f"""(SELECT CASE WHEN max(id) IS NULL THEN ?1 << {ID_BITS} WHEN max(id) < (?1 << {ID_BITS}) + {(1 << ID_BITS) - 1}
               THEN max(id) + 1 END FROM kv WHERE id BETWEEN ?1 << {ID_BITS} AND (?1 << {ID_BITS}) + {(1 << ID_BITS) - 1})"""
-# Applying a record (replication, copies): ?1 vkey, ?2 key, ?3 value (NULL: a tombstone), ?4 version, ?5 recent,
+# Applying a record (replication, copies): ?1 vkey, ?2 key, ?3 value (NULL: a tombstone), ?4 version, ?5 done,
 # ?6 the copy's generation (0: none), ?7 whether it also wins over rows of earlier generations (see apply).
 # Run by Store.apply and by the native part (native/kvs_native.c), which binds the same parameters.
-UPSERT = (f"INSERT INTO kv (id, k, vkey, value, version, recent, gen) VALUES ({NEW_ID},?2,?1,?3,?4,?5,?6) "
+UPSERT = (f"INSERT INTO kv (id, k, vkey, value, version, done, gen) VALUES ({NEW_ID},?2,?1,?3,?4,?5,?6) "
           "ON CONFLICT(vkey, k) DO UPDATE SET value=excluded.value, version=excluded.version, "
-          "recent=excluded.recent, gen=excluded.gen WHERE excluded.version > kv.version OR (?7 AND kv.gen < excluded.gen)")
+          "done=excluded.done, gen=excluded.gen WHERE excluded.version > kv.version OR (?7 AND kv.gen < excluded.gen)")
 # A range's rows in the order a snapshot ships them (?1 lo, ?2 hi): Store.snapshot and the native part.
-SNAPSHOT = "SELECT k, vkey, value, version, recent FROM kv WHERE vkey BETWEEN ?1 AND ?2 ORDER BY vkey"
-# Earlier layouts (a WITHOUT ROWID table keyed on k; rowid tables with k UNIQUE and ids in arrival order),
-# converted on open in one transaction.  The old table's indexes follow it through the rename: drop them so
+SNAPSHOT = "SELECT k, vkey, value, version, done FROM kv WHERE vkey BETWEEN ?1 AND ?2 ORDER BY vkey"
+# Earlier layouts (a WITHOUT ROWID table keyed on k; rowid tables with k UNIQUE and ids in arrival order; the
+# 16 request ids per key of layouts 1-2, which are not completion records and are left behind), converted on
+# open in one transaction.  The old table's indexes follow it through the rename: drop them so
 # SCHEMA makes new ones.
 MIGRATE = """
 ALTER TABLE kv RENAME TO kv_old;
@@ -94,18 +94,18 @@ DROP INDEX IF EXISTS kv_vkey;
 DROP INDEX IF EXISTS kv_vkey_gen;
 DROP INDEX IF EXISTS kv_live;
 """ + SCHEMA + f"""
-INSERT INTO kv (id, k, vkey, value, version, recent, gen)
-    SELECT CASE WHEN n < {1 << ID_BITS} THEN (vkey << {ID_BITS}) + n END, k, vkey, value, version, recent, {{gen}}
+INSERT INTO kv (id, k, vkey, value, version, done, gen)
+    SELECT CASE WHEN n < {1 << ID_BITS} THEN (vkey << {ID_BITS}) + n END, k, vkey, value, version, x'', {{gen}}
     FROM (SELECT *, row_number() OVER (PARTITION BY vkey ORDER BY k) - 1 AS n FROM kv_old) ORDER BY vkey;
 DROP TABLE kv_old;
 PRAGMA user_version = {LAYOUT};
 """
 
 
-def pack_record(k: bytes, vk: int, value: bytes | None, version: int, recent: bytes) -> bytes:
+def pack_record(k: bytes, vk: int, value: bytes | None, version: int, done: bytes) -> bytes:
     flags = TOMBSTONE if value is None else 0
     value = value or b""
-    return REC.pack(len(k), vk, version, len(value), flags, len(recent) // PAIR.size) + k + value + recent
+    return REC.pack(len(k), vk, version, len(value), flags, len(done)) + k + value + done
 
 
 def unpack_records(blob: bytes) -> Iterator[tuple[bytes, int, bytes | None, int, bytes]]:
@@ -113,26 +113,17 @@ def unpack_records(blob: bytes) -> Iterator[tuple[bytes, int, bytes | None, int,
     while off < end:
         if off + REC.size > end:
             raise KvsError(f"truncated state record at byte {off}")
-        klen, vk, version, vlen, flags, nrec = REC.unpack_from(blob, off)
+        klen, vk, version, vlen, flags, dlen = REC.unpack_from(blob, off)
         off += REC.size
         k = blob[off:off + klen]
         off += klen
         value = None if flags & TOMBSTONE else blob[off:off + vlen]
         off += vlen
-        recent = blob[off:off + nrec * PAIR.size]
-        off += nrec * PAIR.size
+        done = blob[off:off + dlen]
+        off += dlen
         if off > end:
             raise KvsError("truncated state record: lengths run past the blob")
-        yield bytes(k), vk, (bytes(value) if value is not None else None), version, bytes(recent)
-
-
-def recent_has(recent: bytes, client: int, reqid: int) -> bool:
-    want = PAIR.pack(client, reqid)
-    return any(recent[i:i + PAIR.size] == want for i in range(0, len(recent), PAIR.size))
-
-
-def recent_add(recent: bytes, client: int, reqid: int) -> bytes:
-    return (recent + PAIR.pack(client, reqid))[-RECENT_MAX * PAIR.size:]
+        yield bytes(k), vk, (bytes(value) if value is not None else None), version, bytes(done)
 
 
 class Store(SqliteStore):
@@ -154,43 +145,30 @@ class Store(SqliteStore):
         self.grow_wal()
 
     def row(self, k: bytes) -> tuple[bytes | None, int, bytes] | None:
-        """(value or None if deleted, version, recent) of a key, or None if never written."""
-        return self._exec("SELECT value, version, recent FROM kv WHERE vkey=? AND k=?", (vkey(k), k)).fetchone()
+        """(value or None if deleted, version, completion table) of a key, or None if never written."""
+        return self._exec("SELECT value, version, done FROM kv WHERE vkey=? AND k=?", (vkey(k), k)).fetchone()
 
     def record(self, k: bytes) -> bytes:
         """The state record of a key as it is now (b"" if never written)."""
         row = self.row(k)
         return pack_record(k, vkey(k), row[0], row[1], row[2]) if row else b""
 
-    def write(self, k: bytes, value: bytes | None, client: int, reqid: int,
-              row: tuple | None | bool = False) -> tuple[int, bool, bytes]:
-        """Put (value) or delete (None) inside the open transaction.
-
-        Returns (version, applied, record); applied is False when (client, reqid)
-        already wrote this key (a retry): nothing changes, the old version is returned.
+    def write(self, k: bytes, value: bytes | None, version: int, done: bytes,
+              row: tuple | None | bool = False) -> bytes:
+        """Put (value) or delete (None) inside the open transaction, as ``version`` with the completion table
+        ``done`` (``session.add``: the write's own record in it); returns the key's state record.
         ``row``: the key's row as the caller just read it (saves reading it again).
         """
         if row is False:
             row = self.row(k)
-        version, recent = (row[1], row[2]) if row else (0, b"")
-        if recent_has(recent, client, reqid):
-            return version, False, b""
-        if value is None and (row is None or row[0] is None):
-            # Deleting a missing key changes nothing, and nothing is written: no commit to wait for on the disk,
-            # and the key's memory of recent writes keeps room for real ones.  A retry whose first answer was
-            # lost is served afresh, which is linearizable: nobody saw the first (the mirrors never learned of
-            # it either, so a takeover served it afresh already).
-            return version, True, b""
-        version += 1
-        recent = recent_add(recent, client, reqid)
         vk = vkey(k)
         if row is None:
-            self._exec(f"INSERT INTO kv (id, k, vkey, value, version, recent) VALUES ({NEW_ID},?2,?1,?3,?4,?5)",
-                       (vk, k, value, version, recent))
+            self._exec(f"INSERT INTO kv (id, k, vkey, value, version, done) VALUES ({NEW_ID},?2,?1,?3,?4,?5)",
+                       (vk, k, value, version, done))
         else:  # in place: the row keeps its id, its index entries stay unless it turns live or dead
-            self._exec("UPDATE kv SET value=?, version=?, recent=? WHERE vkey=? AND k=?",
-                       (value, version, recent, vk, k))
-        return version, True, pack_record(k, vk, value, version, recent)
+            self._exec("UPDATE kv SET value=?, version=?, done=? WHERE vkey=? AND k=?",
+                       (value, version, done, vk, k))
+        return pack_record(k, vk, value, version, done)
 
     # -- state transfer --------------------------------------------------------
     def count(self, rng: Range) -> int:
@@ -212,8 +190,8 @@ class Store(SqliteStore):
         try:
             blob, n = [], 0
             size = 0
-            for k, vk, value, version, recent in db.execute(SNAPSHOT, (rng.lo, rng.hi)):
-                rec = pack_record(k, vk, value, version, recent)
+            for k, vk, value, version, done in db.execute(SNAPSHOT, (rng.lo, rng.hi)):
+                rec = pack_record(k, vk, value, version, done)
                 blob.append(rec)
                 size += len(rec)
                 n += 1
@@ -242,7 +220,7 @@ class Store(SqliteStore):
 
         def run(db: sqlite3.Connection) -> int:
             before = db.total_changes
-            db.executemany(UPSERT, [(vk, k, value, version, recent, g, over) for k, vk, value, version, recent in rows])
+            db.executemany(UPSERT, [(vk, k, value, version, done, g, over) for k, vk, value, version, done in rows])
             return db.total_changes - before
 
         return self._txn(run, durable)
@@ -289,7 +267,7 @@ class Store(SqliteStore):
 
 # -- the native part (native/kvs_native.c) -------------------------------------------------------------------
 NATIVE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "build", "libvfab_kvs.so")
-MAX_RECORD = REC.size + 0xFFFF + 0xFFFF + 0xFF * PAIR.size   # the largest record the layout can hold
+MAX_RECORD = REC.size + 3 * 0xFFFF   # the largest record the layout can hold
 _lib: ctypes.CDLL | None = None
 _lib_tried = False
 _lib_lock = threading.Lock()

@@ -192,11 +192,11 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(testbed, serve
         vk = proto.vkey(b"keep")
         raw = cli.api
         bad = {
-            "oversized": proto.REQ.pack(2, 0, 4, 7, 1) + b"keep" + b"x" * (proto.MAX_VALUE + 1),
-            "empty key": proto.REQ.pack(2, 0, 0, 7, 2) + b"v",
-            "unknown op": proto.REQ.pack(9, 0, 4, 7, 3) + b"keep",
+            "oversized": proto.REQ.pack(2, 0, 4, 7, 1, 0, 0) + b"keep" + b"x" * (proto.MAX_VALUE + 1),
+            "empty key": proto.REQ.pack(2, 0, 0, 7, 2, 0, 0) + b"v",
+            "unknown op": proto.REQ.pack(9, 0, 4, 7, 3, 0, 0) + b"keep",
             "truncated": b"\x02\x00",
-            "key past end": proto.REQ.pack(1, 0, 100, 7, 4) + b"keep",
+            "key past end": proto.REQ.pack(1, 0, 100, 7, 4, 0, 0) + b"keep",
         }
         for what, payload in bad.items():
             seq = raw.send_request(vk, payload)
@@ -285,3 +285,39 @@ def test_operators_racing_on_one_range_lose_nothing_and_end_with_one_owner(testb
     assert report["acked_puts"] > 500, report["acked_puts"]
     assert not report["violations"], "\n".join(report["violations"][:10])
     assert not report["failed"], f"{len(report['failed'])} requests failed, e.g. {report['failed'][:5]}; races: {seen}"
+
+
+def test_a_retry_after_a_split_merge_and_move_is_answered_from_its_record(testbed, servers):
+    """Issue 42: a PUT acknowledged, then its key's range split away, merged back and moved, with 20 more
+    acknowledged writes of the key after each (the old memory of request ids per key held 16): the very same
+    request sent again reaches the key's current owner each time and is answered from the completion record
+    that moved with the key (its first reply's version), never applied again."""
+    servers("kvs-retry", [("vfh1", "a", "0-0xffffff"), ("vfh4", "b", None)])
+    key = b"r0"
+    n = 0
+    while proto.vkey(key) not in HALF:
+        n += 1
+        key = f"r{n}".encode()
+    with kvs.client(testbed, "vfh2", "kvs-retry") as cli, kvs.client(testbed, "vfh3", "kvs-retry") as other:
+        cli.retries = 40                               # the request stays valid for the whole test (deadline)
+        first = cli.submit(Op.PUT, key, b"first")
+        while first.reply is None and not first.error:
+            cli.poll(0.1)
+        assert (first.reply.status, first.reply.version) == (Status.OK, 1), first.reply
+        steps = [("split", lambda: statectl.split(testbed.registry, "kvs-retry", HALF, "b"), "b"),
+                 ("merge", lambda: statectl.merge(testbed.registry, "kvs-retry", HALF, "a"), "a"),
+                 ("move", lambda: statectl.move(testbed.registry, "kvs-retry", "a", "b"), "b")]
+        version, writes = 1, 0
+        for name, start, owner in steps:
+            assert run_op(testbed, "kvs-retry", start).phase == "done", name
+            assert [o for r, o in owners(testbed, "kvs-retry") if proto.vkey(key) in r] == [owner], name
+            for i in range(20):
+                version = other.put(key, f"{name}-{i}".encode())
+            writes += 20
+            first.reply, first.attempts = None, 0      # the same request (client id, seq) once more
+            cli.inflight[first.reqid] = first
+            cli._send(first)
+            while first.reply is None and not first.error:
+                cli.poll(0.1)
+            assert (first.reply.status, first.reply.version) == (Status.OK, 1), (name, first.reply, first.error)
+            assert other.get(key) == f"{name}-19".encode() and version == 1 + writes, (name, version)

@@ -29,18 +29,18 @@ CLIENT = 0x0123456789ABCDEF
 U64_MAX = (1 << 64) - 1
 
 
-def raw_request(op=2, flags=0, klen=None, client=CLIENT, reqid=1, key=b"k", value=b""):
+def raw_request(op=2, flags=0, klen=None, client=CLIENT, reqid=1, key=b"k", value=b"", acked=0, deadline=0):
     """A request built by hand (bypassing Request.serialize's checks)."""
     if klen is None:
         klen = len(key)
-    return struct.pack("!BBHQQ", op, flags, klen, client, reqid) + key + value
+    return struct.pack("!BBHQQQI", op, flags, klen, client, reqid, acked, deadline) + key + value
 
 
 # -- layout -------------------------------------------------------------------
 
 
 def test_header_sizes_match_the_documented_layout():
-    assert REQ_LEN == 20
+    assert REQ_LEN == 32
     assert REP_LEN == 28
     assert MAX_KEY == 128
     assert MAX_VALUE == 1280
@@ -49,8 +49,9 @@ def test_header_sizes_match_the_documented_layout():
 
 
 def test_serialized_request_bytes_are_exact():
-    data = Request(Op.PUT, 0x0102030405060708, 0x1112131415161718, b"ab", b"xyz").serialize()
-    head = bytes([2, 0, 0, 2, 1, 2, 3, 4, 5, 6, 7, 8, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16, 0x17, 0x18])
+    data = Request(Op.PUT, 0x0102030405060708, 0x1112131415161718, b"ab", b"xyz", 0x21, 0x31323334).serialize()
+    head = bytes([2, 0, 0, 2, 1, 2, 3, 4, 5, 6, 7, 8, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16, 0x17, 0x18]) + \
+        (0x21).to_bytes(8, "big") + bytes([0x31, 0x32, 0x33, 0x34])
     assert data == head + b"abxyz"
 
 
@@ -178,6 +179,12 @@ def test_request_id_zero():
         parse_request(raw_request(reqid=0))
 
 
+def test_acked_above_the_request_itself():
+    assert parse_request(raw_request(reqid=5, acked=5, deadline=9)).acked == 5
+    with pytest.raises(KvsError, match=r"acked 6 is above the request's own id 5"):
+        parse_request(raw_request(reqid=5, acked=6))
+
+
 @pytest.mark.parametrize("op", [Op.GET, Op.DEL])
 @pytest.mark.parametrize("trailing", [1, 17])
 def test_get_del_with_trailing_value(op, trailing):
@@ -242,7 +249,9 @@ def test_fuzz_parse_request_raises_only_kvs_error():
             op = rng.choice(list(Op))
             key = rng.randbytes(rng.randint(1, MAX_KEY))
             value = rng.randbytes(rng.randint(0, MAX_VALUE)) if op is Op.PUT else b""
-            data = _mutate(rng, Request(op, rng.getrandbits(64), rng.randint(1, U64_MAX), key, value).serialize())
+            reqid = rng.randint(1, U64_MAX)
+            data = _mutate(rng, Request(op, rng.getrandbits(64), reqid, key, value, rng.randint(0, reqid),
+                                        rng.getrandbits(32)).serialize())
         else:
             data = rng.randbytes(rng.choice([rng.randint(0, 40), rng.randint(0, 1600)]))
         try:

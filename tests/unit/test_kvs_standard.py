@@ -74,7 +74,7 @@ class Raw:
 
 
 def req_frame(op: int, reqid: int, key: bytes, value: bytes = b"", client: int = 42) -> bytes:
-    payload = proto.REQ.pack(op, 0, len(key), client, reqid) + key + value
+    payload = proto.REQ.pack(op, 0, len(key), client, reqid, 0, 0) + key + value
     return struct.pack("!I", 4 + len(payload)) + payload
 
 
@@ -185,7 +185,7 @@ def test_load_get_only_mix(server, client):
 
 def test_malformed_frames_get_bad_request(server, client):
     s = Raw(server)
-    garbage = b"\xff" * 30
+    garbage = b"\xff" * 40
     s.send(struct.pack("!I", 4 + len(garbage)) + garbage)
     rep = s.reply()
     assert rep.status is Status.BAD_REQUEST and "unknown op 255" in rep.message

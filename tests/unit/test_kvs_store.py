@@ -9,13 +9,20 @@ import time
 
 import pytest
 
+from vfab.services.elastic_kvs import session
 from vfab.services.elastic_kvs import store as store_mod
-from vfab.services.elastic_kvs.proto import RECENT_MAX, KvsError, vkey
-from vfab.services.elastic_kvs.store import PAIR, REC, Store, pack_record, recent_add, recent_has, unpack_records
+from vfab.services.elastic_kvs.proto import KvsError, vkey
+from vfab.services.elastic_kvs.store import REC, Store, pack_record, unpack_records
 from vfab.vid.ranges import Range
 
 FULL = Range(0, (1 << 24) - 1)
 C1, C2 = 0xAAAA, 0xBBBB
+DEADLINE = int(time.time()) + 60
+
+
+def tab(client: int, seq: int, version: int = 1) -> bytes:
+    """A completion table with one record (the store keeps it as it is given: session.py reads it)."""
+    return session.serialize({client: session.Entry(0, DEADLINE, {seq: version})})
 
 
 @pytest.fixture(params=["native", "python"])
@@ -36,10 +43,23 @@ def st(tmp_path):
     s.close()
 
 
+def write(s: Store, k: bytes, v: bytes | None, client: int, reqid: int) -> tuple[int, bool, bytes]:
+    """What the backend does with a write, in the open transaction: (version, applied, record); a request
+    its completion record names is not applied again (the backend's own tests cover the rest)."""
+    row = s.row(k)
+    done = row[2] if row else b""
+    seen, result = session.lookup(done, client, reqid)
+    if seen != session.NEW:
+        return session.split_result(result)[0], False, b""
+    version = (row[1] if row else 0) + 1
+    done = session.add(done, client, reqid, 0, DEADLINE, session.result_of(version, False), time.time())
+    return version, True, s.write(k, v, version, done, row)
+
+
 def put(s: Store, k: bytes, v: bytes | None, client: int = C1, reqid: int = 1):
     s.begin()
     try:
-        out = s.write(k, v, client, reqid)
+        out = write(s, k, v, client, reqid)
     except BaseException:
         s.rollback()
         raise
@@ -51,21 +71,17 @@ def fill(s: Store, n: int, prefix: str = "key", start_reqid: int = 1) -> list[by
     keys = [f"{prefix}-{i}".encode() for i in range(n)]
     s.begin()
     for i, k in enumerate(keys):
-        s.write(k, b"val-" + k, C1, start_reqid + i)
+        write(s, k, b"val-" + k, C1, start_reqid + i)
     s.commit()
     return keys
 
 
 def table(s: Store) -> dict[bytes, tuple]:
-    return {k: (v, ver, rec) for k, v, ver, rec in s.db.execute("SELECT k, value, version, recent FROM kv")}
+    return {k: (v, ver, rec) for k, v, ver, rec in s.db.execute("SELECT k, value, version, done FROM kv")}
 
 
 def all_records(s: Store, rng: Range = FULL, chunk_bytes: int = 256 * 1024) -> list[tuple]:
     return [r for blob, _n in s.snapshot(rng, chunk_bytes) for r in unpack_records(blob)]
-
-
-def pairs(recent: bytes) -> list[tuple[int, int]]:
-    return [PAIR.unpack_from(recent, i) for i in range(0, len(recent), PAIR.size)]
 
 
 # -- the data path ------------------------------------------------------------------
@@ -74,18 +90,17 @@ def pairs(recent: bytes) -> list[tuple[int, int]]:
 def test_write_and_row_in_a_transaction(st):
     assert st.row(b"k") is None
     st.begin()
-    version, applied, record = st.write(b"k", b"v1", C1, 1)
+    record = st.write(b"k", b"v1", 1, tab(C1, 1))
     # visible to the same connection before the commit
-    assert st.row(b"k") == (b"v1", 1, PAIR.pack(C1, 1))
+    assert st.row(b"k") == (b"v1", 1, tab(C1, 1))
     st.commit()
-    assert (version, applied) == (1, True)
-    assert st.row(b"k") == (b"v1", 1, PAIR.pack(C1, 1))
-    assert list(unpack_records(record)) == [(b"k", vkey(b"k"), b"v1", 1, PAIR.pack(C1, 1))]
+    assert st.row(b"k") == (b"v1", 1, tab(C1, 1))
+    assert list(unpack_records(record)) == [(b"k", vkey(b"k"), b"v1", 1, tab(C1, 1))]
 
 
 def test_rollback_discards_the_write(st):
     st.begin()
-    st.write(b"k", b"v", C1, 1)
+    st.write(b"k", b"v", 1, tab(C1, 1))
     st.rollback()
     assert st.row(b"k") is None
     st.rollback()  # no transaction open: a no-op, not an error
@@ -93,7 +108,7 @@ def test_rollback_discards_the_write(st):
 
 def test_uncommitted_write_is_invisible_to_another_thread(st):
     st.begin()
-    st.write(b"k", b"v", C1, 1)
+    st.write(b"k", b"v", 1, tab(C1, 1))
     seen = []
     t = threading.Thread(target=lambda: (seen.append(st.row(b"k")), st.close()))
     t.start()
@@ -130,64 +145,15 @@ def test_delete_leaves_a_tombstone_and_put_continues_the_version(st):
     assert st.row(b"k")[:2] == (b"v4", 4)
 
 
-def test_delete_of_a_missing_key_changes_nothing(st):
-    assert put(st, b"ghost", None, C1, 1) == (0, True, b"")
-    assert st.row(b"ghost") is None
-    # a tombstone deleted again keeps its version and its row: nothing is written (no commit waits for the
-    # disk, the memory of recent writes keeps room for real ones); its retry is served afresh, the same
-    put(st, b"k", b"v", C1, 2)
-    put(st, b"k", None, C1, 3)
-    before = st.db.total_changes
-    assert put(st, b"k", None, C2, 1) == (2, True, b"")
-    assert st.db.total_changes == before
-    assert st.row(b"k") == (None, 2, PAIR.pack(C1, 2) + PAIR.pack(C1, 3))
-    assert put(st, b"k", None, C2, 1) == (2, True, b"")
-    # a retry of the delete that did delete is still recognised
-    assert put(st, b"k", None, C1, 3) == (2, False, b"")
-
-
-def test_retry_is_recognised_and_changes_nothing(st):
+def test_completion_records_are_in_the_row_and_its_state_record(st):
+    """The store keeps a key's completion table in the row, written in the write's transaction, and ships it
+    in the key's state record (what session.py decides from it is tested there and in the backend)."""
     assert put(st, b"k", b"first", C1, 7)[:2] == (1, True)
-    before = st.row(b"k")
     assert put(st, b"k", b"first", C1, 7) == (1, False, b"")
-    assert put(st, b"k", b"something else", C1, 7) == (1, False, b"")
-    assert put(st, b"k", None, C1, 7) == (1, False, b"")
-    assert st.row(b"k") == before
-    # the same reqid from another client is a different operation
-    assert put(st, b"k", b"c2", C2, 7)[:2] == (2, True)
-    # a retry after later writes still answers with the current version, and changes nothing
-    assert put(st, b"k", b"first", C1, 7) == (2, False, b"")
-    assert st.row(b"k")[:2] == (b"c2", 2)
-
-
-def test_recent_max_bounds_the_memory(st):
-    put(st, b"k", b"v0", C1, 1000)
-    for i in range(1, RECENT_MAX):  # RECENT_MAX - 1 newer writes: the first pair is still remembered
-        put(st, b"k", b"v%d" % i, C2, i)
-    _v, ver, recent = st.row(b"k")
-    assert ver == RECENT_MAX
-    assert len(recent) == RECENT_MAX * PAIR.size
-    assert pairs(recent)[0] == (C1, 1000)
-    assert put(st, b"k", b"again", C1, 1000) == (RECENT_MAX, False, b"")
-    # one more (the RECENT_MAX-th newer write): the oldest pair is forgotten
-    put(st, b"k", b"v%d" % RECENT_MAX, C2, RECENT_MAX)
-    _v, ver, recent = st.row(b"k")
-    assert len(recent) == RECENT_MAX * PAIR.size
-    assert (C1, 1000) not in pairs(recent)
-    assert pairs(recent) == [(C2, i) for i in range(1, RECENT_MAX + 1)]
-    version, applied, _ = put(st, b"k", b"again", C1, 1000)
-    assert (version, applied) == (RECENT_MAX + 2, True)
-
-
-def test_recent_helpers():
-    r = b""
-    for i in range(RECENT_MAX + 3):
-        r = recent_add(r, C1, i)
-    assert len(r) == RECENT_MAX * PAIR.size
-    assert not recent_has(r, C1, 0) and not recent_has(r, C1, 2)
-    assert recent_has(r, C1, 3) and recent_has(r, C1, RECENT_MAX + 2)
-    assert not recent_has(r, C2, 5)
-    assert not recent_has(b"", C1, 1)
+    assert put(st, b"k", b"c2", C2, 7)[:2] == (2, True)   # the same id from another client is another operation
+    done = st.row(b"k")[2]
+    assert session.lookup(done, C1, 7) == (session.DONE, 1) and session.lookup(done, C2, 7) == (session.DONE, 2)
+    assert list(unpack_records(st.record(b"k")))[0][4] == done
 
 
 def test_data_survives_close_and_reopen(tmp_path):
@@ -201,10 +167,10 @@ def test_data_survives_close_and_reopen(tmp_path):
     s2 = Store(path)
     try:
         assert table(s2) == before
-        assert s2.row(keys[0]) == (b"updated", 2, PAIR.pack(C1, 1) + PAIR.pack(C2, 1))
+        assert s2.row(keys[0])[:2] == (b"updated", 2)
         assert s2.row(keys[1])[:2] == (None, 2)
         assert s2.count(FULL) == 49
-        # the retry memory survives the restart too
+        # the completion records survive the restart too
         assert put(s2, keys[0], b"updated", C2, 1) == (2, False, b"")
         assert put(s2, keys[0], b"after restart", C2, 3)[:2] == (3, True)
     finally:
@@ -330,13 +296,14 @@ def test_apply_into_an_empty_store_reproduces_rows_exactly(st, tmp_path, impl):
     try:
         assert dst.apply(blobs) == 121
         assert table(dst) == table(st)
-        assert dst.row(b"empty") == (b"", 1, PAIR.pack(C2, 5000))
+        assert dst.row(b"empty")[:2] == (b"", 1)
+        assert session.lookup(dst.row(b"empty")[2], C2, 5000) == (session.DONE, 1)
         assert dst.count(FULL) == st.count(FULL) == 111
         # vkey is stored too: range queries on the copy agree with the source
         rng = Range(0, 0x5FFFFF)
         assert dst.count(rng) == st.count(rng)
         assert {r[0] for r in all_records(dst, rng)} == {r[0] for r in all_records(st, rng)}
-        # the retry memory moved with the keys
+        # the completion records moved with the keys
         assert put(dst, keys[0], b"second", C2, 1) == (2, False, b"")
         assert put(dst, keys[45], None, C2, 999) == (2, False, b"")
         # applying the same snapshot again changes nothing
@@ -349,16 +316,16 @@ def test_apply_into_an_empty_store_reproduces_rows_exactly(st, tmp_path, impl):
 def test_apply_is_version_gated(st, impl):
     k = b"key"
     vk = vkey(k)
-    r1 = pack_record(k, vk, b"one", 1, PAIR.pack(C1, 1))
-    r2 = pack_record(k, vk, b"two", 2, PAIR.pack(C1, 1) + PAIR.pack(C1, 2))
-    r3 = pack_record(k, vk, None, 3, PAIR.pack(C1, 3))
+    r1 = pack_record(k, vk, b"one", 1, tab(C1, 1))
+    r2 = pack_record(k, vk, b"two", 2, tab(C1, 1) + tab(C1, 2))
+    r3 = pack_record(k, vk, None, 3, tab(C1, 3))
     assert st.apply([r2]) == 1
-    assert st.row(k) == (b"two", 2, PAIR.pack(C1, 1) + PAIR.pack(C1, 2))
+    assert st.row(k) == (b"two", 2, tab(C1, 1) + tab(C1, 2))
     assert st.apply([r1]) == 0  # older: ignored
     assert st.row(k)[:2] == (b"two", 2)
     assert st.apply([r2]) == 0  # equal: ignored
     assert st.apply([r3]) == 1  # newer tombstone wins
-    assert st.row(k) == (None, 3, PAIR.pack(C1, 3))
+    assert st.row(k) == (None, 3, tab(C1, 3))
     assert st.apply([r1, r2]) == 0  # an older value cannot resurrect a deleted key
     assert st.row(k)[:2] == (None, 3)
 
@@ -367,17 +334,17 @@ def test_apply_older_record_never_overwrites_newer_in_any_order(st, tmp_path, im
     import itertools
 
     k = b"key"
-    recs = [pack_record(k, vkey(k), (None if v == 3 else b"v%d" % v), v, PAIR.pack(C1, v)) for v in (1, 2, 3, 4)]
+    recs = [pack_record(k, vkey(k), (None if v == 3 else b"v%d" % v), v, tab(C1, v)) for v in (1, 2, 3, 4)]
     for n, order in enumerate(itertools.permutations(recs)):
         dst = Store(str(tmp_path / f"perm{n}.db"))
         try:
             # one record per apply() (separate transactions) and all in one blob
             for r in order:
                 dst.apply([r])
-            assert dst.row(k) == (b"v4", 4, PAIR.pack(C1, 4)), order
+            assert dst.row(k) == (b"v4", 4, tab(C1, 4)), order
             dst.drop(FULL)
             dst.apply([b"".join(order)])
-            assert dst.row(k) == (b"v4", 4, PAIR.pack(C1, 4)), order
+            assert dst.row(k) == (b"v4", 4, tab(C1, 4)), order
         finally:
             dst.close()
 
@@ -385,11 +352,11 @@ def test_apply_older_record_never_overwrites_newer_in_any_order(st, tmp_path, im
 def test_apply_local_write_newer_than_the_copy_wins(st, impl):
     put(st, b"k", b"a", C1, 1)
     put(st, b"k", b"b", C1, 2)
-    stale = pack_record(b"k", vkey(b"k"), b"stale", 1, PAIR.pack(C2, 1))
+    stale = pack_record(b"k", vkey(b"k"), b"stale", 1, tab(C2, 1))
     assert st.apply([stale]) == 0
     assert st.row(b"k")[:2] == (b"b", 2)
     # a write after an applied record continues from the applied version
-    newer = pack_record(b"k", vkey(b"k"), b"remote", 9, PAIR.pack(C2, 9))
+    newer = pack_record(b"k", vkey(b"k"), b"remote", 9, tab(C2, 9))
     assert st.apply([newer]) == 1
     assert put(st, b"k", b"local", C1, 3)[:2] == (10, True)
 
@@ -425,7 +392,7 @@ def test_shuffled_snapshots_converge(st, tmp_path, impl):
 
 def test_apply_truncated_blob_raises_and_applies_nothing(st, impl):
     good = pack_record(b"a", vkey(b"a"), b"x", 1, b"")
-    bad = pack_record(b"b", vkey(b"b"), b"yyyy", 1, PAIR.pack(C1, 1))[:-3]
+    bad = pack_record(b"b", vkey(b"b"), b"yyyy", 1, tab(C1, 1))[:-3]
     with pytest.raises(KvsError, match="truncated"):
         st.apply([good, bad])
     with pytest.raises(KvsError, match="truncated"):
@@ -441,35 +408,36 @@ def test_apply_truncated_blob_raises_and_applies_nothing(st, impl):
 
 
 def test_pack_record_layout():
-    rec = pack_record(b"ab", 0x123456, b"xyz", 7, PAIR.pack(1, 2))
-    assert REC.size == 18
-    assert rec[:18] == bytes([0, 2, 0, 0x12, 0x34, 0x56]) + (7).to_bytes(8, "big") + bytes([0, 3, 0, 1])
-    assert rec[18:] == b"ab" + b"xyz" + PAIR.pack(1, 2)
+    rec = pack_record(b"ab", 0x123456, b"xyz", 7, tab(1, 2))
+    done = tab(1, 2)
+    assert REC.size == 19 and len(done) == 38
+    assert rec[:19] == bytes([0, 2, 0, 0x12, 0x34, 0x56]) + (7).to_bytes(8, "big") + bytes([0, 3, 0, 0, 38])
+    assert rec[19:] == b"ab" + b"xyz" + done
     tomb = pack_record(b"ab", 1, None, 2, b"")
-    assert tomb[14:18] == bytes([0, 0, store_mod.TOMBSTONE, 0])
+    assert tomb[14:19] == bytes([0, 0, store_mod.TOMBSTONE, 0, 0])
     assert list(unpack_records(tomb)) == [(b"ab", 1, None, 2, b"")]
 
 
 def test_unpack_records_round_trip_several():
-    recs = [(b"k1", 1, b"v", 1, b""), (b"k2", 2, None, 5, PAIR.pack(3, 4)), (b"k" * 128, 0xFFFFFF, b"", 9, b"")]
+    recs = [(b"k1", 1, b"v", 1, b""), (b"k2", 2, None, 5, tab(3, 4)), (b"k" * 128, 0xFFFFFF, b"", 9, b"")]
     blob = b"".join(pack_record(*r) for r in recs)
     assert list(unpack_records(blob)) == recs
     assert list(unpack_records(b"")) == []
 
 
-@pytest.mark.parametrize("cut", [1, 5, 17])
+@pytest.mark.parametrize("cut", [1, 5, 18])
 def test_unpack_records_truncated_header(cut):
     blob = pack_record(b"k1", 1, b"v", 1, b"") + pack_record(b"k2", 2, b"w", 1, b"")[:cut]
     it = unpack_records(blob)
     assert next(it)[0] == b"k1"
-    with pytest.raises(KvsError, match=r"truncated state record at byte 21"):
+    with pytest.raises(KvsError, match=r"truncated state record at byte 22"):
         next(it)
 
 
 @pytest.mark.parametrize("cut", [1, 2, 5, 10, 16])
 def test_unpack_records_truncated_body(cut):
-    full = pack_record(b"key", 1, b"value", 1, PAIR.pack(1, 1))  # 18 + 3 + 5 + 16 = 42 B
-    assert len(full) == 42
+    full = pack_record(b"key", 1, b"value", 1, tab(1, 1))  # 19 + 3 + 5 + 38 = 65 B
+    assert len(full) == 65
     with pytest.raises(KvsError, match=r"truncated state record: lengths run past the blob"):
         list(unpack_records(full[:-cut]))
 
@@ -481,7 +449,7 @@ def test_snapshot_while_another_thread_writes_is_consistent(st, impl):
     keys = [b"c-%d" % i for i in range(60)]
     st.begin()
     for k in keys:
-        st.write(k, b"gen-0", C1, 1)
+        write(st, k, b"gen-0", C1, 1)
     st.commit()
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -495,7 +463,7 @@ def test_snapshot_while_another_thread_writes_is_consistent(st, impl):
                 # every transaction moves all keys to the next generation together
                 st.begin()
                 for k in keys:
-                    st.write(k, b"gen-%d" % g, C1, g + 1)
+                    write(st, k, b"gen-%d" % g, C1, g + 1)
                 st.commit()
                 gens[0] = g
         except BaseException as exc:  # noqa: BLE001
@@ -522,9 +490,9 @@ def test_snapshot_while_another_thread_writes_is_consistent(st, impl):
             assert len(values) == 1 and len(versions) == 1, f"torn snapshot: {values} {versions}"
             (value,), (version,) = values, versions
             assert value == b"gen-%d" % (version - 1)
-            for k, vk, _v, ver, recent in recs:
+            for k, vk, _v, ver, done in recs:
                 assert vk == vkey(k)
-                assert pairs(recent)[-1] == (C1, ver)
+                assert session.lookup(done, C1, ver) == (session.DONE, ver)
             seen.add(version)
     finally:
         stop.set()
@@ -548,7 +516,7 @@ def test_a_store_of_the_previous_layout_is_converted_with_its_data(tmp_path):
         conn.execute("INSERT INTO kv VALUES (?,?,?,?,?)", (b"gone", vkey(b"gone"), None, 2, b""))
     s = Store(path)
     try:
-        assert s.row(b"k") == (b"v", 3, b"") and s.row(b"gone") == (None, 2, b"")
+        assert s.row(b"k") == (b"v", 3, b"") and s.row(b"gone") == (None, 2, b"")   # (completion records: none)
         assert "WITHOUT ROWID" not in s.db.execute("SELECT sql FROM sqlite_master WHERE name='kv'").fetchone()[0]
         assert s.count(Range(0, 0xFFFFFF)) == 1
     finally:
@@ -596,7 +564,7 @@ def test_rows_are_clustered_by_vid_key_and_a_full_block_still_takes_new_keys(tmp
         keys = [f"key-{i}".encode() for i in range(300)]
         s.begin()
         for k in keys:
-            s.write(k, b"v", 1, 1)
+            write(s, k, b"v", 1, 1)
         s.commit()
         t.apply([blob for blob, _ in s.snapshot(Range(0, 0xFFFFFF))], gen=t.begin_copy())
         for store in (s, t):
@@ -606,10 +574,10 @@ def test_rows_are_clustered_by_vid_key_and_a_full_block_still_takes_new_keys(tmp
         # a key whose vkey's block is full (its last id taken by a row of another key)
         k = b"late"
         top = (vkey(k) << 20) + (1 << 20) - 1
-        s.db.execute("INSERT INTO kv (id, k, vkey, value, version, recent) VALUES (?,?,?,?,?,?)",
+        s.db.execute("INSERT INTO kv (id, k, vkey, value, version, done) VALUES (?,?,?,?,?,?)",
                      (top, b"squatter", vkey(k), b"x", 1, b""))
         s.begin()
-        s.write(k, b"still stored", 1, 2)
+        write(s, k, b"still stored", 1, 2)
         s.commit()
         assert s.row(k) == (b"still stored", 1, s.row(k)[2])
         assert s.db.execute("SELECT id FROM kv WHERE k=?", (k,)).fetchone()[0] > top
@@ -625,9 +593,9 @@ def test_a_copy_generation_wins_over_stale_rows_whatever_their_versions(tmp_path
     s = Store(str(tmp_path / "g.sqlite"))
     try:
         s.begin()
-        s.write(b"k", b"unacked", 1, 1)
-        s.write(b"k", b"unacked-2", 1, 2)          # version 2, stale
-        s.write(b"gone", b"x", 1, 3)                # a key the new owner never had
+        write(s, b"k", b"unacked", 1, 1)
+        write(s, b"k", b"unacked-2", 1, 2)          # version 2, stale
+        write(s, b"gone", b"x", 1, 3)                # a key the new owner never had
         s.commit()
         theirs = pack_record(b"k", vkey(b"k"), b"acked", 2, b"")
         assert s.apply([theirs]) == 0               # version-gated alone, the stale row would stay
@@ -653,14 +621,14 @@ def test_sync_keeps_the_locks_so_another_process_never_deletes_the_live_wal(tmp_
     s = Store(path)
     try:
         s.begin()
-        s.write(b"k", b"v", 1, 1)
+        write(s, b"k", b"v", 1, 1)
         s.commit()
         s.sync()
         reader = "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); c.execute('SELECT count(*) FROM kv'); c.close()"
         subprocess.run([sys.executable, "-c", reader, path], check=True)
         assert os.path.exists(path + "-wal"), "another process deleted the live write-ahead log"
         s.begin()
-        s.write(b"k2", b"v2", 1, 2)
+        write(s, b"k2", b"v2", 1, 2)
         s.commit()
     finally:
         s.close()
@@ -689,7 +657,7 @@ def test_sync_fdatasyncs_the_write_ahead_log_and_names_it_when_that_fails(tmp_pa
     monkeypatch.setattr(os, "fdatasync", spy)
     try:
         s.begin(durable=False)
-        s.write(b"k", b"v", 1, 1)
+        write(s, b"k", b"v", 1, 1)
         s.commit()
         assert synced == []                     # durable=False: the commit did not sync through us
         s.sync()
@@ -708,7 +676,7 @@ def test_the_time_a_thread_spends_committing_is_counted_for_that_thread(st):
     """disk_seconds: the loop's stall log tells a slow disk from other waits by it."""
     before = st.disk_seconds()
     st.begin()
-    st.write(b"k", b"v" * 1000, C1, 1)
+    write(st, b"k", b"v" * 1000, C1, 1)
     st.commit()
     assert st.disk_seconds() > before
     other = []
@@ -752,9 +720,9 @@ def test_the_native_and_the_python_snapshot_ship_the_same_bytes(st, monkeypatch)
     for k in keys[::7]:
         put(st, k, None, C2, 1)                  # tombstones
     for i, k in enumerate(keys[1::9]):
-        put(st, k, b"", C2, 100 + i)             # empty values, two recent pairs
+        put(st, k, b"", C2, 100 + i)             # empty values, two clients' completion records
     put(st, b"", b"empty key", C2, 7)
-    st.apply([pack_record(b"no-recent", vkey(b"no-recent"), b"v", 3, b"")])
+    st.apply([pack_record(b"no-records", vkey(b"no-records"), b"v", 3, b"")])
     for chunk in (1, 700, 256 * 1024):
         native = list(st.snapshot(FULL, chunk))
         with monkeypatch.context() as m:
@@ -797,7 +765,7 @@ def test_damaged_blobs_are_refused_whole_or_applied_never_crash(st, impl):
     applied or are records the layout allows; the store stays usable."""
     rnd = random.Random(77)
     good = b"".join(pack_record(b"k%d" % i, vkey(b"k%d" % i), b"v" * rnd.randrange(0, 300), i + 1,
-                                PAIR.pack(C1, i)) for i in range(40))
+                                tab(C1, i)) for i in range(40))
     refused = 0
     for trial in range(400):
         blob = bytearray(good[:rnd.randrange(0, len(good) + 1)])

@@ -19,7 +19,7 @@ def put_each(s: Store, keys: list[bytes], reqid: int = 1) -> None:
     """One durable commit per key."""
     for i, k in enumerate(keys):
         s.begin()
-        s.write(k, b"v-" + k, 7, reqid + i)
+        s.write(k, b"v-" + k, 1, b"")
         s.commit()
 
 
@@ -43,7 +43,7 @@ def test_after_a_crash_every_commit_is_read_back_and_no_zero_is_taken_for_a_fram
             s = Store(path)
             put_each(s, [f"k{i}".encode() for i in range(CHECKPOINT_PAGES + 50)])
             s.begin()
-            s.write(b"uncommitted", b"x", 7, 99_999)
+            s.write(b"uncommitted", b"x", 1, b"")
         finally:
             os._exit(0)
     os.waitpid(pid, 0)
@@ -64,7 +64,7 @@ def test_growing_waits_for_a_writer_that_holds_the_lock(tmp_path):
     other = sqlite3.connect(path, isolation_level=None)
     other.execute("PRAGMA journal_mode=WAL")
     other.execute("BEGIN IMMEDIATE")
-    other.execute("INSERT INTO kv (vkey, k, value, version, recent) VALUES (1, x'01', x'02', 1, x'')")
+    other.execute("INSERT INTO kv (vkey, k, value, version, done) VALUES (1, x'01', x'02', 1, x'')")
     size = os.path.getsize(path + "-wal")
     opened: list[Store] = []
     t = threading.Thread(target=lambda: opened.append(Store(path)))

@@ -22,7 +22,10 @@ Replies leave from the VID that was asked (port security lets only the
 range's owner source it), so a client can tell a real reply from a forged one.
 An owner serves only while its lease is known to be alive
 (:mod:`.lease`): stopped past its TTL it holds requests until it has
-registered again and re-read the range map.
+registered again and re-read the range map, then serves those of ranges still
+its own and drops the others, never forwarding them as if fresh (their clients
+have retried at the new owner: issue 42).  A forward carries the epoch it was
+routed by, and an owner refuses one older than its own (replication.py).
 """
 
 from __future__ import annotations
@@ -117,7 +120,11 @@ class EndpointLoop(PeerSide, Replication):
         self.pending: collections.deque = collections.deque()   # (raw, hops) to (re)classify
         self.paused: dict[int, tuple[Range, list]] = {}
         self.incoming: dict[int, Incoming] = {}
-        self.fenced: list = []
+        self.fenced: list = []   # (raw, hops, vk, epoch of its range when it came): held while not authoritative
+        # The view before a map that came while this endpoint had no authority (its lease lapsed, or was just
+        # granted anew), until the port has been read empty once: what waits in it came meanwhile, routed by
+        # that view (_came_while_away)
+        self.away: View | None = None
         self.targets: dict[str, list[Range]] = {}
         self.op: OpRunner | None = None
         self.ending: set[str] = set()   # (loop thread) ops ended whose final record is still being written
@@ -207,6 +214,8 @@ class EndpointLoop(PeerSide, Replication):
             return
         old = self.view
         self.view = view
+        if self.away is None and (not self._authoritative() or generation not in (None, self.view_generation)):
+            self.away = old   # a map that comes while (or as) authority is regained: see _came_while_away
         if generation is not None:
             self.view_generation = generation
         if [r.range for r in old.held_by(self.name)] != [r.range for r in view.held_by(self.name)]:
@@ -400,13 +409,34 @@ class EndpointLoop(PeerSide, Replication):
             return
         self._last_timers = now
         if self.fenced and self._authoritative():
-            self.pending.extend(self.fenced)
-            self.fenced = []
+            self._unfence()
         for inc in [i for i in self.incoming.values() if now - i.seen > INCOMING_IDLE]:
             self._silent_source(inc)
 
     def _authoritative(self) -> bool:
         return self.lease.valid and self.view_generation == self.lease.generation
+
+    def _unfence(self) -> None:
+        """Authority is back: serve what was held while it lapsed, for ranges still ours; drop the rest.
+
+        A request held here while this endpoint was stopped or cut off came under an epoch that is over
+        once its range was taken over (or moved) meanwhile: its client has retried to the new owner since,
+        and may have its answer and gone on.  Forwarded now it would arrive as if fresh (issue 42), so it is
+        dropped here (and a new owner refuses a forward stamped with an older epoch than its own: _fwd_in).
+        """
+        stale: dict[tuple[int, int, str], int] = {}
+        for raw, hops, vk, epoch in self.fenced:
+            rec = self.view.find(vk)
+            if rec is not None and rec.owner == self.name:
+                self.pending.append((raw, hops))
+            else:
+                k = (epoch, rec.epoch if rec else 0, rec.owner if rec and rec.owner else "nobody")
+                stale[k] = stale.get(k, 0) + 1
+        self.fenced = []
+        for (was, now, owner), n in stale.items():
+            self.counters["fenced_dropped"] += n
+            log.warning("%s: dropped %d request(s) held while this endpoint had no authority: their range moved on "
+                        "(epoch %d, now %d owned by %s); their clients retry there", self.name, n, was, now, owner)
 
     # -- data ---------------------------------------------------------------------------------------
     def _batch(self) -> None:
@@ -422,6 +452,8 @@ class EndpointLoop(PeerSide, Replication):
             frames.append((got[0], 0))
         if frames:
             self._handle(frames)
+        if drained:
+            self.away = None
         if self.unsynced_since and (drained or time.monotonic() - self.unsynced_since >= GROUP_HOLD):
             self._sync_now()
 
@@ -438,10 +470,19 @@ class EndpointLoop(PeerSide, Replication):
             return "ignore"  # the owner got it too (mirrored delivery)
         return "forward"
 
+    def _came_while_away(self, vk: int) -> bool:
+        """A request from the port, read before it was read empty after the lease came back: routed here by
+        the view before (this endpoint owned its range) while this endpoint was stopped or cut off, and its
+        range has moved on since.  Dropped, like the requests held while fenced (_unfence): the lease
+        keeper can register again and the map can change before the loop reads the port."""
+        old, new = self.away.find(vk), self.view.find(vk)
+        return old is not None and old.owner == self.name and (new is None or new.owner != self.name)
+
     def _handle(self, frames: list) -> None:
         reqs: list[Request] = []
         meta: list[Frame] = []
         direct: list = []
+        away = 0
         for raw, hops in frames:
             try:
                 frame = parse(raw)
@@ -459,6 +500,9 @@ class EndpointLoop(PeerSide, Replication):
                 self.counters["bad_requests"] += 1
                 direct.append((frame, None, self.backend.error_reply(frame.payload, Refusal.BAD_REQUEST, str(exc))))
                 continue
+            if self.away is not None and hops == 0 and self._came_while_away(vk):
+                away += 1
+                continue
             role = self._role(vk, hops)
             if role == "serve":
                 reqs.append(Request(frame.payload, vk, frame.src))
@@ -470,7 +514,7 @@ class EndpointLoop(PeerSide, Replication):
                 next(h for rng, h in self.paused.values() if vk in rng).append((raw, 0))
                 self.counters["held"] += 1
             elif role == "fenced":
-                self.fenced.append((raw, hops))
+                self.fenced.append((raw, hops, vk, self.view.find(vk).epoch))
                 self.counters["fenced"] += 1
             elif role == "ignore":
                 self.counters["mirror_ignored"] += 1
@@ -481,6 +525,10 @@ class EndpointLoop(PeerSide, Replication):
                 direct.append((frame, vk, self.backend.error_reply(
                     frame.payload, Refusal.WRONG_OWNER,
                     f"{self.name} does not own key {vk:#08x} and cannot reach its owner")))
+        if away:
+            self.counters["fenced_dropped"] += away
+            log.warning("%s: dropped %d request(s) that reached this endpoint while it had no authority, for ranges "
+                        "that moved on meanwhile; their clients retry at the new owner", self.name, away)
         for frame, vk, payload in direct:
             self._reply(frame, vk, payload)
         if not reqs:
@@ -596,8 +644,7 @@ class EndpointLoop(PeerSide, Replication):
             self.source_alive(env.sender, [int(lo) for lo in b.get("los", [])])
             return None
         if t == "FWD":
-            hops = int(b.get("hops", 1))
-            self.pending.extend((raw, hops) for raw in env.blobs)
+            self._fwd_in(env)
             return None
         if t == "BEGIN":
             return self._begin(env)

@@ -67,6 +67,11 @@ class PeerSide:
                     return env.reply("OK", self.name, applied=0)  # the copy ended: nothing to keep
                 inc.seen = time.monotonic()
                 gen = inc.gen
+            elif t == "REPL":
+                stale = self._stale_replication(env)
+                if stale:
+                    self.counters["stale_repl_refused"] += 1
+                    return env.reply("ERR", self.name, error=stale)
             durable = t == "REPL" and bool(b.get("durable", True))
             try:
                 n = self.backend.apply(env.blobs, durable=durable, gen=gen)
@@ -94,6 +99,17 @@ class PeerSide:
             except BackendError as exc:
                 return env.reply("ERR", self.name, error=str(exc))
             return env.reply("OK", self.name)
+
+    def _stale_replication(self, env: Envelope) -> str:
+        """Why a mirror's REPL must be refused ('' if not): it replicates a range that has another owner here at a
+        later epoch than the sender knew (we took it over while the sender was stopped; applied now, its writes
+        would land behind the new owner's and be acknowledged by the sender: lost)."""
+        for lo, epoch in (env.body.get("epochs") or {}).items():
+            rec = self.view.find(int(lo))
+            if rec is not None and rec.owner != env.sender and rec.epoch > int(epoch):
+                return (f"{self.name} refuses writes {env.sender} replicated under epoch {epoch} of {rec.range}: "
+                        f"it is {rec.owner or 'nobody'}'s at epoch {rec.epoch} now")
+        return ""
 
     def source_alive(self, source: str, los: list[int]) -> None:
         """ALIVE: ``source`` lives and waits for etcd; its copies to us (by their ranges' lo) are not silent."""

@@ -24,8 +24,7 @@
 #include <string.h>
 #include <time.h>
 
-#define REC_SIZE 18   /* "!HIQHBB": klen, vkey, version, vlen, flags, nrec */
-#define PAIR_SIZE 16  /* one (client, request id) pair of `recent` */
+#define REC_SIZE 19   /* "!HIQHBH": klen, vkey, version, vlen, flags, dlen (the completion table's bytes) */
 #define TOMBSTONE 1
 
 struct kvs_native {
@@ -62,9 +61,9 @@ static void say(char *err, int errlen, const char *what)
 
 void kvs_native_close(struct kvs_native *h);
 
-/* `upsert`: the statement store.py builds (parameters ?1 vkey, ?2 key, ?3 value or NULL, ?4 version, ?5 recent,
+/* `upsert`: the statement store.py builds (parameters ?1 vkey, ?2 key, ?3 value or NULL, ?4 version, ?5 done,
  * ?6 gen, ?7 whether the record also wins over rows of earlier copy generations); `snapshot`: its range query
- * (?1 lo, ?2 hi; columns k, vkey, value, version, recent). */
+ * (?1 lo, ?2 hi; columns k, vkey, value, version, done). */
 struct kvs_native *kvs_native_open(const char *path, const char *upsert, const char *snapshot, int checkpoint_pages,
                                  char *err, int errlen)
 {
@@ -115,7 +114,7 @@ static long long check(const unsigned char *b, long long n, char *err, int errle
                 snprintf(err, errlen, "truncated state record at byte %lld", off);
             return -1;
         }
-        len = REC_SIZE + (long long)be16(b + off) + be16(b + off + 14) + (long long)b[off + 17] * PAIR_SIZE;
+        len = REC_SIZE + (long long)be16(b + off) + be16(b + off + 14) + be16(b + off + 17);
         if (len > n - off) {
             say(err, errlen, "truncated state record: lengths run past the blob");
             return -1;
@@ -148,8 +147,8 @@ long long kvs_apply(struct kvs_native *h, const unsigned char *b, long long n, i
     before = sqlite3_total_changes64(h->db);
     while (off < n) {
         const unsigned char *p = b + off, *key = p + REC_SIZE;
-        uint32_t klen = be16(p), vlen = be16(p + 14), nrec = p[17];
-        const unsigned char *value = key + klen, *recent = value + vlen;
+        uint32_t klen = be16(p), vlen = be16(p + 14), dlen = be16(p + 17);
+        const unsigned char *value = key + klen, *done = value + vlen;
         int rc;
 
         sqlite3_bind_int64(h->upsert, 1, be32(p + 2));
@@ -159,14 +158,14 @@ long long kvs_apply(struct kvs_native *h, const unsigned char *b, long long n, i
         else
             sqlite3_bind_blob(h->upsert, 3, value, (int)vlen, SQLITE_STATIC);
         sqlite3_bind_int64(h->upsert, 4, (sqlite3_int64)be64(p + 6));
-        sqlite3_bind_blob(h->upsert, 5, recent, (int)(nrec * PAIR_SIZE), SQLITE_STATIC);
+        sqlite3_bind_blob(h->upsert, 5, done, (int)dlen, SQLITE_STATIC);
         sqlite3_bind_int64(h->upsert, 6, gen);
         sqlite3_bind_int(h->upsert, 7, gen != 0);
         rc = sqlite3_step(h->upsert);
         sqlite3_reset(h->upsert);
         if (rc != SQLITE_DONE)
             goto rollback;
-        off += REC_SIZE + klen + vlen + nrec * PAIR_SIZE;
+        off += REC_SIZE + klen + vlen + dlen;
     }
     sqlite3_clear_bindings(h->upsert);  /* no pointer into the caller's blob outlives the call */
     won = sqlite3_total_changes64(h->db) - before;
@@ -216,18 +215,18 @@ long long kvs_snapshot_next(struct kvs_native *h, unsigned char *buf, long long 
     *nrec = 0;
     while (h->pending == SQLITE_ROW && n < chunk_bytes) {
         sqlite3_stmt *s = h->snapshot;
-        const unsigned char *key = sqlite3_column_blob(s, 0), *value, *recent;
+        const unsigned char *key = sqlite3_column_blob(s, 0), *value, *done;
         long long klen = sqlite3_column_bytes(s, 0), vlen, rlen, len;
         int tomb = sqlite3_column_type(s, 2) == SQLITE_NULL;
         unsigned char *p = buf + n;
 
         value = tomb ? NULL : sqlite3_column_blob(s, 2);
         vlen = tomb ? 0 : sqlite3_column_bytes(s, 2);
-        recent = sqlite3_column_blob(s, 4);
+        done = sqlite3_column_blob(s, 4);
         rlen = sqlite3_column_bytes(s, 4);
-        if (klen > 0xFFFF || vlen > 0xFFFF || rlen % PAIR_SIZE || rlen / PAIR_SIZE > 0xFF) {
+        if (klen > 0xFFFF || vlen > 0xFFFF || rlen > 0xFFFF) {
             if (err && errlen > 0)
-                snprintf(err, errlen, "a row the state record cannot hold (key %lld B, value %lld B, recent %lld B)",
+                snprintf(err, errlen, "a row the state record cannot hold (key %lld B, value %lld B, done %lld B)",
                          klen, vlen, rlen);
             return -1;
         }
@@ -243,12 +242,12 @@ long long kvs_snapshot_next(struct kvs_native *h, unsigned char *buf, long long 
         put64(p + 6, (uint64_t)sqlite3_column_int64(s, 3));
         put16(p + 14, (uint32_t)vlen);
         p[16] = tomb ? TOMBSTONE : 0;
-        p[17] = (unsigned char)(rlen / PAIR_SIZE);
+        put16(p + 17, (uint32_t)rlen);
         memcpy(p + REC_SIZE, key, klen);
         if (vlen)
             memcpy(p + REC_SIZE + klen, value, vlen);
         if (rlen)
-            memcpy(p + REC_SIZE + klen + vlen, recent, rlen);
+            memcpy(p + REC_SIZE + klen + vlen, done, rlen);
         n += len;
         (*nrec)++;
         h->pending = sqlite3_step(s);
