@@ -62,10 +62,15 @@ MAX_XID = 0xFFFFFFFF
 # name -> (OXM field number, value bytes)
 OXM_FIELDS = {"in_port": (0, 4), "eth_dst": (3, 6), "eth_src": (4, 6), "eth_type": (5, 2), "ip_proto": (10, 1),
               "ipv4_src": (11, 4), "ipv4_dst": (12, 4), "udp_src": (15, 2), "udp_dst": (16, 2)}
+OXM_FIELDS["ip_frag"] = (26, 1)   # NXM_NX_IP_FRAG, an NXM1 field: OVS takes it in OpenFlow 1.2+ matches
+NXM1 = 0x0001
+OXM_CLASS = {"ip_frag": NXM1}     # fields outside OpenFlow's basic class
 assert set(OXM_FIELDS) == set(FIELD_BITS)
 _OXM_NAME = {(OXM_BASIC, num): name for name, (num, _) in OXM_FIELDS.items()}
 # OVS may name move operands by their older NXM headers: class 0, fields eth_dst 1, eth_src 2, ip_src 7, ip_dst 8.
 _OXM_NAME.update({(0, 1): "eth_dst", (0, 2): "eth_src", (0, 7): "ipv4_src", (0, 8): "ipv4_dst"})
+_OXM_NAME[NXM1, 26] = "ip_frag"
+_OXM_NAME.pop((OXM_BASIC, 26), None)
 RAW = "_raw"  # match of a foreign flow: its OXM bytes kept as they came, so it can be deleted exactly
 
 _RESERVED_PORTS = {ofp.OFPP_NORMAL: ("normal",), ofp.OFPP_FLOOD: ("flood",),
@@ -79,7 +84,7 @@ class WireError(ValueError):
 
 def _oxm_header(name: str, masked: bool) -> int:
     num, n = OXM_FIELDS[name]
-    return OXM_BASIC << 16 | num << 9 | int(masked) << 8 | (2 * n if masked else n)
+    return OXM_CLASS.get(name, OXM_BASIC) << 16 | num << 9 | int(masked) << 8 | (2 * n if masked else n)
 
 
 _OXM_HDR = {(name, masked): struct.pack("!I", _oxm_header(name, masked))
@@ -120,7 +125,7 @@ def decode_match(buf, off: int) -> tuple[tuple, int]:
     while pos < end:
         (hdr,) = struct.unpack_from("!I", buf, pos)
         cls, num, hasmask, n = hdr >> 16, (hdr >> 9) & 0x7F, (hdr >> 8) & 1, hdr & 0xFF
-        name = _OXM_NAME.get((cls, num)) if cls == OXM_BASIC else None
+        name = _OXM_NAME.get((cls, num)) if cls in (OXM_BASIC, NXM1) else None
         size = OXM_FIELDS[name][1] if name else 0
         if name is None or n != (2 * size if hasmask else size):
             foreign = True

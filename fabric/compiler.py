@@ -249,10 +249,15 @@ def _compile(st: FabricState, hops: dict[tuple[int, int], int] | None, problems:
             # to the service's address, and that must reach memcached, not come back through the door into the
             # helpers' select group (issue 43; the helpers' TCP legs are not UDP and never matched).
             door_ports = [hp for hp in host_ports if not (door.source_guard and hp[:2] in serving)]
-            for dpid, flow in frontdoor.door_flows(door, svc.id, layout, door_ports, PRIO_FRONTDOOR, sources):
-                out[dpid].add(flow)
-            for dpid, flow in frontdoor.guard_flows(door, svc.id, unserved, PRIO_GUARD):
-                out[dpid].add(flow)
+            # Its requests' IP fragments take the same way (``Door.fragment_door``: classified by the client's
+            # address, not by a port they do not carry), so a large request follows its client (issue 43).
+            for d in (door, door.fragment_door()):
+                if d is None:
+                    continue
+                for dpid, flow in frontdoor.door_flows(d, svc.id, layout, door_ports, PRIO_FRONTDOOR, sources):
+                    out[dpid].add(flow)
+                for dpid, flow in frontdoor.guard_flows(d, svc.id, unserved, PRIO_GUARD):
+                    out[dpid].add(flow)
     return out
 
 

@@ -32,6 +32,9 @@ from typing import Iterator
 
 FIELD_BITS = {"in_port": 32, "eth_dst": 48, "eth_src": 48, "eth_type": 16, "ip_proto": 8,
               "ipv4_src": 32, "ipv4_dst": 32, "udp_dst": 16, "udp_src": 16}
+# OVS's NXM_NX_IP_FRAG (its nw_frag): bit 0 "a fragment", bit 1 "a later fragment" (no L4 header).
+FIELD_BITS["ip_frag"] = 8
+FRAG_ANY, FRAG_LATER = 0x01, 0x02
 # Header fields a ``move`` may read or write (no in_port: it is metadata, not a header).
 MOVE_FIELDS = ("eth_dst", "eth_src", "ipv4_src", "ipv4_dst")
 TABLE_ADMIT = 0

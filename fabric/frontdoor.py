@@ -66,10 +66,10 @@ Kinds:
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from vfab.fabric.flows import TABLE_ADMIT, TABLE_ROUTE, FlowSpec, Kind, make_cookie, match, move, multipath
+from vfab.fabric.flows import FRAG_ANY, TABLE_ADMIT, TABLE_ROUTE, FlowSpec, Kind, make_cookie, match, move, multipath
 from vfab.vid import codec, mackey
 from vfab.vid.errors import VidError
 
@@ -106,10 +106,29 @@ class Door:
     answers: tuple = ()        # match fields of the servers' answers (guarded), as (name, value) pairs
     source_guard: bool = False  # requests only from the sending host's registered IPv4 addresses (if any)
     key_fn: str = mackey.LOW24  # how the key comes from key_field (vfab.vid.mackey)
+    fragments: tuple = ()          # match fields of the requests' IP fragments (see fragment_door)
+    answer_fragments: tuple = ()   # and of the answers' (guarded like the answers)
 
     @property
     def label(self) -> str:
         return f"front door #{self.index} ({self.kind}) of service {self.service!r}"
+
+    def fragment_door(self) -> "Door | None":
+        """The door's twin for the IP fragments of its requests (None: the kind has none).
+
+        OVS's default fragment handling zeroes the UDP ports of every fragment, the first one too, so a
+        ``udp_dst`` door never sees a fragmented request: its fragments went around the door (straight to
+        memcached's host by NORMAL) while the same client's small requests went through a helper (issue 43).
+        The twin matches every UDP fragment to the door's address (``ip_frag`` = a fragment) and classifies it
+        by the same key field, which fragments carry (the source address, the MAC): all of a client's
+        datagrams reach the same VID, the same range and the same select group, whose OVS default (dp_hash of
+        the symmetric L3/L4 hash, which leaves UDP ports out) then picks one helper per client address.  The
+        twin keeps the source guard (fragments from an unregistered address are dropped) and guards the
+        answers' fragments as the answers."""
+        if not self.fragments:
+            return None
+        return replace(self, protocol=self.fragments, answers=self.answer_fragments, fragments=(),
+                       answer_fragments=())
 
     def claims(self) -> tuple[int, int | None]:
         """(udp port, IPv4 destination or None = any): which frames the door takes."""
@@ -169,6 +188,11 @@ def _udp_protocol(port: int, ip: int | None = None) -> tuple:
     return tuple(proto)
 
 
+def _udp_fragments(ip: int, side: str = "ipv4_dst") -> tuple:
+    """Any IP fragment of UDP to (``side="ipv4_src"``: from) ip: they carry no ports to match."""
+    return (("eth_type", ETH_IPV4), ("ip_proto", IPPROTO_UDP), (side, ip), ("ip_frag", (FRAG_ANY, FRAG_ANY)))
+
+
 def _udp_answers(src_port: int, src_ip: int | None = None, dst_port: int | None = None) -> tuple:
     ans = [("eth_type", ETH_IPV4), ("ip_proto", IPPROTO_UDP), ("udp_src", src_port)]
     if src_ip is not None:
@@ -204,7 +228,8 @@ register(DoorKind(
      "key": Param(_one_of(*KEY_FIELDS), required=False, default="ip_src",
                   help="client field whose low 24 bits are the key")},
     lambda svc, i, p: Door(svc, i, "udp", _udp_protocol(p["port"], p["ip"]), KEY_FIELDS[p["key"]], p,
-                           _udp_answers(p["port"], p["ip"]), source_guard=True),
+                           _udp_answers(p["port"], p["ip"]), source_guard=True,
+                           fragments=_udp_fragments(p["ip"]), answer_fragments=_udp_fragments(p["ip"], "ipv4_src")),
     help="UDP to ip:port from host ports; key = low 24 bits of the client's IPv4 source (or MAC); UDP from "
          "ip:port only from the service's hosts; requests only from a host's registered addresses",
 ))
@@ -255,6 +280,8 @@ def service_doors(svc, problems: list[str]) -> list[Door]:
 def overlap(a: Door, b: Door) -> bool:
     """True if some frame would match both doors (the same port, and the same or an unrestricted address)."""
     (pa, ia), (pb, ib) = a.claims(), b.claims()
+    if a.fragments and b.fragments and ia == ib:
+        return True   # fragments carry no port: two doors on one address would both claim them
     return pa == pb and (ia is None or ib is None or ia == ib)
 
 

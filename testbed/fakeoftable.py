@@ -18,6 +18,9 @@ It runs packets through the ``SwitchConfig``s the compiler emits
 - packets are dicts of header fields (``in_port``, ``eth_*``, ``ip_proto``,
   ``ipv4_src``/``ipv4_dst``, ``udp_src``/``udp_dst``, ...); a flow matching a
   field the packet lacks does not match (as OpenFlow prerequisites would);
+  an IP fragment carries ``ip_frag`` (OVS's nw_frag bits) and, as OVS's
+  default fragment handling gives them, no UDP ports; ``ip_frag`` of another
+  IPv4 packet is 0;
 - ``normal``/``controller``/``flood`` are recorded as deliveries to the pseudo
   ports ``"NORMAL"``/``"CONTROLLER"``/``"FLOOD"``;
 - a flow without actions drops: counted in ``drops`` per (dpid, flow key);
@@ -47,6 +50,8 @@ class FakeTableError(AssertionError):
 def flow_matches(flow: FlowSpec, pkt: dict) -> bool:
     for name, value, mask in flow.match:
         got = pkt.get(name)
+        if got is None and name == "ip_frag" and pkt.get("eth_type") == 0x0800:
+            got = 0   # an IPv4 packet that is no fragment (a fragment carries ip_frag: FRAG_ANY[|FRAG_LATER])
         if got is None:
             return False
         if mask is None:

@@ -334,11 +334,12 @@ class HelperAgent(Agent):
     def command(self) -> list[str]:
         lcores = self.args.lcores
         nq = sum(len(range(int(a), int(b or a) + 1)) for a, _, b in (p.partition("-") for p in lcores.split(",")))
-        vdev = f"net_af_packet0,iface={self.args.iface},framecnt=4096" + (f",qpairs={nq}" if nq > 1 else "")
+        # on the fabric a client's fragmented requests come to its helper too: frames that hold them (issue 43)
+        vdev, rx_args = control.af_packet_vdev(self.args.iface, nq, large=True)
         return [self.args.binary, "-l", lcores, "--no-huge", "--no-pci", "-m", str(self.args.mem_mb),
                 f"--file-prefix={self.prefix}", f"--vdev={vdev}", "--log-level=user1,info", "--",
                 "--service", f"{self.addr[0]}:{self.addr[1]}", "--memcached", self.memcached,
-                "--stats-file", self.stats_path, "--stats-ms", str(self.args.stats_ms), *self.args.extra]
+                "--stats-file", self.stats_path, "--stats-ms", str(self.args.stats_ms), *rx_args, *self.args.extra]
 
     def spawn(self) -> None:
         # The host must not forward the service's frames it receives (see the module doc).

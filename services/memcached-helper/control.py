@@ -52,6 +52,22 @@ class HelperError(VidError):
 
 
 DPDK_RUN_DIR = "/var/run/dpdk"   # DPDK's runtime files of a process, one folder per --file-prefix
+# Whole large requests (issue 43): DPDK's af_packet joins its sockets' fanout with the defrag flag, so the kernel
+# puts a fragmented request together and hands it over as one frame; the ring's frames and the helper's rx mbufs
+# must hold it.  The PMD wants a frame (less its 32 B of tpacket header) to fit an mbuf's data room less its
+# 128 B of headroom (mbufs of 65,535 B: the most a 16-bit data room holds), and reads frame i at i * framesz,
+# so frames must tile their blocks exactly and blocks be whole pages: 65,408 B frames (128 x 511), 32 to a
+# 2,093,056 B block (4096 x 511).  Requests of up to ~65,300 B; 1,024 such frames are 64 MB of ring per queue.
+LARGE_FRAME, LARGE_BLOCK, LARGE_FRAMES, LARGE_RX_BUF = 65408, 65408 * 32, 1024, 65535
+
+
+def af_packet_vdev(iface: str, queues: int, large: bool = False) -> tuple[str, tuple[str, ...]]:
+    """(mc-helper's --vdev, its extra options) for an af_packet port on ``iface`` with ``queues`` queue pairs.
+    Small frames: 4096 of them (default 512), so a burst of clients does not overrun the kernel's rx ring;
+    ``large``: frames that hold a whole request of up to 64 KB (see LARGE_FRAME)."""
+    ring = (f"framesz={LARGE_FRAME},blocksz={LARGE_BLOCK},framecnt={LARGE_FRAMES}" if large else "framecnt=4096")
+    vdev = f"net_af_packet0,iface={iface},{ring}" + (f",qpairs={queues}" if queues > 1 else "")
+    return vdev, (("--rx-buf", str(LARGE_RX_BUF)) if large else ())
 
 
 def remove_runtime(prefix: str) -> None:

@@ -410,7 +410,10 @@ def cmd_order(args) -> dict:
     """Each client owns key P<c> and, round after round, sends without waiting:
          set k v_i ; get k      -> the get must return v_i (it was sent after the set)
          get k ; set k v_(i+1)  -> the get must return v_i (it was sent before the set)
-    All clients run interleaved, so their gets share coalesced batches.  Counts answers that break order."""
+    All clients run interleaved, so their gets share coalesced batches.  Counts answers that break order.
+    ``--sizes``: value lengths, in turn (value i has sizes[i % n] bytes), and the set-then-get's get is a
+    multi-get of as many missing filler keys as bring it near sizes[(i + 3) % n] bytes (at most 250 keys):
+    requests from ~100 B to ~60 KB, the large ones in IP fragments."""
     server = parse_addr(args.server)
     socks = client_sockets(args)
     for s in socks:
@@ -443,8 +446,14 @@ def cmd_order(args) -> dict:
                 done[r] = body
         return done
 
+    sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else [args.pad]
+
     def value(ci: int, i: int) -> bytes:
-        return f"c{ci}-v{i}-".encode() + b"x" * args.pad
+        return f"c{ci}-v{i}-".encode() + b"x" * sizes[i % len(sizes)]
+
+    def get_cmd(ci: int, k: bytes, size: int = 0) -> bytes:
+        fill = [b"%s-f%d-%d-" % (args.prefix.encode(), ci, j) for j in range(min(250, max(0, size - 20) // 241))]
+        return b"get " + b"".join(f.ljust(240, b"z") + b" " for f in fill) + k + b"\r\n"
 
     def set_cmd(k: bytes, v: bytes) -> bytes:
         return b"set %s 0 0 %d\r\n%s\r\n" % (k, len(v), v)
@@ -471,7 +480,7 @@ def cmd_order(args) -> dict:
         plan = []
         for ci, k in enumerate(keys):  # set-then-get: the get must see the new value
             s = send(ci, set_cmd(k, value(ci, i + 2)))
-            g = send(ci, b"get " + k + b"\r\n")
+            g = send(ci, get_cmd(ci, k, sizes[(i + 3) % len(sizes)] if args.sizes else 0))
             plan.append((ci, g, s, value(ci, i + 2), "set-then-get"))
         for ci, g, s, want, what in plan:
             ans = collect(ci, {g: "values", s: "line"})
@@ -493,7 +502,8 @@ def check(res: dict, ans: dict[int, bytes], g: int, s: int, key: bytes, want: by
         res["violations"] += 1
         if len(res["examples"]) < 5:
             res["examples"].append({"what": what, "want": want[:24].decode(errors="replace"),
-                                    "got": (got or b"<miss>")[:24].decode(errors="replace")})
+                                    "got": (got or b"<miss>")[:24].decode(errors="replace"),
+                                    "set": ans[s][:60].decode(errors="replace"), "len": len(want)})
 
 
 # ----------------------------------------------------------------- fuzz: mutated datagrams and frames
@@ -695,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--prefix", default="ord")
     p.add_argument("--pad", type=int, default=16)
+    p.add_argument("--sizes", default="", help="comma-separated value sizes in turn (and multi-gets near them)")
     p.add_argument("--duration", type=float, default=0.0, help="stop after this many s (0: all --rounds)")
     p.add_argument("--gap", type=float, default=0.0,
                    help="s between rounds (0: back to back; a round is 5 requests per client)")

@@ -257,8 +257,8 @@ class HelperTopo:
     def helper_cmd(self, binary: str, lcores: str = "1", args: tuple[str, ...] = (), mem_mb: int = 64,
                    index: int = 0) -> list[str]:
         nq = len(parse_lcores(lcores))
-        # 4096 frames per ring (default 512): a burst of clients must not overrun the kernel's rx ring
-        vdev = f"net_af_packet0,iface={self.if_hs[index]},framecnt=4096" + (f",qpairs={nq}" if nq > 1 else "")
+        from vfab.services.memcached_helper.control import af_packet_vdev
+        vdev, _ = af_packet_vdev(self.if_hs[index], nq)
         return ["ip", "netns", "exec", self.ns_hs[index], binary, "-l", lcores, "--no-huge", "--no-pci", "-m",
                 str(mem_mb), f"--file-prefix={self.helper_prefixes[index]}", f"--vdev={vdev}",
                 "--log-level=user1,info", "--", "--service", f"{SVC_IP}:{SVC_PORT}", "--memcached",

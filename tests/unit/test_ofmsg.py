@@ -68,7 +68,7 @@ def test_compiled_specs_cover_everything():
     assert ops == {"output", "set_eth_dst", "group", "goto", "move", "normal", "controller", "flood"}
     fields = {name for f in FLOWS for name, _, _ in f.match}
     assert fields == {"in_port", "eth_src", "eth_dst", "eth_type", "ip_proto", "udp_dst", "ipv4_dst", "udp_src",
-                      "ipv4_src"}
+                      "ipv4_src", "ip_frag"}
     assert {g.type for g in GROUPS} == {"all", "select"}
 
 

@@ -43,6 +43,10 @@ static const struct mch_opt mch_opts[] = {
 	 "MS  a connection with commands in flight and no answer for this long is failed and "
 	 "reconnected, its clients answered as after a lost connection (default 50)"},
 	{"mbufs", OPT_U32, F(mbufs), 0, 512, 1u << 20, "N  mbufs in the pool (4095)"},
+	{"rx-buf", OPT_U32, F(rx_buf), 0, 2176, 65535,
+	 "BYTES  received frames go into mbufs of this data room, from a pool of their own (default: one "
+	 "2 KB frame); 65535 takes whole datagrams of up to ~65,300 B, which the kernel reassembles from "
+	 "IP fragments (af_packet's fanout defrag): give the vdev framesz up to BYTES - 96"},
 	{"peers", OPT_U32, F(peers), 0, 64, 1u << 20,
 	 "N  client requests that may wait per lcore (16384)"},
 	{"stats-file", OPT_PATH, F(stats_file), 0, 0, 0,

@@ -25,6 +25,7 @@ struct mch_cfg {
 	uint32_t idle_max_us; /* ... doubling per idle sleep in a row up to this (back-off) */
 	uint32_t stall_ms;  /* a leg with commands in flight and no answer this long is reconnected */
 	uint32_t mbufs;     /* mbufs in the pool */
+	uint32_t rx_buf;    /* data room of the received frames' mbufs (0: the pool's, one 2 KB frame) */
 	uint32_t peers;     /* client requests waiting per lcore */
 	uint32_t stats_ms;  /* stats file period */
 	uint32_t retry_ms;  /* reconnect delay */

@@ -39,6 +39,8 @@
 #define MCH_RX_DESC 1024u
 #define MCH_TX_DESC 1024u
 #define MCH_POOL_CACHE 256u
+#define MCH_RX_BIG_MBUFS 255u  /* --rx-buf pool (a power of two minus one, as mempools like) */
+#define MCH_RX_BIG_CACHE 32u
 
 static volatile int mch_quit;
 
@@ -48,6 +50,7 @@ struct mch_app {
 	uint32_t nw;
 	struct mch_worker **w;
 	struct rte_mempool *mp;
+	struct rte_mempool *rx_mp; /* received frames: mp, or the --rx-buf pool */
 	pthread_t stats_thread;
 	int stats_running;
 	int stats_errno; /* errno of the last failed stats write, 0 after a good one */
@@ -175,7 +178,7 @@ static void port_init(struct mch_app *a)
 			 rte_strerror(-rc));
 	for (q = 0; q < nq; q++) {
 		rc = rte_eth_rx_queue_setup(a->port, q, MCH_RX_DESC,
-					    rte_eth_dev_socket_id(a->port), NULL, a->mp);
+					    rte_eth_dev_socket_id(a->port), NULL, a->rx_mp);
 		if (rc == 0)
 			rc = rte_eth_tx_queue_setup(a->port, q, MCH_TX_DESC,
 						    rte_eth_dev_socket_id(a->port), NULL);
@@ -244,6 +247,19 @@ int main(int argc, char **argv)
 	if (a->mp == NULL)
 		rte_exit(EXIT_FAILURE, "cannot create a pool of %u mbufs: %s (give more -m or "
 			 "fewer --mbufs)\n", a->cfg.mbufs, rte_strerror(rte_errno));
+	/*
+	 * Large requests (issue 43): the kernel puts a fragmented datagram together before af_packet
+	 * hands it over, so a request up to 64 KB arrives as one frame.  The PMD copies each frame
+	 * into one mbuf and frees it after the burst: a few hundred large ones suffice.
+	 */
+	a->rx_mp = a->mp;
+	if (a->cfg.rx_buf != 0) {
+		a->rx_mp = rte_pktmbuf_pool_create("mch_rx", MCH_RX_BIG_MBUFS, MCH_RX_BIG_CACHE, 0,
+						   (uint16_t)a->cfg.rx_buf, rte_socket_id());
+		if (a->rx_mp == NULL)
+			rte_exit(EXIT_FAILURE, "cannot create a pool of %u mbufs of %u B (--rx-buf): %s "
+				 "(give more -m)\n", MCH_RX_BIG_MBUFS, a->cfg.rx_buf, rte_strerror(rte_errno));
+	}
 	port_init(a);
 	workers_init(a);
 
@@ -273,6 +289,8 @@ int main(int argc, char **argv)
 		free(a->w[i]);
 	}
 	free(a->w);
+	if (a->rx_mp != a->mp)
+		rte_mempool_free(a->rx_mp);
 	rte_mempool_free(a->mp);
 	rte_eal_cleanup();
 	return 0;
