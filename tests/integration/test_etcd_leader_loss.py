@@ -14,8 +14,7 @@ import time
 
 import pytest
 
-from vfab.testbed import history, kvs
-from vfab.testbed.fabric import Testbed
+from vfab.testbed import fabric, history, kvs
 from vfab.testbed.procs import wait_for
 from vfab.vid.errors import RegistryError
 from vfab.vid.ranges import Range
@@ -31,7 +30,7 @@ ALL = Range(0, 0xFFFFFF)
 def testbed(tmp_path_factory):
     if os.geteuid() != 0:
         pytest.fail("integration tests need root (network namespaces, Open vSwitch)")
-    tb = Testbed("line,2,3", workdir=str(tmp_path_factory.mktemp("fabric")), poll=1.0, etcd_members=3)
+    tb = fabric.Testbed("line,2,3", workdir=str(tmp_path_factory.mktemp("fabric")), poll=1.0, etcd_members=3)
     tb.start()
     yield tb
     ctl_log = tb.controller.logpath if tb.controller else None
@@ -118,7 +117,7 @@ def reached(reg: Registry, service: str, op_id: str, phase: str, timeout: float 
             cancel()
 
 
-def election_bound(tb: Testbed) -> float:
+def election_bound(tb: fabric.Testbed) -> float:
     """Writes must resume within the election: raft randomises its timeout T over [T, 2T), and a split vote
     takes a second round (the bench's distribution: bench/etcd_leader_loss.py)."""
     return 4 * tb.etcd.election_ms / 1000 + 0.3
