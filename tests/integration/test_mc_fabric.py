@@ -861,7 +861,7 @@ def test_large_requests_follow_their_client_through_helpers_on_off_on(testbed, m
             # the helpers; the direct path reorders the same pairs (3 in one run: a get overtaken by a 3,000 B set
             # in fragments), so the cause lies before memcached and the helpers (OVS's datapath or the kernels);
             # not found yet.  Bounded here so a regression to the old path (4+ violations and 36 missing per
-            # phase) still fails; see docs/sessions/2026-12-07-i43.md.
+            # phase) still fails; see docs/measurements.md, tenth session, branch i43.
             assert r["violations"] <= 2, (name, r)
     # Direct (before, and while off) is memcached's own UDP, not the fabric's doing: it lost 4 and reordered 1 of
     # these 56 pairs in a run on 2026-12-07 (a 60 KB datagram's answer missing, a get overtaking a set); printed.
