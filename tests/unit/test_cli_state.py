@@ -262,6 +262,19 @@ def test_merge_asks_the_owner(run, fakes):
     assert row and "merge" in row[0] and "split" not in row[0], res.output
 
 
+def test_the_demo_prints_an_operations_progress_before_its_done_line(run, fakes):
+    """The KVS demo runs the real CLI: its progress lines (stderr) come before the "done" line (stdout)."""
+    from types import SimpleNamespace
+
+    from vfab.testbed import kvs_demo
+
+    out = kvs_demo.vfab(SimpleNamespace(etcd_endpoint=run.registry.endpoint),
+                        ["split", "kv", "0x400000-0x7fffff", "--to", "s2"]).splitlines()
+    progress = [i for i, ln in enumerate(out) if " keys (" in ln]
+    done = [i for i, ln in enumerate(out) if ": done;" in ln]   # the summary (a progress line says "done 1000/1000")
+    assert progress and done == [len(out) - 1] and max(progress) < done[0], out
+
+
 def test_mirror_summary_names_the_mirror(run, fakes):
     res = run("mirror", "kv", "s1", "--to", "s2")
     assert res.exit_code == 0, res.output
