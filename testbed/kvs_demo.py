@@ -34,9 +34,12 @@ def say(text: str) -> None:
 
 
 def vfab(tb: Testbed, args: list[str]) -> str:
+    """What 'vfab ARGS' printed, in the order it printed it: its progress (stderr) and summary (stdout) share
+    one pipe, so an operation's "done" line comes after its progress lines."""
     env = dict(os.environ, VFAB_ETCD=tb.etcd_endpoint)
-    res = subprocess.run([sys.executable, "-m", "vfab.cli", *args], env=env, capture_output=True, text=True)
-    return (res.stdout + res.stderr).strip()
+    res = subprocess.run([sys.executable, "-m", "vfab.cli", *args], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    return res.stdout.strip()
 
 
 def main() -> None:

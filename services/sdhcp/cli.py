@@ -130,6 +130,19 @@ def native_share(s: dict) -> str:
     return f"{round(100.0 * (n.get('offers', 0) + n.get('acks', 0)) / total):g}%" if total else "-"
 
 
+def need_sdhcp(reg, service: str) -> None:
+    """SERVICE must exist (NotFound names it) and be of kind sdhcp: else bad input (exit 2), naming its kind,
+    the sdhcp services there are, and what shows a service of another kind."""
+    kind = reg.service(service).kind
+    if kind == "sdhcp":
+        return
+    dhcp = ", ".join(s.name for s in reg.services() if s.kind == "sdhcp") or "none"
+    raise click.BadParameter(
+        f"service {service!r} is of kind {kind or '(none declared)'}, not sdhcp (sdhcp services: {dhcp}): "
+        f"'vfab ranges {service}' shows its ranges, owners, keys and requests/s ('vfab status': every service)",
+        param_hint="SERVICE")
+
+
 @sdhcp.command("status")
 @click.argument("service", type=NameType("service"))
 @click.option("--interval", type=click.FloatRange(0, 60), default=1.0, show_default=True,
@@ -149,7 +162,7 @@ def status(c, service: str, interval: float, as_json: bool) -> None:
     Example: vfab sdhcp status dhcp --interval 2
     """
     reg = c.registry
-    reg.service(service)  # NotFound names the service
+    need_sdhcp(reg, service)
     shards = shard_stats(reg, service, interval)
     if as_json:
         click.echo(json.dumps(shards, indent=2, sort_keys=True))

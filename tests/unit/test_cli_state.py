@@ -64,8 +64,8 @@ class FakeEndpoint:
                 b = env.body
                 ranges = [[b["lo"], b["hi"]]] if "lo" in b else [[0, 0x7FFFFF]]
                 self.op_id = f"{self.name}.{len(self.plays):08x}"
-                play = threading.Thread(target=self._play, args=(env.type.lower(), b["peer"], ranges, self.op_id),
-                                        daemon=True)
+                kind = "merge" if b.get("merge") is True else env.type.lower()   # as the endpoint loop records it
+                play = threading.Thread(target=self._play, args=(kind, b["peer"], ranges, self.op_id), daemon=True)
                 play.start()
                 self.plays.append(play)
                 reply = env.reply("OK", self.name, op=self.op_id, ranges=ranges)
@@ -253,8 +253,26 @@ def test_merge_asks_the_owner(run, fakes):
     s1, s2 = fakes
     res = run("merge", "kv", "0x800000-0xffffff", "--into", "s1")
     assert res.exit_code == 0, res.output
-    assert [e.body["peer"] for e in s2.got if e.type == "SPLIT"] == ["s1"]
+    assert [e.body for e in s2.got if e.type == "SPLIT"] == [
+        {"peer": "s1", "lo": 0x800000, "hi": 0xFFFFFF, "throttle": 0.0, "merge": True}]   # recorded as a merge
     assert "0x800000-0xffffff: s1" in res.stdout
+    res = run("status")   # the finished op: a merge from the owner that gave the range (s2) to s1, not a split
+    assert res.exit_code == 0, res.output
+    row = [ln for ln in res.output.splitlines() if "s2 -> s1" in ln]
+    assert row and "merge" in row[0] and "split" not in row[0], res.output
+
+
+def test_the_demo_prints_an_operations_progress_before_its_done_line(run, fakes):
+    """The KVS demo runs the real CLI: its progress lines (stderr) come before the "done" line (stdout)."""
+    from types import SimpleNamespace
+
+    from vfab.testbed import kvs_demo
+
+    out = kvs_demo.vfab(SimpleNamespace(etcd_endpoint=run.registry.endpoint),
+                        ["split", "kv", "0x400000-0x7fffff", "--to", "s2"]).splitlines()
+    progress = [i for i, ln in enumerate(out) if " keys (" in ln]
+    done = [i for i, ln in enumerate(out) if ": done;" in ln]   # the summary (a progress line says "done 1000/1000")
+    assert progress and done == [len(out) - 1] and max(progress) < done[0], out
 
 
 def test_mirror_summary_names_the_mirror(run, fakes):

@@ -160,3 +160,17 @@ def test_renew_once_does_not_take_an_earlier_answer_for_its_own(shards):
     finally:
         low.close()
     assert got and set(got.values()) == {None}, got
+
+
+def test_status_of_a_service_of_another_kind_is_refused_naming_its_kind_and_what_to_run(registry):
+    """An elastic-KVS service has no pool or leases: exit 2 naming its kind and the command that shows it,
+    rather than a table of sdhcp columns."""
+    registry.create_service("kv", kind="elastic-kvs")
+    registry.create_service(SVC, kind="sdhcp", frontdoors=[{"kind": "dhcp4"}])
+    from vfab.cli.main import cli
+
+    res = CliRunner().invoke(cli, ["--etcd", registry.endpoint, "sdhcp", "status", "kv", "--interval", "0"])
+    assert res.exit_code == 2, res.output
+    assert "of kind elastic-kvs, not sdhcp" in res.output and f"sdhcp services: {SVC}" in res.output
+    assert "'vfab ranges kv'" in res.output and "slice" not in res.output
+    assert status(registry, "--interval", "0").exit_code == 0   # its own kind still answers

@@ -1127,3 +1127,23 @@ def test_requests_that_came_while_away_are_dropped_when_the_new_map_is_read_firs
     assert loop.call(lambda: (loop.counters["fenced_dropped"], loop.counters["fenced"])) == (1, 0)
     assert mirror.take(1, 0.5) == [], "a request that came while away was forwarded to the new owner"
     assert backend.batches == 0
+
+
+def test_a_split_asked_as_a_merge_is_recorded_as_a_merge(endpoint, registry, monkeypatch):
+    """'vfab merge' sends SPLIT with "merge": the record of the op says "merge" (source: the owner giving the
+    range, peer: the endpoint taking it), and a plain SPLIT still says "split"."""
+    from vfab.vid.registry import schema
+    from vfab.vid.state.runner import OpRunner
+
+    loop = endpoint[0]
+    registry.announce(schema.Endpoint(service="t", name="e2", mac="02:00:00:00:00:98", ctl="tcp://127.0.0.1:9"),
+                      ttl=60)
+    monkeypatch.setattr(OpRunner, "start", lambda self: None)   # the op as it starts: nothing runs or moves
+    with ctl_peer(loop) as ask:
+        for i, (extra, want) in enumerate((({"merge": True}, "merge"), ({}, "split"))):
+            reply = ask("SPLIT", i + 1, {"peer": "e2", "lo": 0, "hi": 0xFF, "throttle": 0, **extra}, sender="operator")
+            assert reply.type == "OK", reply.body
+            rec = loop.call(lambda: loop.op.rec)
+            assert (rec.op, rec.source, rec.peer, rec.ranges) == (want, "e1", "e2", [[0, 0xFF]])
+            assert schema.OpRec.from_json(rec.to_json()).op == want   # readable from etcd as written
+            loop.call(lambda: setattr(loop, "op", None))

@@ -415,13 +415,16 @@ class Applied(Record):
         _need("applied", "datapath", self.datapath, bool)
 
 
-OP_KINDS = ("split", "move", "mirror")
+OP_KINDS = ("split", "move", "mirror")   # what the state machine runs
+OP_NAMES = (*OP_KINDS, "merge")          # what a record says: a merge is a split the operator asked as one
 OP_PHASES = ("prepare", "copy", "flip", "done", "failed", "cancelled")
 
 
 @dataclass
 class OpRec(Record):
-    """A state operation (split/move/mirror) run by its source endpoint; merge is a split run by the owner."""
+    """A state operation (split/move/mirror) run by its source endpoint.  A merge ('vfab merge', the balancer's
+    merge) is a split of the owner's range to the peer that joins it to its own: ``op`` "merge", the source the
+    owner that gives the range, the peer the endpoint that takes it (records before this said "split")."""
 
     KIND: ClassVar[str] = "op"
     op: str
@@ -441,8 +444,8 @@ class OpRec(Record):
     def __post_init__(self) -> None:
         _need("op", "id", self.id, str)
         _need("op", "notes", self.notes, list)
-        if self.op not in OP_KINDS:
-            raise VidError(f"op {self.op!r} is unknown: one of {', '.join(OP_KINDS)}")
+        if self.op not in OP_NAMES:
+            raise VidError(f"op {self.op!r} is unknown: one of {', '.join(OP_NAMES)}")
         if self.phase not in OP_PHASES:
             raise VidError(f"op phase {self.phase!r} is unknown: one of {', '.join(OP_PHASES)}")
         for n in ("done", "total"):

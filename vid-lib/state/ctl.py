@@ -79,14 +79,20 @@ def _start(reg: Registry, service: str, source: str, type: str, body: dict) -> S
 
 
 def split(reg: Registry, service: str, rng: Range, peer: str, throttle: float = 0.0) -> Started:
-    owner = owner_of_range(reg, service, rng)
-    if owner == peer:
-        raise StateError(f"{peer} already owns {rng}: nothing to split")
-    return _start(reg, service, owner, "SPLIT", {"peer": peer, "lo": rng.lo, "hi": rng.hi, "throttle": throttle})
+    return _split(reg, service, rng, peer, throttle, "split")
 
 
 def merge(reg: Registry, service: str, rng: Range, into: str, throttle: float = 0.0) -> Started:
-    return split(reg, service, rng, into, throttle)
+    """A split to ``into`` whose record says "merge" (an endpoint older than the flag ignores it: "split")."""
+    return _split(reg, service, rng, into, throttle, "merge")
+
+
+def _split(reg: Registry, service: str, rng: Range, peer: str, throttle: float, what: str) -> Started:
+    owner = owner_of_range(reg, service, rng)
+    if owner == peer:
+        raise StateError(f"{peer} already owns {rng}: nothing to {what}")
+    body = {"peer": peer, "lo": rng.lo, "hi": rng.hi, "throttle": throttle}
+    return _start(reg, service, owner, "SPLIT", {**body, "merge": True} if what == "merge" else body)
 
 
 def move(reg: Registry, service: str, source: str, peer: str, throttle: float = 0.0) -> Started:

@@ -655,7 +655,8 @@ class EndpointLoop(PeerSide, Replication):
             return env.reply("OK", self.name)
         if t in ("SPLIT", "MOVE", "MIRROR"):
             rng = Range(int(b["lo"]), int(b["hi"])) if "lo" in b else None
-            op = self.start_op(t.lower(), str(b.get("peer", "")), rng, float(b.get("throttle", 0)))
+            op = self.start_op(t.lower(), str(b.get("peer", "")), rng, float(b.get("throttle", 0)),
+                               name="merge" if t == "SPLIT" and b.get("merge") is True else "")
             return env.reply("OK", self.name, op=op.id, ranges=[[r.lo, r.hi] for r in op.ranges])
         if t == "CANCEL":
             op = self.op
@@ -675,14 +676,15 @@ class EndpointLoop(PeerSide, Replication):
         return rates
 
     # -- operations (this endpoint is the source) ------------------------------------------------------------
-    def start_op(self, kind: str, peer: str, rng: Range | None, throttle: float = 0.0) -> OpRunner:
+    def start_op(self, kind: str, peer: str, rng: Range | None, throttle: float = 0.0, name: str = "") -> OpRunner:
+        """Start operation ``kind`` (its record says ``name`` if given: a "merge" is a split)."""
         busy = f"a {self.op.kind} to {self.op.peer} ({self.op.id})" if self.op is not None else ""
         view = self.view
         if peer not in view.endpoints:
             view = read_view(self.registry, self.service.name)  # the peer may have just started
             self._set_view(view)
         ranges = machine.validate(kind, self.name, peer, rng, self.view.ranges, self.view.endpoints, busy)
-        op = OpRunner(self, kind, peer, ranges, throttle, f"{self.name}.{secrets.token_hex(4)}")
+        op = OpRunner(self, kind, peer, ranges, throttle, f"{self.name}.{secrets.token_hex(4)}", name)
         self.op = op
         op.start()
         return op

@@ -43,13 +43,14 @@ KEEP_OPS = 3             # finished op records kept per endpoint
 
 
 class OpRunner:
-    def __init__(self, loop: "EndpointLoop", kind: str, peer: str, ranges: list, throttle: float, op_id: str):
+    def __init__(self, loop: "EndpointLoop", kind: str, peer: str, ranges: list, throttle: float, op_id: str,
+                 name: str = ""):
         self.loop = loop
         self.kind, self.peer, self.ranges, self.throttle = kind, peer, ranges, throttle
         self.id = op_id
         self.cancel = threading.Event()
         self.failed = ""          # set by the loop when a replication to the peer failed
-        self.rec = schema.OpRec(op=kind, source=loop.name, peer=peer, ranges=[[r.lo, r.hi] for r in ranges],
+        self.rec = schema.OpRec(op=name or kind, source=loop.name, peer=peer, ranges=[[r.lo, r.hi] for r in ranges],
                                 id=op_id, started=time.time(), updated=time.time())
         self.key = schema.op_key(loop.service.name, op_id)   # where the record lives in etcd
         self._next_id = 0
