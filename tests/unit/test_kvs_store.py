@@ -17,7 +17,15 @@ from vfab.vid.ranges import Range
 
 FULL = Range(0, (1 << 24) - 1)
 C1, C2 = 0xAAAA, 0xBBBB
-DEADLINE = int(time.time()) + 60
+
+
+DEADLINE = int(time.time()) + 60   # a fixed deadline for tables compared byte for byte (tab)
+
+
+def deadline() -> int:
+    """A request's deadline a minute from now (taken per write: one fixed at import passed, with the expiry's 30 s,
+    while a long unit run reached this file, and the store dropped the first client's records)."""
+    return int(time.time()) + 60
 
 
 def tab(client: int, seq: int, version: int = 1) -> bytes:
@@ -52,7 +60,7 @@ def write(s: Store, k: bytes, v: bytes | None, client: int, reqid: int) -> tuple
     if seen != session.NEW:
         return session.split_result(result)[0], False, b""
     version = (row[1] if row else 0) + 1
-    done = session.add(done, client, reqid, 0, DEADLINE, session.result_of(version, False), time.time())
+    done = session.add(done, client, reqid, 0, deadline(), session.result_of(version, False), time.time())
     return version, True, s.write(k, v, version, done, row)
 
 
