@@ -172,7 +172,9 @@ def test_the_controller_keeps_reconciling_after_the_leaders_death(testbed, serve
             assert time.monotonic() - t0 < 5, "no range change taken 5 s after the leader died"
             time.sleep(0.05)
     took = testbed.wait_revision(rev, timeout=10)
-    assert took < 1.0, f"the range change took {took:.2f} s to be applied after its write"
+    # 0.03-0.54 s in the runs of 2026-12-07; 1.01 s twice on a loaded machine (a fresh-clone make test): the
+    # bound is two election timeouts of etcd's default (1 s), past which the watch's failover is broken
+    assert took < 2.0, f"the range change took {took:.2f} s to be applied after its write"
     flows = "\n".join(testbed.dump_flows("vfbs1") + testbed.dump_flows("vfbs2"))
     assert flows, "no flows"
     with open(testbed.controller.logpath) as fh:
