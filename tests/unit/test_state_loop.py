@@ -290,9 +290,7 @@ def test_an_old_copy_is_dropped_in_steps_between_batches_unless_it_is_ours_again
     backend.data.update({0x800000 + i: b"old" for i in range(2500)})   # a copy of a range we gave away
     backend.data[0x000005] = b"mine"
     loop.call(lambda: loop.forget(Range(0x800000, 0xFFFFFF)))
-    deadline = time.monotonic() + 5
-    while len(backend.data) > 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: len(backend.data) <= 1, 5, "the foreign keys dropped", interval=0.02)
     assert backend.data == {0x000005: b"mine"}
     assert loop.call(lambda: loop.counters["dropped"]) == 2500
     loop.call(lambda: loop.forget(LOW))                                  # ours: never dropped
