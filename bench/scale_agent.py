@@ -32,6 +32,7 @@ from vfab.fabric.tworoute import MISS, Owned, node_routes
 from vfab.vid.registry import Registry, schema
 
 RANGES = schema.ROOT + "ranges/"
+IDLE = 2.0          # s without events after which an agent renews its watch (and looks at its stop flag)
 
 
 @dataclass
@@ -133,29 +134,36 @@ class Agent:
         self.done: list[tuple[int, float, float, int, float, float]] = []
         self.seen = view.shared.revision
         self._stop = threading.Event()
-        self._cancel = None
         self._thread: threading.Thread | None = None
         self.error: str | None = None
 
     def start(self, revision: int) -> None:
+        """Watch from the revision after ``revision`` (the one the view and ``installed`` were read at)."""
         ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(revision, ready), daemon=True,
+        self.seen = revision
+        self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True,
                                         name=f"agent-{self.view.me}")
         self._thread.start()
         ready.wait(10)
 
-    def _run(self, revision: int, ready: threading.Event) -> None:
+    def _run(self, ready: threading.Event) -> None:
+        # The watch is renewed after IDLE s without events, so ``stop`` is seen that often: closing a watch
+        # stream from another thread while this one reads it would block both (Registry.watch_batches).
         try:
-            batches, self._cancel = self.reg.watch_batches(RANGES, revision + 1)
-            ready.set()
-            for batch in batches:
-                got, cpu = time.monotonic(), time.thread_time()
-                msgs, waited = self.on_batch(batch)
-                rev = max(ev.revision for ev in batch)
-                self.done.append((rev, got, time.monotonic(), msgs, time.thread_time() - cpu, waited))
-                self.seen = rev
-                if self._stop.is_set():
-                    return
+            while not self._stop.is_set():
+                batches, cancel = self.reg.watch_batches(RANGES, self.seen + 1, idle=IDLE)
+                ready.set()
+                try:
+                    for batch in batches:
+                        got, cpu = time.monotonic(), time.thread_time()
+                        msgs, waited = self.on_batch(batch)
+                        rev = max(ev.revision for ev in batch)
+                        self.done.append((rev, got, time.monotonic(), msgs, time.thread_time() - cpu, waited))
+                        self.seen = rev
+                        if self._stop.is_set():
+                            break
+                finally:
+                    cancel()
         except Exception as exc:  # noqa: BLE001 - reported by the bench, which fails the run
             if not self._stop.is_set():
                 self.error = f"{type(exc).__name__}: {exc}"
@@ -181,12 +189,14 @@ class Agent:
                 self.installed[svc.id] = want.flows
         return sent, waited
 
-    def stop(self) -> None:
+    def signal_stop(self) -> None:
         self._stop.set()
-        if self._cancel is not None:
-            self._cancel()
+
+    def stop(self) -> None:
+        """Stop (within IDLE s: the watch's renewal); ``signal_stop`` all agents first to stop many at once."""
+        self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=IDLE + 5)
         self.reg.close()
 
 
