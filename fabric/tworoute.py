@@ -143,6 +143,6 @@ def node_routes(service: int, layout: Layout | str, ranges: list[Owned], me: str
             acts = (("output", tunnel_port[node]),)
         else:
             acts = miss            # a node without a tunnel yet: its keys are not sent anywhere meanwhile
-        cookie = make_cookie(Kind.VID_ROUTE, service, value, 0)
+        cookie = make_cookie(Kind.REMOTE, service, value, plen)
         flows.append(FlowSpec(TABLE_ROUTE, PRIO_REMOTE + plen, match(eth_dst=block(value, mask)), acts, cookie))
     return flows
