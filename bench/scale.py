@@ -5,7 +5,8 @@ In one run, side by side:
 1. **Flows per switch** (pure, every node): each node's route table as the two-level compiler makes it
    (``bench/scale_model.py``), against what "every range on every switch" costs (the blocks of all
    ranges), for the placements and nodes-per-service asked (``--per-service``); and the full recompile's
-   time per node.
+   time per node.  Beside it, the route agent's whole-switch compiler (``fabric/nodecompile.py``, issue 45's
+   route agent: also local ports, host MACs elsewhere, tunnels) on the same records, cold and warm.
 2. **The real part**, under the testbed lock: one etcd member holding the fabric's records (services,
    endpoints, host records, nodes, every range), ``--switches`` OVS sandboxes (ovs-vswitchd with dummy
    datapaths: real flow tables, bundles and OpenFlow channels, no traffic; ``testbed/ovsinst.py``) and a
@@ -17,15 +18,18 @@ In one run, side by side:
    duplicated or dropped flow), and once on an emptied switch.  Flows on the switches are read back and
    must equal the model's count.  etcd's, the switches' and this process's CPU and memory are read.
 3. **The model** for hosts this machine cannot give each a CPU: on its own host an agent gets the event
-   after etcd's delivery to one watcher and then spends its own compile+commit; the fabric's latency is
-   the slowest of N such agents (``scale_model.fabric_latency``, drawn from the per-agent costs measured
-   here), for N = the nodes asked and for 1,000 (OVN's 1,000-hypervisor sync: 11.4 s).
+   after etcd's delivery to one watcher (the first agent's here), spends its own CPU (its thread's, measured
+   per agent and change) and waits for its switch's bundle (a move's bundle timed on one switch with the
+   machine to itself, before the agents start); the fabric's latency is the slowest of N such agents
+   (``scale_model.fabric_latency``), for N = the nodes asked and for 1,000 (OVN's 1,000-hypervisor sync:
+   11.4 s).  It leaves out etcd's own cost of serving N watchers (measured here for 64 in one process).
 
 Run: ``/opt/vfab-venv/bin/python bench/scale.py [--smoke] [--switches 64]`` (root: the testbed lock).
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import resource
@@ -41,7 +45,8 @@ from bench import scale_model as model  # noqa: E402
 from bench.common import CLK_TCK, not_root, parser, summary, write  # noqa: E402
 from bench.scale_agent import LOCAL_PORT, Agent, RouteView, Shared, full_reconcile  # noqa: E402
 from vfab.controller.reconcile import diff  # noqa: E402
-from vfab.fabric.flows import SwitchConfig  # noqa: E402
+from vfab.fabric.flows import Kind, SwitchConfig, split_cookie  # noqa: E402
+from vfab.fabric.nodecompile import compile_node  # noqa: E402
 from vfab.testbed.etcd import LocalEtcd  # noqa: E402
 from vfab.testbed.fabric import acquire_lock, release_lock  # noqa: E402
 from vfab.testbed.ofsock import SockDatapath  # noqa: E402
@@ -138,6 +143,29 @@ def flows_per_switch(args) -> dict:
     return out, main_w, main_counts
 
 
+def whole_node(args, w: model.Workload) -> dict:
+    """The route agent's whole-switch compiler (``fabric/nodecompile.py``: local ports, port security, front
+    doors, host MACs elsewhere, tunnels, and the routes) on the same records: a restart's compile (cold) and
+    the next one (warm: the parse cache and the previous compile's memory), and what the switch holds."""
+    items = {k: v.encode() for k, v in records(w).items()}
+    out = {}
+    for j in range(1, args.compile_nodes + 1):
+        me, cache = model.node_name(j), {}
+        ports = model.tunnel_ports(w.nodes, me)
+        t0 = time.perf_counter()
+        cold = compile_node(items, me, 1, tunnel_ports=ports, cache=cache)
+        t1 = time.perf_counter()
+        warm = compile_node(items, me, 2, cold.memory, tunnel_ports=ports, cache=cache)
+        t2 = time.perf_counter()
+        if warm.error:
+            raise RuntimeError(f"nodecompile failed on {me}: {warm.error}")
+        kinds = collections.Counter(Kind(split_cookie(f.cookie)[0]).name.lower() for f in warm.config.flows.values())
+        out[me] = {"cold_ms": round((t1 - t0) * 1e3, 1), "warm_ms": round((t2 - t1) * 1e3, 1),
+                   "flows": len(warm.config.flows), "by_kind": dict(kinds.most_common())}
+        print(f"nodecompile {me}: {out[me]}", flush=True)
+    return out
+
+
 # -- 2. the real part --------------------------------------------------------------------------------
 def write_records(reg: Registry, recs: dict[str, str]) -> float:
     keys = list(recs)
@@ -210,11 +238,38 @@ def run_changes(args, w: model.Workload, agents: list[Agent], reg: Registry) -> 
            "etcd_delivery_first_ms": summary(delivery_first), "etcd_delivery_last_ms": summary(delivery_last),
            "agent_cpu_ms": summary([c for c, _ in cost]), "agent_bundle_wall_ms": summary([b for _, b in cost]),
            "mismatches": mismatches}
-    # The model: per host, etcd's delivery to one watcher + that agent's CPU + its bundle's round trip.
-    samples = [delivery_first[i % len(delivery_first)] + c + b for i, (c, b) in enumerate(cost)]
-    if samples:
-        res["model"] = {f"{n}_nodes": model.fabric_latency(samples, n) for n in (args.nodes, 1000)}
+    res["agent_cost"] = cost
+    res["delivery_first"] = delivery_first
     return res, w
+
+
+def the_model(args, change: dict, solo: list[float]) -> dict:
+    """Per host: etcd's delivery to one watcher, that agent's own CPU (its thread's), and a bundle's round trip
+    on a switch that has the machine to itself; the fabric's: the slowest of N hosts."""
+    cost, first = change.pop("agent_cost"), change.pop("delivery_first")
+    if not cost or not solo:
+        return {}
+    samples = [first[i % len(first)] + c + solo[i % len(solo)] for i, (c, _b) in enumerate(cost)]
+    return {f"{n}_nodes": model.fabric_latency(samples, n) for n in (args.nodes, 1000)}
+
+
+def solo_bundles(args, w: model.Workload, chan: SockDatapath) -> list[float]:
+    """One switch's bundle round trip for a range move's plan while nothing else runs (the agents are not
+    started yet): a move and its undo, alternately, on node 1's switch (left as it was)."""
+    rnd = random.Random(args.seed + 1)
+    took = []
+    for _ in range(args.solo):
+        sid, index, to = model.pick_change(w, rnd)
+        before = {f.key: f for f in model.service_flows(w, sid, "n1")}
+        after = {f.key: f for f in model.service_flows(model.move(w, sid, index, to), sid, "n1")}
+        for want, have in ((after, before), (before, after)):
+            plan = diff(SwitchConfig(1, want), have, {}, by_cookie=False)
+            if not plan:
+                continue
+            t0 = time.monotonic()
+            chan.conn.commit(plan)
+            took.append(time.monotonic() - t0)
+    return took
 
 
 def summary_counts(xs: list[int]) -> dict:
@@ -293,6 +348,8 @@ def real(args, w: model.Workload, expect: dict[str, int]) -> dict:
             counts[me] = len(want.flows)
             agents.append(Agent(view, chan.conn, endpoint, want.flows))
         res["first_install_ms"] = summary(installs)
+        solo = solo_bundles(args, w, channels[0])
+        res["bundle_alone_ms"] = summary(solo)
         for a in agents:
             a.start(revision)
         bad = {me: (n, expect[me]) for me, n in counts.items() if n != expect[me]}
@@ -303,6 +360,7 @@ def real(args, w: model.Workload, expect: dict[str, int]) -> dict:
         e_cpu1, _ = proc_usage(etcd.pid)
         t0 = time.monotonic()
         res["change"], w = run_changes(args, w, agents, reg)
+        res["model"] = the_model(args, res["change"], solo)
         span = time.monotonic() - t0
         e_cpu2, e_rss = proc_usage(etcd.pid)
         b_cpu1, b_rss = self_usage()
@@ -359,11 +417,13 @@ def main() -> int:
     ap.add_argument("--restarts", type=int, default=3, help="agents to restart (at most 3)")
     ap.add_argument("--sample", type=int, default=8, help="nodes compiled for the other placements' rows")
     ap.add_argument("--idle", type=float, default=3.0, help="seconds the idle switches' CPU is read over")
+    ap.add_argument("--solo", type=int, default=20, help="range moves timed on one switch alone, for the model")
+    ap.add_argument("--compile-nodes", type=int, default=2, help="nodes compiled whole by nodecompile (cold, warm)")
     ap.add_argument("--seed", type=int, default=45)
     args = ap.parse_args()
     if args.smoke:
         args.switches, args.nodes, args.services, args.changes = 3, 8, 20, 6
-        args.restarts, args.sample, args.idle = 1, 4, 0.5
+        args.restarts, args.sample, args.idle, args.solo, args.compile_nodes = 1, 4, 0.5, 3, 1
     if not 1 <= args.switches <= args.nodes:
         ap.error(f"--switches {args.switches}: give 1..{args.nodes} (the fabric's nodes, --nodes)")
     if args.per_service < 2:
@@ -373,7 +433,7 @@ def main() -> int:
         return 2
     params = {k: v for k, v in vars(args).items() if k not in ("out", "per_service_list")}
     flows, w, expect = flows_per_switch(args)
-    results = {"flows_per_switch": flows, "real": real(args, w, expect)}
+    results = {"flows_per_switch": flows, "nodecompile": whole_node(args, w), "real": real(args, w, expect)}
     write("scale", params, results, args.out)
     return 1 if results["real"]["change"]["mismatches"] else 0
 
