@@ -176,3 +176,24 @@ def test_an_unregistered_node_is_an_error_and_a_missing_tunnel_drops():
     cfg = compile_node(items(BEFORE), "n1", 5, tunnel_ports={}).config
     remote = [f for f in cfg.flows.values() if split_cookie(f.cookie)[0] == Kind.REMOTE]
     assert remote and all(f.actions == () and f.table == TABLE_ROUTE for f in remote)
+
+
+def test_the_route_agents_round_commits_its_own_switch_only_and_finds_tunnels_by_name():
+    from vfab.controller.nodeplan import plan_node_round
+    from vfab.fabric import tunnels
+
+    its = items(BEFORE)
+    ports = {tunnels.port_name(f"172.16.45.{j}"): tport(1, j) for j in (2, 3)}
+    installed = {1: ({}, {}), 2: ({}, {})}     # another switch connected by mistake: left alone
+    rnd, nc = plan_node_round(its, 10, installed, "n1", Memory(), switch_ports=ports)
+    assert rnd.error is None and [c.dpid for c in rnd.commits] == [1]
+    assert [r.dpid for r in rnd.reports] == [1] and rnd.reports[0].flows == len(nc.config.flows)
+    outs = {a[1] for f in nc.config.flows.values() if split_cookie(f.cookie)[0] == Kind.REMOTE for a in f.actions}
+    assert outs == {tport(1, 2), tport(1, 3)}
+    # once committed and reported: nothing to do, nothing to report
+    again, _ = plan_node_round(its, 10, {1: (nc.config.flows, nc.config.groups)}, "n1", nc.memory,
+                               switch_ports=ports, reported={1: 10})
+    assert again.commits == [] and again.reports == []
+    # not connected yet: no step, no report (planned once its tables are read)
+    later, _ = plan_node_round(its, 11, {}, "n1", nc.memory, switch_ports=ports)
+    assert later.steps == [] and later.reports == []
