@@ -51,7 +51,8 @@ from vfab.testbed.etcd import LocalEtcd  # noqa: E402
 from vfab.testbed.fabric import acquire_lock, release_lock  # noqa: E402
 from vfab.testbed.ofsock import SockDatapath  # noqa: E402
 from vfab.testbed.ovsinst import OvsInstance  # noqa: E402
-from vfab.testbed.procs import Supervisor, wait_for  # noqa: E402
+from vfab.fabric import tunnels  # noqa: E402
+from vfab.testbed.procs import Supervisor, free_port, wait_for  # noqa: E402
 from vfab.vid.codec import int_to_mac  # noqa: E402
 from vfab.vid.ranges import Range, to_masks  # noqa: E402
 from vfab.vid.registry import Registry, schema  # noqa: E402
@@ -75,8 +76,7 @@ def records(w: model.Workload) -> dict[str, str]:
     out = {}
     for j in range(1, w.nodes + 1):
         name = model.node_name(j)
-        out[schema.node_key(name)] = schema.Node(name=name, tunnel_ip=f"10.45.{j // 250}.{j % 250 + 1}", dpid=j,
-                                                 bridge=BRIDGE).to_json()
+        out[schema.node_key(name)] = schema.Node(name=name, tunnel_ip=tunnel_ip(j), dpid=j, bridge=BRIDGE).to_json()
     for sid, ranges in w.owned.items():
         svc = f"s{sid}"
         out[schema.service_key(svc)] = schema.Service(name=svc, id=sid).to_json()
@@ -90,6 +90,10 @@ def records(w: model.Workload) -> dict[str, str]:
         for r in ranges:
             out[schema.range_key(svc, r.lo)] = range_record(w, sid, r).to_json()
     return out
+
+
+def tunnel_ip(j: int) -> str:
+    return f"10.45.{j // 250}.{j % 250 + 1}"
 
 
 def range_record(w: model.Workload, sid: int, r) -> schema.RangeRec:
@@ -379,6 +383,8 @@ def real(args, w: model.Workload, expect: dict[str, int]) -> dict:
         res["flows_on_switches"] = {"read": read_back, "model": want_now}
         if read_back != want_now:
             raise RuntimeError(f"switches hold other flow counts than the model says: {read_back} vs {want_now}")
+        if args.route_agents:
+            res["route_agents"] = route_agents(args, w, switches, agents, channels, endpoint, reg, sup)
         b_cpu, b_rss = self_usage()
         res["etcd"] = {"cpu_s_loading": round(e_cpu0, 2), "rss_mib_loaded": round(e_rss0 / 1024, 1),
                        "rss_mib_end": round(e_rss / 1024, 1), "db_mib": round(etcd_db_bytes(etcd) / 2**20, 1)}
@@ -397,6 +403,66 @@ def real(args, w: model.Workload, expect: dict[str, int]) -> dict:
         etcd.stop()
         release_lock()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def route_agents(args, w: model.Workload, switches: list[OvsInstance], agents: list[Agent],
+                 channels: list[SockDatapath], endpoint: str, reg: Registry, sup: Supervisor) -> dict:
+    """The route agent as a process (``python -m vfab.controller --node``, issue 45's control plane: os-ken,
+    ``fabric/nodecompile.py``, an election per node, applied reports) on the first ``--route-agents``
+    switches, in place of the bench's agents there: its start (a restarted agent: read, compile, reconcile,
+    report) and ``--route-changes`` range moves, each timed from the etcd write until every one of them
+    reported the revision applied (``applied/``; by default right after its bundle: ``--no-datapath-wait``,
+    since a sandbox's datapath forwards nothing and revalidates on a 500 ms timer)."""
+    k = args.route_agents
+    procs, out = [], {"agents": k, "datapath_wait": args.route_datapath_wait}
+    revision = reg.state_revision()
+    for i in range(k):
+        agents[i].signal_stop()
+    for i in range(k):
+        agents[i].stop()
+        channels[i].close()
+        inst, me = switches[i], model.node_name(i + 1)
+        ports = []
+        for j in range(1, w.nodes + 1):   # a tunnel port per other node, named as the node agent names them
+            if j != i + 1:
+                name = tunnels.port_name(tunnel_ip(j))
+                ports += ["--", "add-port", f"{BRIDGE}{i + 1}", name, "--", "set", "interface", name,
+                          f"ofport_request={model.TUNNEL_BASE + j}"]
+        inst.vsctl(*ports)
+        port = free_port()
+        inst.vsctl("set-controller", f"{BRIDGE}{i + 1}", f"tcp:127.0.0.1:{port}")
+        procs.append(sup.start(f"route-{me}", [sys.executable, "-m", "vfab.controller", "--etcd", endpoint,
+                                               "--node", me, "--listen", "127.0.0.1", "--port", str(port),
+                                               "--ovs-rundir", inst.rundir,
+                                               *([] if args.route_datapath_wait else ["--no-datapath-wait"])]))
+    dpids = list(range(1, k + 1))
+    t0 = time.monotonic()
+    reg.wait_applied(revision, timeout=args.route_timeout, dpids=dpids)
+    out["start_to_applied_s"] = round(time.monotonic() - t0, 2)
+    print(f"{k} route agents up and applied in {out['start_to_applied_s']} s", flush=True)
+    rnd = random.Random(args.seed + 2)
+    took, cpu0 = [], sum(proc_usage(p.pid)[0] for p in procs)
+    for _ in range(args.route_changes):
+        sid, index, to = model.pick_change(w, rnd)
+        w = model.move(w, sid, index, to)
+        r = w.owned[sid][index]
+        t1 = time.monotonic()
+        rev = reg.put(schema.range_key(f"s{sid}", r.lo), range_record(w, sid, r).to_json())
+        reg.wait_applied(rev, timeout=args.route_timeout, dpids=dpids)
+        took.append(time.monotonic() - t1)
+    usage = [proc_usage(p.pid) for p in procs]
+    out["change_applied_on_all_ms"] = summary(took)
+    out["agent_cpu_s_per_change"] = round((sum(c for c, _ in usage) - cpu0) / max(1, args.route_changes) / k, 3)
+    out["agent_rss_mib"] = round(max(r for _, r in usage) / 1024, 1)
+    out["flows"] = {}
+    for i in range(k):
+        chan = SockDatapath(os.path.join(switches[i].rundir, f"{BRIDGE}{i + 1}.mgmt"), i + 1)
+        out["flows"][model.node_name(i + 1)] = len(chan.conn.dump()[0])
+        chan.close()
+    print(f"route agents: {out}", flush=True)
+    for p in procs:
+        sup.stop(p)
+    return out
 
 
 def etcd_db_bytes(etcd: LocalEtcd) -> int:
@@ -419,13 +485,22 @@ def main() -> int:
     ap.add_argument("--idle", type=float, default=3.0, help="seconds the idle switches' CPU is read over")
     ap.add_argument("--solo", type=int, default=20, help="range moves timed on one switch alone, for the model")
     ap.add_argument("--compile-nodes", type=int, default=2, help="nodes compiled whole by nodecompile (cold, warm)")
+    ap.add_argument("--route-agents", type=int, default=4, help="switches given a route agent process (0: none)")
+    ap.add_argument("--route-changes", type=int, default=10, help="range moves timed with the route agents")
+    ap.add_argument("--route-datapath-wait", action="store_true",
+                    help="let the route agents report after a revalidation pass (a sandbox's dummy datapath runs one "
+                         "every 500 ms: that timer, not the control plane, is then measured)")
+    ap.add_argument("--route-timeout", type=float, default=120.0, help="s to wait for the route agents' reports")
     ap.add_argument("--seed", type=int, default=45)
     args = ap.parse_args()
     if args.smoke:
         args.switches, args.nodes, args.services, args.changes = 3, 8, 20, 6
         args.restarts, args.sample, args.idle, args.solo, args.compile_nodes = 1, 4, 0.5, 3, 1
+        args.route_agents, args.route_changes = 1, 3
     if not 1 <= args.switches <= args.nodes:
         ap.error(f"--switches {args.switches}: give 1..{args.nodes} (the fabric's nodes, --nodes)")
+    if not 0 <= args.route_agents <= args.switches:
+        ap.error(f"--route-agents {args.route_agents}: give 0..{args.switches} (the switches run here)")
     if args.per_service < 2:
         ap.error("--per-service must be at least 2: a range change moves a range between its service's nodes")
     args.per_service_list = sorted({1, 2, args.per_service})
