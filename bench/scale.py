@@ -30,6 +30,7 @@ Run: ``/opt/vfab-venv/bin/python bench/scale.py [--smoke] [--switches 64]`` (roo
 from __future__ import annotations
 
 import collections
+import gc
 import os
 import random
 import resource
@@ -359,6 +360,11 @@ def real(args, w: model.Workload, expect: dict[str, int]) -> dict:
         bad = {me: (n, expect[me]) for me, n in counts.items() if n != expect[me]}
         if bad:
             raise RuntimeError(f"agents compiled other flow counts from etcd than the model: {bad}")
+        # The 64 agents' views, flows and the shared records are one heap here (~600 MiB): a full collection
+        # over it took 300 ms of one agent's thread (run 2), a pause an agent holding one view would not
+        # see. Frozen, collections scan only what the changes make.
+        gc.collect()
+        gc.freeze()
         s_cpu0, _ = switch_usage(switches)
         b_cpu0, _ = self_usage()
         e_cpu1, _ = proc_usage(etcd.pid)
