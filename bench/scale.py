@@ -471,6 +471,42 @@ def route_agents(args, w: model.Workload, switches: list[OvsInstance], agents: l
     return out
 
 
+def capacity(args, w: model.Workload) -> dict:
+    """How many sandboxes this machine holds: ``--capacity`` of them started, each given node 1's table
+    (~6,000 flows) in one bundle, then their resident memory and idle CPU; no etcd, no agents."""
+    work = tempfile.mkdtemp(prefix="vfab-scale-cap-")
+    sup = Supervisor(os.path.join(work, "logs"))
+    switches: list[OvsInstance] = []
+    table = SwitchConfig(0, {f.key: f for f in model.node_flows(w, "n1")})
+    acquire_lock()
+    try:
+        t0 = time.monotonic()
+        switches, took = start_switches(args.capacity, work, sup)
+        started = time.monotonic() - t0
+        for i, inst in enumerate(switches):
+            chan = SockDatapath(os.path.join(inst.rundir, f"{BRIDGE}{i + 1}.mgmt"), i + 1)
+            chan.conn.commit(diff(SwitchConfig(i + 1, table.flows), {}, {}))
+            chan.close()
+        c0, _ = switch_usage(switches)
+        time.sleep(args.idle)
+        c1, rss = switch_usage(switches)
+        with open("/proc/meminfo") as fh:
+            avail = next(int(line.split()[1]) for line in fh if line.startswith("MemAvailable:"))
+        out = {"sandboxes": len(switches), "flows_each": len(table.flows), "start_s": round(started, 1),
+               "start_each_ms": summary(took), "rss_mib_all": round(rss / 1024, 1),
+               "rss_mib_each": round(rss / 1024 / len(switches), 1),
+               "idle_cpu_percent_all": round((c1 - c0) / args.idle * 100, 1),
+               "machine_mem_available_mib": round(avail / 1024)}
+        print(f"capacity: {out}", flush=True)
+        return out
+    finally:
+        for inst in switches:
+            inst.stop()
+        sup.stop_all()
+        release_lock()
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def etcd_db_bytes(etcd: LocalEtcd) -> int:
     total = 0
     for root, _dirs, files in os.walk(etcd.data_dir):
@@ -497,6 +533,8 @@ def main() -> int:
                     help="let the route agents report after a revalidation pass (a sandbox's dummy datapath runs one "
                          "every 500 ms: that timer, not the control plane, is then measured)")
     ap.add_argument("--route-timeout", type=float, default=120.0, help="s to wait for the route agents' reports")
+    ap.add_argument("--capacity", type=int, default=0,
+                    help="only start this many sandboxes with a node's table each and read their memory and idle CPU")
     ap.add_argument("--seed", type=int, default=45)
     args = ap.parse_args()
     if args.smoke:
@@ -513,6 +551,10 @@ def main() -> int:
     if not_root("scale", "the testbed lock in /run"):
         return 2
     params = {k: v for k, v in vars(args).items() if k not in ("out", "per_service_list")}
+    if args.capacity:
+        w = model.Workload(args.services, args.ranges, args.nodes, per_service=args.per_service)
+        write("scale-capacity", params, capacity(args, w), args.out)
+        return 0
     flows, w, expect = flows_per_switch(args)
     results = {"flows_per_switch": flows, "nodecompile": whole_node(args, w), "real": real(args, w, expect)}
     write("scale", params, results, args.out)
