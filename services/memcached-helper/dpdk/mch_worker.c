@@ -118,7 +118,7 @@ static void serve(struct mch_worker *w, const struct mch_rx *rx, uint64_t now)
 		slot = peer_get(w, &rx->from);
 		if (slot == MCH_NO_PEER)
 			w->c.drop_peers++;
-		else if (mch_relay_send(&w->relay, slot, rx->dg, rx->len, now) != 0)
+		else if (mch_relay_send(&w->relay, slot, rx->dg, rx->len, 0, now) != 0)
 			mch_worker_peer_put(w, slot);
 		return;
 	}
@@ -138,7 +138,7 @@ static void serve(struct mch_worker *w, const struct mch_rx *rx, uint64_t now)
 	 * to memcached as it is, over the relay, until the agent has withdrawn the helper (issue
 	 * 43: no client worse off than direct).  A full in-flight queue is overload: shed.
 	 */
-	if (rc == MCH_CDROP_NOCONN && mch_relay_send(&w->relay, slot, rx->dg, rx->len, now) == 0) {
+	if (rc == MCH_CDROP_NOCONN && mch_relay_send(&w->relay, slot, rx->dg, rx->len, 1, now) == 0) {
 		w->c.relay_noconn++;
 		return;
 	}
