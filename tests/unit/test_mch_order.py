@@ -91,6 +91,10 @@ def test_clients_are_apart_and_jumps_and_wraps_go_at_once(order):
     assert order.arrive(3, 1, 1)[0] == "GO"            # wrap that skips 0 (ours)
     order.arrive(4, 65535, 0)
     assert order.arrive(4, 0, 1)[0] == "GO"            # wrap through 0 (others)
+    order.arrive(5, 0x0BFF, 0)                         # libmemcached: bits of its own, a 10-bit count that wraps
+    assert order.arrive(5, 0x0800, 1)[0] == "GO"       # 1,023 back: a new count, not a straggler
+    assert order.arrive(5, 0x0802, 2)[0] == "HOLD"     # ... so order holds again from there
+    assert order.ctr()["late"] == 0
 
 
 def test_no_hold_time_never_holds_and_the_table_has_a_bound(order):

@@ -40,11 +40,11 @@ enum mch_order_verdict mch_order_arrive(struct mch_order *o, uint64_t key, uint1
 		return MCH_ORDER_GO;
 	}
 	ahead = (uint16_t)(rid - o->cl[s].next);
-	if (ahead >= 0x8000u) { /* behind: a request overtaken and already given up on */
+	if (ahead >= 0x10000u - MCH_ORDER_BEHIND) { /* just behind: one overtaken and already given up on */
 		o->c.late++;
 		return MCH_ORDER_GO;
 	}
-	if (ahead > MCH_ORDER_GAP || o->hold == 0) { /* a jump: the client's new count */
+	if (ahead > MCH_ORDER_GAP || o->hold == 0) { /* a jump, or far back (a counter that wrapped): a new count */
 		o->cl[s].next = (uint16_t)(rid + 1u);
 		return MCH_ORDER_GO;
 	}

@@ -11,13 +11,13 @@
  * runs them in that order and the get sees the new value.
  *
  * memcached's UDP clients number their requests (the 16-bit request id of the
- * frame header); common clients count it up by one per request (libmemcached,
- * ours).  The helper remembers the next id it expects of each client
+ * frame header); common clients count it up by one per request (ours;
+ * libmemcached in its low 10 bits, under bits of its own).  The helper remembers the next id it expects of each client
  * (address, port) and holds a request whose id is a little ahead (1..GAP
  * early: the ones between are on their way) until those arrive or the hold
  * time passes, then serves it.  Anything else (the expected id, an id behind,
- * a jump, a client not seen before, a table slot taken by another client) is
- * served at once.  A client whose ids are random is held only when one lands
+ * a jump either way, a client not seen before, a table slot taken by another
+ * client) is served at once.  A client whose ids are random is held only when one lands
  * 1..GAP ahead by chance (GAP/65536 of its requests, each at most the hold).
  *
  * Pure bookkeeping over opaque items (the worker's mbufs): no DPDK, no I/O,
@@ -31,6 +31,8 @@
 #define MCH_ORDER_CLIENTS 4096u /* direct-mapped table of clients (a collision forgets one: served at once) */
 #define MCH_ORDER_HELD    32u   /* requests held at once per worker (past it: served at once, counted) */
 #define MCH_ORDER_GAP     8u    /* an id at most this far ahead of the expected one is held */
+#define MCH_ORDER_BEHIND  64u   /* an id at most this far behind is a straggler (served, counted late);
+				 * farther back is a new count (libmemcached wraps its low 10 bits) */
 
 enum mch_order_verdict { MCH_ORDER_GO = 0, MCH_ORDER_HOLD = 1 };
 
