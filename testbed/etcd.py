@@ -14,9 +14,10 @@ name, so another etcd on the machine is never touched)::
     Registry(cluster.endpoint)  # "127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3"
     cluster.leader().kill9()    # the one the status API names; start() brings it back
 
-A member can sit elsewhere than on this namespace's loopback: ``Placement`` gives it an address and a
-command prefix that runs it there (``ip netns exec NS``), which a multi-host testbed uses to put one
-member in each emulated host.
+A member can sit elsewhere than on this namespace's loopback: ``Placement`` gives it an address (and ports)
+and a command prefix that runs it there (``ip netns exec NS``), which the multi-host testbed uses to put one
+member in each emulated host; ``via`` is where this process reaches its client port when it cannot reach the
+address itself (a relay, ``testbed.ctlnet``): ``endpoint`` lists those.
 
 Starting one makes SIGTERM/SIGHUP unwind the process like SIGINT
 (``procs.unwind_on_signals``), so a killed test run still stops its member.
@@ -51,6 +52,9 @@ class Placement:
 
     ip: str = HOST
     wrap: tuple[str, ...] = ()     # e.g. ("ip", "netns", "exec", "vfab-h1"): the member runs inside that netns
+    client_port: int = 0           # 0: a free one
+    peer_port: int = 0
+    via: str = ""                  # HOST:PORT this process reaches the client port at ("": ip:client_port)
 
 
 class EtcdMember:
@@ -80,6 +84,11 @@ class EtcdMember:
         return f"http://{self.endpoint}"
 
     @property
+    def reach(self) -> str:
+        """HOST:PORT where this process reaches the member's client port (its own address, or a relay)."""
+        return self.place.via or self.endpoint
+
+    @property
     def peer_url(self) -> str:
         return f"http://{self.place.ip}:{self.peer_port}"
 
@@ -105,13 +114,13 @@ class EtcdMember:
 
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.client_url}/health", timeout=0.5) as resp:
+            with urllib.request.urlopen(f"http://{self.reach}/health", timeout=0.5) as resp:
                 return resp.status == 200 and json.loads(resp.read()).get("health") == "true"
         except (OSError, ValueError, urllib.error.URLError):
             return False
 
     def status(self) -> etcd_members.Status:
-        return etcd_members.status(self.endpoint, timeout=1.0)
+        return etcd_members.status(self.reach, timeout=1.0)
 
     def spawn(self) -> None:
         if self.alive():
@@ -208,8 +217,8 @@ class LocalEtcd:
         self.heartbeat_ms = heartbeat_ms
         self.election_ms = election_ms
         self.history = history
-        ports = [(client_port or free_port(), peer_port or free_port())]
-        ports += [(free_port(), free_port()) for _ in places[1:]]
+        ports = [(client_port or places[0].client_port or free_port(), peer_port or places[0].peer_port or free_port())]
+        ports += [(p.client_port or free_port(), p.peer_port or free_port()) for p in places[1:]]
         names = [name] if single else [f"{name}{i}" for i in range(1, len(places) + 1)]
         cluster = ",".join(f"{n}=http://{p.ip}:{pp}" for n, p, (_, pp) in zip(names, places, ports))
         self.members: list[EtcdMember] = []
@@ -251,8 +260,9 @@ class LocalEtcd:
     # -- the whole ------------------------------------------------------------------------------------
     @property
     def endpoint(self) -> str:
-        """``HOST:PORT[,HOST:PORT...]`` of every member, as ``vfab.vid.registry.Registry`` and ``--etcd`` take it."""
-        return ",".join(m.endpoint for m in self.members)
+        """``HOST:PORT[,HOST:PORT...]`` of every member as this process reaches it, as
+        ``vfab.vid.registry.Registry`` and ``--etcd`` take it."""
+        return ",".join(m.reach for m in self.members)
 
     def member(self, name: str) -> EtcdMember:
         for m in self.members:
@@ -284,7 +294,7 @@ class LocalEtcd:
         target = member.status().member_id
         lead = self.leader(timeout)
         if lead is not member:
-            req = urllib.request.Request(f"{lead.client_url}/v3/maintenance/transfer-leadership",
+            req = urllib.request.Request(f"http://{lead.reach}/v3/maintenance/transfer-leadership",
                                          data=json.dumps({"targetID": str(target)}).encode(), method="POST")
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 resp.read()
