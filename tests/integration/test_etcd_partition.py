@@ -117,9 +117,11 @@ def partition_round(tb: HostsTestbed, leader_host: str, cut: str) -> dict:
         wait_for(lambda: [r for r in minority.puts(t_cut) if not r["ok"] and r["sure"]], 20,
                  "a write of the partitioned host's probe refused")
         refused = next(r for r in minority.puts(t_cut) if not r["ok"] and r["sure"])
+        t_refused = refused["t"] - t_cut
         assert "no leader" in refused["error"] and "is a majority of its members down?" in refused["error"], refused
         wait_for(lambda: "no leader" in minority.log() and "watching /vfabtest/probe/ again" in minority.log(), 20,
                  "the partitioned member to cancel the probe's watch")
+        t_watch = time.time() - t_cut
         # the majority elects (if it lost its leader) and keeps serving
         wait_acks(maj, t_cut, 20)
         lead = tb.etcd.leader()
@@ -144,18 +146,20 @@ def partition_round(tb: HostsTestbed, leader_host: str, cut: str) -> dict:
     assert hist[minority.name]["resets"] == 1, hist
     failed = {p.name: (sum(1 for r in p.puts() if not r["ok"] and r["sure"]),
                        sum(1 for r in p.puts() if not r["ok"] and not r["sure"])) for p in probes}
-    return {"gap": gap, "back": back, "hist": hist, "refused": refused["error"], "failed": failed}
+    return {"refused_after": t_refused, "watch_cut_after": t_watch, "gap": gap, "back": back, "hist": hist, "refused": refused["error"], "failed": failed}
 
 
 def test_partitioned_follower_host_stops_acting_and_resumes(tb):
     got = partition_round(tb, "host1", "host3")
-    print(f"follower cut off: longest gap between the majority's acks {got['gap']:.2f} s; minority writing "
+    print(f"follower cut off: first write refused {got['refused_after']:.2f} s after the cut, watch cancelled "
+          f"by {got['watch_cut_after']:.2f} s; longest gap between the majority's acks {got['gap']:.2f} s; minority writing "
           f"again {got['back']:.2f} s after heal; watches {got['hist']}; (refused, maybe applied) {got['failed']}")
     assert got["gap"] < 1.0, "the majority's writes stalled although its leader stayed"
 
 
 def test_partitioned_leader_host_loses_it_and_majority_elects(tb):
     got = partition_round(tb, "host3", "host3")
-    print(f"leader cut off: longest gap between the majority's acks {got['gap']:.2f} s; minority writing again "
+    print(f"leader cut off: first write refused {got['refused_after']:.2f} s after the cut, watch cancelled "
+          f"by {got['watch_cut_after']:.2f} s; longest gap between the majority's acks {got['gap']:.2f} s; minority writing again "
           f"{got['back']:.2f} s after heal; watches {got['hist']}; (refused, maybe applied) {got['failed']}")
     assert got["gap"] < 5.0

@@ -3,6 +3,7 @@ Geneve tunnels built by the node agent ('vfab node join' under ip netns exec), o
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import struct
@@ -268,3 +269,27 @@ def test_partitioned_host_is_dropped_and_comes_back_when_healed(tb):
     finally:
         rx3.close()
     assert "registering again" in tb.hosts["host3"].agent.tail(50)
+
+
+def test_an_etcd_list_with_a_dead_member_is_used_with_a_warning(tb):
+    """A member list with dead members (one refusing, one whose address answers nobody) works through the live
+    ones, naming the dead in a warning; a list with no live member is refused clearly.  Nothing else changes."""
+    dead = "127.0.0.1:1,172.16.46.9:2379"
+    own = tb.etcd_endpoint("host1")
+    res = tb.node_in_ns("host1", "--etcd", f"{dead},{own}", "node", "list", "--json")
+    assert res.returncode == 0, res.stderr
+    assert set(json.loads(res.stdout)) == {"host1", "host2", "host3"}
+    for member in dead.split(","):
+        assert f"etcd: member {member} (listed in" in res.stderr and "does not answer" in res.stderr, res.stderr
+    # an agent started on such a list joins and meshes as the others
+    tb.stop_agent("host1")
+    h = tb.hosts["host1"]
+    h.agent = tb.sup.start("host1-agent", tb.join_command("host1", "--etcd", f"{dead},{own}"))
+    tb.wait_mesh()
+    wait_for(lambda: "does not answer" in h.agent.tail(50), 10, "the agent's warning about the dead members")
+    # no live member at all: refused, saying which members and what to do
+    res = tb.node_in_ns("host1", "--etcd", dead, "node", "list")
+    assert res.returncode == 1 and "no etcd member of 127.0.0.1:1,172.16.46.9:2379 answers" in res.stderr, res.stderr
+    tb.stop_agent("host1")
+    tb.start_agent("host1")
+    tb.wait_mesh()
