@@ -36,6 +36,7 @@ from vfab.vid.registry import Registry
 log = logging.getLogger("vfab.testbed")
 LOCK_FILE = "/run/vfab-testbed.lock"
 LOCK_WAIT = 900
+LOCK_POLL = 0.05   # s between tries: the lock goes to whichever waiter tries first after it is let go
 # A parent holding the lock (a test around 'vfab up') hands its open lock file down as this descriptor
 # (``pass_fds``): the child then holds the lock through it instead of waiting for its own parent.
 LOCK_FD_ENV = "VFAB_TESTBED_LOCK_FD"
@@ -69,7 +70,7 @@ def acquire_lock(wait: float = LOCK_WAIT) -> None:
                     fh.close()
                     raise RuntimeError(f"another vfab testbed holds {LOCK_FILE} for over {wait:.0f} s: "
                                        "stop it ('vfab down') or wait") from None
-                time.sleep(0.5)
+                time.sleep(LOCK_POLL)
         _lock_fh, _lock_depth = fh, 1
 
 

@@ -16,8 +16,8 @@ veth end the datapath does not read.
 
 The control network (the management network of real machines) is a second Linux bridge there, ``vfcbr``
 (address 172.16.46.254, "the console"), with a veth ``vfnNc`` to each host carrying 172.16.46.N.  The etcd
-cluster runs on it: one member per host on the first 3 hosts (``etcd_members``: 1 below 3 hosts, 3 by
-default, 5 with 5 hosts or more), inside the host's namespace at 172.16.46.N:2379 (peers :2380), its data in
+cluster runs on it: one member per host on the first 3 hosts (``etcd_members``: 1 below 3 hosts, else 3 by
+default; 5 allowed from 5 hosts), inside the host's namespace at 172.16.46.N:2379 (peers :2380), its data in
 the host's directory.  Every process on a host lists its own member first (``etcd_endpoint(host)``).  The
 root namespace (the test, an operator's ``vfab`` after ``vfab up --hosts N``) reaches each member through a
 loopback relay (``testbed.ctlnet``, ``etcd_endpoint()``), also opened inside each host, so the relay list
@@ -29,7 +29,7 @@ its data), ``partition`` (off the underlay, and by default off the control netwo
 majority, the relays to it and on it close), ``heal``.
 
 Names never collide with the Mininet testbed's (``vfbs*``, ``vfh*``, ``vfbc0``): all start with ``vfn``/``vfu``
-and live inside the namespaces, never in the root one.  The machine's testbed lock is held while it runs;
+(``vfc`` for the control network's) and live inside the namespaces, never in the root one.  The machine's testbed lock is held while it runs;
 what it creates is in a run record first (``testbed.leftovers``), so a killed run is swept by the next
 testbed.
 """
@@ -214,7 +214,8 @@ class _EtcdOnHosts:
 
 
 class HostsTestbed(_EtcdOnHosts):
-    """``HostsTestbed(hosts=3).start()``: N emulated hosts, an underlay, one etcd, a node agent per host."""
+    """``HostsTestbed(hosts=3).start()``: N emulated hosts, an underlay, a control network with an etcd member in
+    each of the first 3 hosts (``etcd_members``), a node agent per host."""
 
     _running: "HostsTestbed | None" = None
 

@@ -91,6 +91,11 @@ def route_vid(tb: HostsTestbed, src: str, dst: str) -> None:
 
 
 def test_agents_mesh_and_register(tb):
+    # one etcd member in each host, on the control network; each host's processes list their own first
+    assert [h.member.endpoint for h in tb.hosts.values()] == ["172.16.46.1:2379", "172.16.46.2:2379",
+                                                             "172.16.46.3:2379"]
+    assert tb.etcd_endpoint("host2").split(",")[0] == "172.16.46.2:2379"
+    assert f"--etcd {tb.etcd_endpoint('host3')} " in " ".join(tb.join_command("host3"))
     found = nodes.nodes(tb.registry)
     assert set(found) == {"host1", "host2", "host3"}
     for name, rec in found.items():
@@ -226,12 +231,16 @@ def test_a_stopped_agent_leaves_its_tunnels_and_a_restarted_one_rejoins(tb):
 
 
 def test_killed_host_is_dropped_then_rejoins(tb):
+    member = tb.hosts["host2"].member
     tb.kill_host("host2")
+    assert member is not None and not member.alive()      # its etcd member died with it; the other two serve
     wait_for(lambda: "host2" not in nodes.nodes(tb.registry), 10, "host2's lease to end")
     wait_for(lambda: "host2" not in tb.peers("host1") and "host2" not in tb.peers("host3"), 10,
              "the others to drop their tunnels to host2")
     tb.restart_host("host2")
     tb.wait_mesh()
+    said = tb.registry.members.survey()                   # the member is back on its data, in the same cluster
+    assert all(st.ok for st in said) and len({st.cluster_id for st in said}) == 1, said
     # its port came back with its switch (same database): frames reach it again
     route_vid(tb, "host1", "host2")
     rx2 = rx_socket(tb.ports["host2"])
