@@ -63,11 +63,12 @@ class EtcdMember:
     def __init__(self, name: str, data_dir: Path, client_port: int, peer_port: int, *, cluster: str = "",
                  place: Placement = Placement(), binary: str = "etcd", heartbeat_ms: int = 50,
                  election_ms: int = 500, history: str = "1h", log_path: Path | None = None,
-                 member_dir: Path | None = None):
+                 member_dir: Path | None = None, pre_vote: bool = True):
         self.name, self.data_dir = name, Path(data_dir)
         self.client_port, self.peer_port = client_port, peer_port
         self.place, self.binary = place, binary
         self.heartbeat_ms, self.election_ms, self.history = heartbeat_ms, election_ms, history
+        self.pre_vote = pre_vote
         self.cluster = cluster or f"{name}={self.peer_url}"
         self.log_path = log_path or self.data_dir / "etcd.log"
         self.member_dir = member_dir or self.data_dir / "member-data"
@@ -108,6 +109,7 @@ class EtcdMember:
             "--initial-cluster", self.cluster, "--initial-cluster-state", "new",
             "--heartbeat-interval", str(self.heartbeat_ms),
             "--election-timeout", str(self.election_ms),
+            f"--pre-vote={'true' if self.pre_vote else 'false'}",
             "--auto-compaction-mode", "periodic", "--auto-compaction-retention", self.history,
             "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn",
         ]
@@ -197,13 +199,19 @@ class LocalEtcd:
     write, the fabric's range changes and re-registrations included.  A watch resumed from a revision
     older than ``history`` is cancelled by etcd, and ``Registry.follow`` reads its prefix again.
 
+    ``pre_vote`` (etcd's ``--pre-vote``, off by default in etcd 3.4, on from 3.5): a member asks whether it could
+    win before it starts an election.  Without it, a member cut off from the others keeps starting elections,
+    raising its raft term, and when it comes back that term deposes the leader the majority kept: measured in
+    the multi-host testbed, a healed host's member made the majority's leader step down and left the cluster
+    without a leader for 2.3 s (tests/integration/test_etcd_partition.py, docs/sessions/2026-12-07-i45h.md).
+
     ``client_port``/``peer_port`` are the first member's (0: a free one); the others get free ports.
     ``members`` may also be a list of ``Placement`` (one per member) for members outside loopback.
     """
 
     def __init__(self, data_dir: str | os.PathLike, client_port: int = 0, peer_port: int = 0, *,
                  members: int | Sequence[Placement] = 1, name: str = "vfab", binary: str = "etcd",
-                 heartbeat_ms: int = 50, election_ms: int = 500, history: str = "1h"):
+                 heartbeat_ms: int = 50, election_ms: int = 500, history: str = "1h", pre_vote: bool = True):
         places = [Placement()] * members if isinstance(members, int) else list(members)
         if not 1 <= len(places) <= etcd_members.MAX_MEMBERS:
             raise RegistryError(f"an etcd cluster of {len(places)} members: give 1 (one member), or 3 or 5 "
@@ -226,7 +234,7 @@ class LocalEtcd:
             where = self.data_dir if single else self.data_dir / n
             self.members.append(EtcdMember(n, where, cp, pp, cluster=cluster, place=place, binary=binary,
                                            heartbeat_ms=self.heartbeat_ms, election_ms=self.election_ms,
-                                           history=history))
+                                           history=history, pre_vote=pre_vote))
         self.on_spawn: Callable[[int], None] | None = None  # called with each member's PID right after its spawn
 
     # -- the first member (what a single-member etcd's callers read) ------------------------------------

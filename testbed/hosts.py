@@ -135,6 +135,7 @@ class _EtcdOnHosts:
     """The control network and the etcd cluster of a ``HostsTestbed`` (its members in the hosts)."""
 
     hosts: dict[str, Host]
+    etcd_options: dict = {}   # more LocalEtcd settings (e.g. {"pre_vote": False}, to compare)
 
     @staticmethod
     def _relay_tags(h: Host) -> tuple[str, str]:
@@ -161,7 +162,7 @@ class _EtcdOnHosts:
         relay = {h.name: free_port() for h in holders}
         places = [Placement(ip=h.ctl_ip, wrap=("ip", "netns", "exec", h.ns), client_port=ETCD_CLIENT,
                             peer_port=ETCD_PEER, via=f"127.0.0.1:{relay[h.name]}") for h in holders]
-        self.etcd = LocalEtcd(os.path.join(self.workdir, "etcd"), members=places)
+        self.etcd = LocalEtcd(os.path.join(self.workdir, "etcd"), members=places, **self.etcd_options)
         for h, m in zip(holders, self.etcd.members):
             h.member = m
             for where in [None, *(x.ns_path for x in self.hosts.values())]:   # this namespace's loopback, each host's

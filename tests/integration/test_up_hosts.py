@@ -35,6 +35,7 @@ def up_and_down(tmp_path) -> None:
     try:
         assert res.returncode == 0, res.stdout + res.stderr
         out = res.stdout
+        print(out)
         assert "3 hosts (host1, host2, host3), etcd cluster of 3 (members on host1, host2, host3), node agents " \
                "joined" in out, out
         assert "vfab exec host1 -- vfab node list" in out and "vfn1p1 (host1)" in out and "vfab down" in out, out
