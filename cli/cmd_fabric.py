@@ -237,7 +237,9 @@ def status(c, as_json: bool) -> None:
         return
     ctl = out["controller"]
     click.echo(f"etcd {reg.endpoint} at revision {rev}; controller: "
-               + (f"pid {ctl['pid']} {'running' if ctl['alive'] else 'DOWN'}" if ctl else "not started by 'vfab up'"))
+               + (f"pid {ctl['pid']} {'running' if ctl['alive'] else 'DOWN'}" if ctl else
+                  f"none ('vfab up --hosts': {len(state['nodes'])} hosts, see 'vfab node list')"
+                  if state and state.get("kind") == "hosts" else "not started by 'vfab up'"))
     if members:
         c.console.print(table(f"etcd members (using {reg.member})", ["member", "role", "raft term", "revision"],
                               [[m.member, "leader" if m.is_leader else ("DOWN: " + m.error if m.error else "follower"),

@@ -47,6 +47,9 @@ def up_and_down(tmp_path) -> None:
         found = json.loads(res.stdout)
         assert set(found) == {"host1", "host2", "host3"}
         assert all(len(n["peers"]) == 2 for n in found.values()), found
+        res = vfab(env, "status")
+        assert res.returncode == 0 and "('vfab up --hosts': 3 hosts, see 'vfab node list')" in res.stdout, res.stdout
+        assert "etcd members" in res.stdout and "leader" in res.stdout, res.stdout
         res = vfab(env, "status", "--json")
         assert res.returncode == 0, res.stderr
         members = json.loads(res.stdout)["etcd"]["members"]

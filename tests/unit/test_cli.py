@@ -158,3 +158,10 @@ def test_up_refuses_a_bad_fabric_size_before_starting_anything(args, needle):
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 2, res.output
     assert needle in res.output and "Traceback" not in res.output
+
+
+def test_member_count_of_a_hosts_testbed():
+    from vfab.testbed.hosts import check_size
+
+    assert [check_size(n, None) for n in (1, 2, 3, 4, 16)] == [1, 1, 3, 3, 3]   # one member per host, 3 by default
+    assert check_size(5, 5) == 5 and check_size(3, 1) == 1
