@@ -382,7 +382,7 @@ class HostsTestbed(_EtcdOnHosts):
         h = self.hosts[host]
         return subprocess.run(["ip", "netns", "exec", h.ns, sys.executable, "-m", "vfab.cli", *args],
                               capture_output=True, text=True, timeout=60,
-                              env=dict(os.environ, OVS_RUNDIR=h.rundir))
+                              env=dict(os.environ, OVS_RUNDIR=h.rundir, VFAB_ETCD=self.etcd_endpoint(host)))
 
     def peers(self, host: str) -> set[str]:
         """The nodes ``host``'s switch has a tunnel port to, by the ports' ``external_ids``."""
@@ -440,8 +440,10 @@ class HostsTestbed(_EtcdOnHosts):
         return int(self.hosts[host].ovs.vsctl("get", "interface", name, "ofport"))
 
     def run_on(self, host: str, name: str, cmd: list[str]) -> Proc:
-        """A process inside ``host``'s namespace, supervised (killed with the host)."""
-        proc = self.sup.start(name, ["ip", "netns", "exec", self.hosts[host].ns, *cmd])
+        """A process inside ``host``'s namespace, supervised (killed with the host); ``VFAB_ETCD`` is the host's
+        member list (its own member first), the default of every ``vfab`` command."""
+        proc = self.sup.start(name, ["ip", "netns", "exec", self.hosts[host].ns, *cmd],
+                              env={"VFAB_ETCD": self.etcd_endpoint(host)})
         self.hosts[host].procs.append(proc)
         return proc
 

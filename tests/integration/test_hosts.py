@@ -96,6 +96,8 @@ def test_agents_mesh_and_register(tb):
                                                              "172.16.46.3:2379"]
     assert tb.etcd_endpoint("host2").split(",")[0] == "172.16.46.2:2379"
     assert f"--etcd {tb.etcd_endpoint('host3')} " in " ".join(tb.join_command("host3"))
+    res = tb.node_in_ns("host2", "status", "--json")   # vfab on a host: its own member by default
+    assert res.returncode == 0 and json.loads(res.stdout)["etcd"]["using"] == "172.16.46.2:2379", res.stderr
     found = nodes.nodes(tb.registry)
     assert set(found) == {"host1", "host2", "host3"}
     for name, rec in found.items():
