@@ -107,6 +107,12 @@ class Host:
     def ns_path(self) -> str:
         return f"/var/run/netns/{self.ns}"
 
+    def enter(self) -> list[str]:
+        """The command prefix that runs a program on this host: in its network namespace, under its own host
+        name (a UTS namespace of its own: what endpoints and node agents record as their machine)."""
+        return ["ip", "netns", "exec", self.ns, "unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"',
+                self.name]
+
 
 # -- the control network and the etcd cluster (one member per host) --------------------------------------------
 def default_members(hosts: int) -> int:
@@ -362,7 +368,7 @@ class HostsTestbed(_EtcdOnHosts):
     def join_command(self, host: str, *extra: str) -> list[str]:
         """``vfab node join`` for ``host``, as run inside its namespace (the same line a real machine runs)."""
         h = self.hosts[host]
-        return ["ip", "netns", "exec", h.ns, sys.executable, "-m", "vfab.cli", "-v", "node", "join",
+        return [*h.enter(), sys.executable, "-m", "vfab.cli", "-v", "node", "join",
                 "--etcd", self.etcd_endpoint(host), "--tunnel-ip", h.tunnel_ip, "--name", h.name, "--bridge", INT,
                 "--ovs-rundir", h.rundir, "--state-dir", h.statedir, "--ttl", str(self.ttl), *extra]
 
@@ -442,7 +448,7 @@ class HostsTestbed(_EtcdOnHosts):
     def run_on(self, host: str, name: str, cmd: list[str]) -> Proc:
         """A process inside ``host``'s namespace, supervised (killed with the host); ``VFAB_ETCD`` is the host's
         member list (its own member first), the default of every ``vfab`` command."""
-        proc = self.sup.start(name, ["ip", "netns", "exec", self.hosts[host].ns, *cmd],
+        proc = self.sup.start(name, [*self.hosts[host].enter(), *cmd],
                               env={"VFAB_ETCD": self.etcd_endpoint(host)})
         self.hosts[host].procs.append(proc)
         return proc

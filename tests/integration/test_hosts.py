@@ -17,7 +17,7 @@ from vfab.testbed.hosts import INT, UNDERLAY_NS, HostsTestbed, in_ns
 from vfab.testbed.procs import wait_for
 from vfab.vid import frame
 from vfab.vid.netns import netns
-from vfab.vid.registry import nodes
+from vfab.vid.registry import nodes, schema
 
 VID = bytes.fromhex("0e0045000003")   # a service VID (class 0, service 0x0045, key 3)
 
@@ -200,12 +200,65 @@ def test_bad_joins_are_refused_and_change_nothing(tb):
         assert tb.peers(n) == set(before) - {n}
 
 
+def echo_server(tb, host: str, name: str, *listen: str):
+    """An echo endpoint on ``host``'s port (the process runs on the host, under its host name)."""
+    args = [sys.executable, "-m", "vfab.services.echo", "server", "--service", "drain", "--name", name, "--netns",
+            tb.port_ns(tb.ports[host]), "--iface", "eth0", "--create", "--ttl", "2"]
+    for rng in listen:
+        args += ["--listen", rng]
+    proc = tb.run_on(host, f"echo-{name}", args)
+    wait_for(lambda: any(e.name == name for e in tb.registry.endpoints("drain")) if tb.registry.get(
+        schema.service_key("drain")) else False, 20, f"endpoint {name}")
+    return proc
+
+
+def owners(tb) -> set[str]:
+    return {r.owner for r, _ in tb.registry.ranges("drain")}
+
+
+def leave(tb, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vfab.cli", "--etcd", tb.etcd.endpoint, "node", "leave", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_leave_drains_the_nodes_ranges_to_another_node_first(tb):
+    e3 = echo_server(tb, "host3", "e3", "0-0xffffff")
+    try:
+        wait_for(lambda: owners(tb) == {"e3"}, 10, "e3 to own every key")
+        assert {e.name: e.host for e in tb.registry.endpoints("drain")} == {"e3": "host3"}
+        # no other node runs an endpoint of the service: refused, nothing changed
+        res = leave(tb, "--name", "host3")
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert "node host3 cannot be drained: drain/e3 owns 1 range(s) and no endpoint of drain runs on another " \
+               "node" in res.stderr and "--no-drain" in res.stderr, res.stderr
+        assert "host3" in nodes.nodes(tb.registry) and owners(tb) == {"e3"}
+        # an endpoint on host2: host3's ranges go to it first, then host3 leaves
+        e2 = echo_server(tb, "host2", "e2")
+        try:
+            res = leave(tb, "--name", "host3")
+            assert res.returncode == 0, res.stdout + res.stderr
+            assert "draining node host3 (1/1): drain: e3 -> e2, 1 range(s) reassigned" in res.stderr, res.stderr
+            assert "node host3 drained (1 range(s) of 1 endpoint(s) moved to other nodes) and left" in res.stdout
+            assert owners(tb) == {"e2"}
+            wait_for(lambda: "host3" not in tb.peers("host1"), 10, "host1 to drop its tunnel to host3")
+        finally:
+            tb.sup.stop(e2)
+    finally:
+        tb.sup.stop(e3)
+        tb.registry.delete_service("drain")
+    assert tb.hosts["host3"].agent.popen.wait(10) == 0
+    tb.hosts["host3"].agent = None
+    tb.start_agent("host3")
+    tb.wait_mesh()
+
+
 def test_leave_removes_the_node_everywhere_and_it_can_join_again(tb):
     agent = tb.hosts["host3"].agent
     res = subprocess.run([sys.executable, "-m", "vfab.cli", "--etcd", tb.etcd.endpoint, "node", "leave", "--name",
                           "host3"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    assert "not drained" in res.stdout
+    assert "node host3: no endpoint on it owns a range: nothing to drain" in res.stderr
+    assert "node host3 drained (0 range(s) of 0 endpoint(s) moved to other nodes) and left" in res.stdout
     wait_for(lambda: "host3" not in tb.peers("host1") and "host3" not in tb.peers("host2"), 10,
              "the others to drop their tunnels to host3")
     assert agent.popen.wait(10) == 0, agent.tail()     # its agent took its tunnels down and ended
