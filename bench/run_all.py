@@ -23,7 +23,9 @@ BENCHES = ["etcd_client.py", "etcd_leader_loss.py", "reroute.py", "reroute_busy.
            "sdhcp_failover.py",
            "sdhcp_ops.py",
            "sdhcp_path.py",
-           "tunnel_rtt.py"]
+           "tunnel_rtt.py",
+           "cutover_hosts.py",
+           "scale.py"]
 
 
 def main() -> int:

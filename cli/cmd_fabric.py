@@ -85,7 +85,7 @@ def up(ctx, topo: str, timeout: float, etcd_members: int | None, hosts: int | No
         cmd += ["--etcd-members", str(etcd_members)]
     if hosts is not None:
         cmd += ["--hosts", str(hosts), "--ports", str(ports)]
-    from vfab.testbed.fabric import LOCK_FD_ENV
+    from vfab.testbed.lock import LOCK_FD_ENV
 
     held = os.environ.get(LOCK_FD_ENV, "")   # a caller holding the testbed lock hands it down
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True,

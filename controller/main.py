@@ -41,6 +41,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[ControllerConfig, bool]
                          f"again within its keep-alive period; 0 = route away at once (default {d.linger})")
     ap.add_argument("--bundle-timeout", type=float,
                     help=f"seconds to wait for a bundle commit or a table dump (default {d.bundle_timeout})")
+    ap.add_argument("--node", help="run as the route agent of this fabric node: program only its own switch, "
+                                   "compiled with two-level routing ('vfab node join' registered it)")
+    ap.add_argument("--election-ttl", type=int,
+                    help=f"a route agent's election lease in s: a standby takes over within it (default {d.election_ttl})")
     ap.add_argument("-v", "--verbose", action="store_true", default=None, help="debug logging")
     ap.add_argument("--check", action="store_true", help="validate the settings, print them and exit")
     args = ap.parse_args(argv)
@@ -56,7 +60,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ControllerConfig, bool]
                          settle_ms=args.settle_ms, audit_polls=args.audit_polls,
                          datapath_wait=args.datapath_wait, datapath_timeout=args.datapath_timeout,
                          ovs_rundir=args.ovs_rundir, linger=args.linger,
-                         bundle_timeout=args.bundle_timeout, verbose=args.verbose)
+                         bundle_timeout=args.bundle_timeout, node=args.node, election_ttl=args.election_ttl, verbose=args.verbose)
     except ConfigError as exc:
         ap.error(str(exc))
     return cfg, args.check

@@ -14,7 +14,6 @@ logging each thing it removes.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import re
@@ -22,94 +21,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 from vfab.fabric import ovs
 from vfab.testbed import leftovers
 from vfab.testbed.etcd import LocalEtcd
+from vfab.testbed.lock import LOCK_FILE, LOCK_WAIT, acquire_lock, release_lock  # noqa: F401 (re-exported)
 from vfab.testbed.net import TopoError, TopoSpec, build, describe
 from vfab.testbed.procs import Supervisor, free_port, shielded, unwind_on_signals, wait_for
 from vfab.vid.registry import schema
 from vfab.vid.registry import Registry
 
 log = logging.getLogger("vfab.testbed")
-LOCK_FILE = "/run/vfab-testbed.lock"
-LOCK_WAIT = 900
-LOCK_POLL = 0.05   # s between tries: the lock goes to whichever waiter tries first after it is let go
-# A parent holding the lock (a test around 'vfab up') hands its open lock file down as this descriptor
-# (``pass_fds``): the child then holds the lock through it instead of waiting for its own parent.
-LOCK_FD_ENV = "VFAB_TESTBED_LOCK_FD"
-
-# The machine-wide testbed lock, re-entrant within this process (a test can hold it around a Testbed).
-_lock_mutex = threading.Lock()
-_lock_fh = None
-_lock_depth = 0
-
-
-def acquire_lock(wait: float = LOCK_WAIT) -> None:
-    """Take the machine's testbed lock (switch and host names are fixed: one testbed at a time)."""
-    global _lock_fh, _lock_depth
-    with _lock_mutex:
-        if _lock_depth:
-            _lock_depth += 1
-            return
-        fh = _inherited_lock() or open(LOCK_FILE, "w")
-        t0 = time.monotonic()
-        said = False
-        while True:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if not said:   # once: a testbed that seems stuck says it is waiting
-                    said = True
-                    log.info("waiting for the testbed lock %s: another vfab testbed holds it (at most %.0f s)",
-                             LOCK_FILE, wait)
-                if time.monotonic() - t0 > wait:
-                    fh.close()
-                    raise RuntimeError(f"another vfab testbed holds {LOCK_FILE} for over {wait:.0f} s: "
-                                       "stop it ('vfab down') or wait") from None
-                time.sleep(LOCK_POLL)
-        _lock_fh, _lock_depth = fh, 1
-
-
-def _inherited_lock():
-    """The lock file as handed down by the parent (``LOCK_FD_ENV``), or None."""
-    fd = os.environ.get(LOCK_FD_ENV, "")
-    try:
-        if fd.isdigit() and os.fstat(int(fd)).st_ino == os.stat(LOCK_FILE).st_ino:
-            return os.fdopen(int(fd), "w", closefd=False)   # closing it leaves the parent's lock alone
-    except OSError:
-        pass
-    return None
-
-
-def lock_fd() -> int | None:
-    """The descriptor of the lock this process holds (to hand down with ``LOCK_FD_ENV``), or None."""
-    return _lock_fh.fileno() if _lock_depth else None
-
-
-def _drop_lock_in_child() -> None:
-    """A forked child (multiprocessing) must not keep the lock alive after its parent died."""
-    global _lock_fh, _lock_depth
-    if _lock_fh is not None:
-        _lock_fh.close()  # only this process's reference: the parent still holds the flock
-    _lock_fh, _lock_depth = None, 0
-
-
-os.register_at_fork(after_in_child=_drop_lock_in_child)
-
-
-def release_lock() -> None:
-    global _lock_fh, _lock_depth
-    with _lock_mutex:
-        if not _lock_depth:
-            return
-        _lock_depth -= 1
-        if not _lock_depth:
-            _lock_fh.close()  # releases the flock
-            _lock_fh = None
 
 
 class Testbed:

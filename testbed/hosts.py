@@ -50,6 +50,7 @@ from vfab.testbed.fabric import acquire_lock, release_lock
 from vfab.testbed.net import TopoError
 from vfab.testbed.ovsinst import OvsInstance
 from vfab.testbed.procs import Proc, Supervisor, free_port, shielded, unwind_on_signals, wait_for
+from vfab.testbed.routeagents import RouteAgents
 from vfab.vid.registry import Registry, nodes
 
 log = logging.getLogger("vfab.testbed.hosts")
@@ -220,11 +221,12 @@ class _EtcdOnHosts:
                 self.ctlnet.heal(tag)
 
 
-class HostsTestbed(_EtcdOnHosts):
+class HostsTestbed(_EtcdOnHosts, RouteAgents):
     """``HostsTestbed(hosts=3).start()``: N emulated hosts, an underlay, a control network with an etcd member in
-    each of the first 3 hosts (``etcd_members``), a node agent per host."""
+    each of the first 3 hosts (``etcd_members``), a node agent per host (route agents: ``RouteAgents``)."""
 
     _running: "HostsTestbed | None" = None
+    int_bridge = INT
 
     def __init__(self, hosts: int = 3, workdir: str | None = None, ttl: int = 2, agents: bool = True,
                  etcd_members: int | None = None):

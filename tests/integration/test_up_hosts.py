@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from vfab.testbed import leftovers
-from vfab.testbed import fabric
-from vfab.testbed.fabric import acquire_lock, release_lock
+from vfab.testbed import lock
+from vfab.testbed.lock import acquire_lock, release_lock
 from vfab.testbed.procs import wait_for
 from vfab.vid.state.sched import proc_stat
 
@@ -28,9 +28,9 @@ def alive(pid: int) -> bool:
 
 
 def up_and_down(tmp_path) -> None:
-    env = dict(os.environ, VFAB_STATE_DIR=str(tmp_path / "state"), **{fabric.LOCK_FD_ENV: str(fabric.lock_fd())})
+    env = dict(os.environ, VFAB_STATE_DIR=str(tmp_path / "state"), **{lock.LOCK_FD_ENV: str(lock.lock_fd())})
     env.pop("VFAB_ETCD", None)
-    res = vfab(env, "up", "--hosts", "3", "--timeout", "150", fds=(fabric.lock_fd(),))
+    res = vfab(env, "up", "--hosts", "3", "--timeout", "150", fds=(lock.lock_fd(),))
     state_file = tmp_path / "state" / "up.json"
     try:
         assert res.returncode == 0, res.stdout + res.stderr
