@@ -124,10 +124,11 @@ def terms(etcd: LocalEtcd) -> int:
     return max((mem.status().raft_term for mem in etcd.members if mem.alive()), default=0)
 
 
-def one_setting(heartbeat: int, election: int, rounds: int, window: float, workdir: str) -> dict:
+def one_setting(heartbeat: int, election: int, rounds: int, window: float, workdir: str,
+                pre_vote: bool = True) -> dict:
     for attempt in range(3):   # a free port can be taken between probing and binding: new ports, new data
         etcd = LocalEtcd(os.path.join(workdir, f"etcd-{heartbeat}-{election}-{attempt}"), members=3,
-                         heartbeat_ms=heartbeat, election_ms=election)
+                         heartbeat_ms=heartbeat, election_ms=election, pre_vote=pre_vote)
         try:
             etcd.start(timeout=30)
             break
@@ -135,7 +136,7 @@ def one_setting(heartbeat: int, election: int, rounds: int, window: float, workd
             print(f"  the cluster did not start ({exc}); again with other ports", flush=True)
     else:
         raise RuntimeError("the etcd cluster did not start 3 times: see the messages above")
-    out: dict = {"heartbeat_ms": heartbeat, "election_ms": election, "rounds": []}
+    out: dict = {"heartbeat_ms": heartbeat, "election_ms": election, "pre_vote": pre_vote, "rounds": []}
     try:
         reg = Registry(etcd.endpoint)
         reg.create_service(SERVICE)
@@ -193,23 +194,27 @@ def one_setting(heartbeat: int, election: int, rounds: int, window: float, workd
 def main() -> None:
     ap = parser(__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=6, help="leader kills per setting (alternating client side)")
-    ap.add_argument("--settings", default="100/1000,50/500", help="HEARTBEAT/ELECTION ms pairs, comma-separated")
+    ap.add_argument("--settings", default="100/1000,50/500",
+                    help="HEARTBEAT/ELECTION ms pairs, comma-separated; /nopv after one runs it without etcd's "
+                         "--pre-vote (on by default), e.g. 50/500,50/500/nopv")
     ap.add_argument("--window", type=float, default=2.0, help="seconds of the no-failure window per round")
     args = ap.parse_args()
     if args.smoke:
         args.rounds, args.settings, args.window = 1, "100/1000", 0.5
     settings = []
     for item in args.settings.split(","):
-        hb, _, el = item.partition("/")
-        if not (hb.isdigit() and el.isdigit()) or int(el) < 5 * int(hb):
+        hb, _, rest = item.partition("/")
+        el, _, flag = rest.partition("/")
+        if not (hb.isdigit() and el.isdigit()) or int(el) < 5 * int(hb) or flag not in ("", "nopv"):
             ap.error(f"setting {item!r}: write HEARTBEAT/ELECTION in ms, the election at least 5 heartbeats "
-                     "(etcd advises 10)")
-        settings.append((int(hb), int(el)))
+                     "(etcd advises 10), optionally /nopv")
+        settings.append((int(hb), int(el), flag != "nopv"))
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="vfab-bench-ll-") as workdir:
-        for hb, el in settings:
-            print(f"etcd cluster of 3, heartbeat {hb} ms, election timeout {el} ms:", flush=True)
-            results[f"{hb}/{el}"] = one_setting(hb, el, args.rounds, args.window, workdir)
+        for hb, el, pv in settings:
+            print(f"etcd cluster of 3, heartbeat {hb} ms, election timeout {el} ms, pre-vote {'on' if pv else 'off'}:",
+                  flush=True)
+            results[f"{hb}/{el}" + ("" if pv else "/nopv")] = one_setting(hb, el, args.rounds, args.window, workdir, pv)
     print("\nsetting    write unavailable (median/max)  election (median)  flip killed / calm (median)  "
           "spurious elections")
     for name, r in results.items():

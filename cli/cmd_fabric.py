@@ -14,7 +14,8 @@ import click
 from vfab.cli.cmd_state import fmt_rate, fmt_ranges, load_by_range, op_json, ops_of, range_load
 from vfab.cli.common import STATE_DIR, STATE_FILE, errors, pass_ctx, read_state, table
 from vfab.services.memcached_helper import control as helper_control
-from vfab.testbed.net import TopoSpec
+from vfab.testbed.hosts import MAX_HOSTS, check_size
+from vfab.testbed.net import TopoError, TopoSpec
 from vfab.vid.registry import schema
 from vfab.vid.codec import KEY_MAX
 from vfab.vid.errors import RegistryError
@@ -41,16 +42,34 @@ def _topo(ctx, param, value):
 @click.option("--topo", default="line,2,3", show_default=True, callback=_topo,
               help="Mininet fabric: single,N | line,S,H | tree,S,H (S switches, H hosts each).")
 @click.option("--timeout", type=float, default=90, show_default=True, help="Seconds to wait for it.")
-@click.option("--etcd-members", type=click.IntRange(1, 9), default=1, show_default=True,
+@click.option("--etcd-members", type=click.IntRange(1, 9), default=None,
               help="etcd members to run on this machine: 1, or a cluster of 3 or 5 (each its own ports and "
-                   "data dir on loopback; the fabric then survives the death of any one).")
-def up(topo: str, timeout: float, etcd_members: int) -> None:
-    """Start a local fabric: etcd, Open vSwitch, the controller and a Mininet net.
+                   "data dir; the fabric then survives the death of any one). Default: 1; with --hosts, one "
+                   "on each of the first 3 hosts (1 below 3 hosts).")
+@click.option("--hosts", type=int, default=None,
+              help=f"Instead of the Mininet fabric: N emulated hosts (1 to {MAX_HOSTS}), each a network namespace "
+                   "with its own Open vSwitch, node agent and (first 3) etcd member, joined by Geneve tunnels.")
+@click.option("--ports", type=click.IntRange(0, 8), default=1, show_default=True,
+              help="With --hosts: ports per host (namespaces vfnNpK to run services and clients in).")
+@click.pass_context
+def up(ctx, topo: str, timeout: float, etcd_members: int | None, hosts: int | None, ports: int) -> None:
+    """Start a local fabric: etcd, Open vSwitch, the controller and a Mininet net; or, with --hosts N,
+    N emulated hosts with an etcd cluster and node agents.
 
     Everything runs in the background until 'vfab down'. Hosts are named vfh1,
     vfh2, ...; run programs in them with 'vfab exec HOST -- CMD'.
     """
-    if etcd_members % 2 == 0:
+    from click.core import ParameterSource
+
+    if hosts is not None:
+        if ctx.get_parameter_source("topo") is not ParameterSource.DEFAULT:
+            raise click.UsageError("--topo builds the one-machine Mininet fabric and --hosts N builds N emulated "
+                                   "hosts: give one of them")
+        try:
+            check_size(hosts, etcd_members)
+        except TopoError as exc:
+            raise click.BadParameter(str(exc), param_hint="--hosts/--etcd-members") from None
+    elif etcd_members is not None and etcd_members % 2 == 0:
         raise click.BadParameter(f"{etcd_members} members tolerate no more failures than {etcd_members - 1}: "
                                  "use 1, 3 or 5", param_hint="--etcd-members")
     state = read_state()
@@ -61,11 +80,19 @@ def up(topo: str, timeout: float, etcd_members: int) -> None:
         raise click.ClickException("vfab up needs root (network namespaces, Open vSwitch): run it with sudo")
     os.makedirs(STATE_DIR, exist_ok=True)
     log = open(os.path.join(STATE_DIR, "fabric.log"), "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "vfab.testbed.daemon", "--topo", topo,
-                             "--state-file", STATE_FILE, "--etcd-members", str(etcd_members)],
-                            stdout=log, stderr=log, start_new_session=True)
+    cmd = [sys.executable, "-m", "vfab.testbed.daemon", "--topo", topo, "--state-file", STATE_FILE]
+    if etcd_members is not None:
+        cmd += ["--etcd-members", str(etcd_members)]
+    if hosts is not None:
+        cmd += ["--hosts", str(hosts), "--ports", str(ports)]
+    from vfab.testbed.lock import LOCK_FD_ENV
+
+    held = os.environ.get(LOCK_FD_ENV, "")   # a caller holding the testbed lock hands it down
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True,
+                            pass_fds=(int(held),) if held.isdigit() else ())
     t0 = time.monotonic()
-    with click.progressbar(length=int(timeout), label=f"starting fabric {topo}", show_eta=False) as bar:
+    what = f"{hosts} hosts" if hosts is not None else topo
+    with click.progressbar(length=int(timeout), label=f"starting fabric {what}", show_eta=False) as bar:
         while read_state() is None:
             if proc.poll() is not None:
                 raise click.ClickException(f"the fabric did not start (exit {proc.returncode}); "
@@ -77,8 +104,29 @@ def up(topo: str, timeout: float, etcd_members: int) -> None:
             time.sleep(0.2)
             bar.update(int(time.monotonic() - t0) - bar.pos)
     state = read_state()
+    if state.get("kind") == "hosts":
+        click.echo(describe_hosts(state, time.monotonic() - t0))
+        return
     click.echo(f"fabric up in {time.monotonic() - t0:.1f} s: etcd {state['etcd']}, "
                f"{len(state['switches'])} switches, hosts {', '.join(state['hosts'])}")
+
+
+def describe_hosts(state: dict, took: float) -> str:
+    """How to reach a multi-host fabric 'vfab up --hosts N' started."""
+    nodes = state["nodes"]
+    members = state["etcd_members"]
+    first = next(iter(nodes))
+    lines = [f"fabric up in {took:.1f} s: {len(nodes)} hosts ({', '.join(nodes)}), etcd cluster of {len(members)} "
+             f"(members on {', '.join(m['host'] for m in members.values())}), node agents joined",
+             f"  from this machine: vfab ... (etcd {state['etcd']}, relayed onto the control network: the "
+             "default while the fabric is up)",
+             f"  on a host:         vfab exec {first} -- vfab node list   (each host lists its own member first, "
+             f"e.g. {nodes[first]['etcd']})"]
+    if state["hosts"]:
+        ports = ", ".join(f"{p} ({h['node']})" for p, h in state["hosts"].items())
+        lines.append(f"  ports:             {ports}: vfab exec PORT -- CMD")
+    lines.append("  stop it with:      vfab down")
+    return "\n".join(lines)
 
 
 @click.command("down")
@@ -106,10 +154,16 @@ def exec_(host: str, cmd: tuple[str, ...]) -> None:
     state = read_state()
     if not state:
         raise click.ClickException("no fabric is up: 'vfab up' first")
-    if host not in state["hosts"]:
-        raise click.BadParameter(f"no host {host!r} (hosts: {', '.join(state['hosts'])})", param_hint="HOST")
-    pid = state["hosts"][host]["pid"]
-    os.execvp("mnexec", ["mnexec", "-a", str(pid), *cmd])
+    where = {**state.get("nodes", {}), **state["hosts"]}
+    if host not in where:
+        raise click.BadParameter(f"no host {host!r} (hosts: {', '.join(where)})", param_hint="HOST")
+    h = where[host]
+    if "netns" in h:   # 'vfab up --hosts N': a host (its Open vSwitch's run directory set) or a port
+        if "ovs_rundir" in h:
+            os.environ["OVS_RUNDIR"] = h["ovs_rundir"]
+            os.environ["VFAB_ETCD"] = h["etcd"]
+        os.execvp("ip", ["ip", "netns", "exec", os.path.basename(h["netns"]), *cmd])
+    os.execvp("mnexec", ["mnexec", "-a", str(h["pid"]), *cmd])
 
 
 @click.command("netns")
@@ -119,9 +173,10 @@ def netns(host: str) -> None:
     state = read_state()
     if not state:
         raise click.ClickException("no fabric is up: 'vfab up' first")
-    if host not in state["hosts"]:
-        raise click.BadParameter(f"no host {host!r} (hosts: {', '.join(state['hosts'])})", param_hint="HOST")
-    click.echo(f"/proc/{state['hosts'][host]['pid']}/ns/net")
+    where = {**state.get("nodes", {}), **state["hosts"]}
+    if host not in where:
+        raise click.BadParameter(f"no host {host!r} (hosts: {', '.join(where)})", param_hint="HOST")
+    click.echo(where[host].get("netns") or f"/proc/{where[host]['pid']}/ns/net")
 
 
 @click.command("status")
@@ -174,7 +229,7 @@ def status(c, as_json: bool) -> None:
                      for s in switches],
         "services": services,
     }
-    if state:
+    if state and state.get("controller"):
         out["controller"] = {"pid": state["controller"]["pid"], "alive": _alive(state["controller"]["pid"]),
                              "port": state["controller"]["port"]}
     if as_json:
@@ -182,7 +237,9 @@ def status(c, as_json: bool) -> None:
         return
     ctl = out["controller"]
     click.echo(f"etcd {reg.endpoint} at revision {rev}; controller: "
-               + (f"pid {ctl['pid']} {'running' if ctl['alive'] else 'DOWN'}" if ctl else "not started by 'vfab up'"))
+               + (f"pid {ctl['pid']} {'running' if ctl['alive'] else 'DOWN'}" if ctl else
+                  f"none ('vfab up --hosts': {len(state['nodes'])} hosts, see 'vfab node list')"
+                  if state and state.get("kind") == "hosts" else "not started by 'vfab up'"))
     if members:
         c.console.print(table(f"etcd members (using {reg.member})", ["member", "role", "raft term", "revision"],
                               [[m.member, "leader" if m.is_leader else ("DOWN: " + m.error if m.error else "follower"),

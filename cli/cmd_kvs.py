@@ -57,7 +57,7 @@ def _target() -> tuple[str, str | None, float]:
     if o["host"] not in hosts:
         raise click.BadParameter(f"no host {o['host']!r} (hosts: {', '.join(hosts) or 'none'})", param_hint="--host")
     h = hosts[o["host"]]
-    return h["iface"], f"/proc/{h['pid']}/ns/net", o["timeout"]
+    return h["iface"], h.get("netns") or f"/proc/{h['pid']}/ns/net", o["timeout"]
 
 
 def _bytes(text: str, hexed: bool, what: str) -> bytes:

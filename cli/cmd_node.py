@@ -84,7 +84,7 @@ def join(c, etcd, tunnel_ip, name, bridge, ovs_rundir, ttl, state_dir) -> None:
 
     Refused: a tunnel address that is not this machine's, or is another node's; a name a live node holds.
     Stopping the agent (SIGTERM) keeps the tunnels: its registration ends --ttl s later unless it is started
-    again.  'vfab node leave' removes the node (its ranges are not drained first yet)."""
+    again.  'vfab node leave' drains the node (its endpoints' ranges go to other nodes), then removes it."""
     from vfab.controller.node_agent import NodeAgent
 
     if ovs_rundir:
@@ -109,16 +109,31 @@ def join(c, etcd, tunnel_ip, name, bridge, ovs_rundir, ttl, state_dir) -> None:
 @node.command("leave")
 @_ETCD
 @click.option("--name", type=NameType("node"), default=None, help="Node name (default: the host name).")
+@click.option("--no-drain", is_flag=True,
+              help="Leave at once: endpoints on the node keep their ranges until their own leases end.")
 @pass_ctx
 @errors
-def leave(c, etcd, name) -> None:
-    """Remove a node from the fabric: every other node drops its tunnel to it, its own agent removes its
-    tunnels and exits.  Draining its ranges first is not done yet: endpoints on it keep their ranges until
-    their own leases end."""
+def leave(c, etcd, name, no_drain) -> None:
+    """Remove a node from the fabric, after draining it: every range an endpoint on it owns goes to an
+    endpoint of the same service on another node first (stateful ones with their state), step by step as
+    shown; refused, with nothing changed, when no other node can take them.  Then every other node drops its
+    tunnel to it, and its own agent removes its tunnels and exits."""
+    from vfab.controller.drain import DrainError, drain
+
     name = name or default_name()
-    rec = nodes.leave(registry_for(c, etcd), name)
-    click.echo(f"node {name} ({rec.tunnel_ip}) left the fabric; its agent removes its tunnels. Note: its "
-               "ranges were not drained (not done yet): their endpoints keep them until their leases end")
+    reg = registry_for(c, etcd)
+    if no_drain:
+        rec = nodes.leave(reg, name)
+        click.echo(f"node {name} ({rec.tunnel_ip}) left the fabric without draining (--no-drain): its endpoints "
+                   "keep their ranges until their leases end; its agent removes its tunnels")
+        return
+    try:
+        steps = drain(reg, name, say=lambda text: click.echo(text, err=True))
+    except DrainError as exc:
+        raise click.ClickException(str(exc)) from None
+    moved = sum(len(s.ranges) for s in steps)
+    click.echo(f"node {name} drained ({moved} range(s) of {len(steps)} endpoint(s) moved to other nodes) and left "
+               "the fabric; its agent removes its tunnels")
 
 
 @node.command("list")

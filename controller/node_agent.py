@@ -14,8 +14,8 @@
 
 Stopped (SIGTERM/SIGINT) it leaves its tunnels in place, so the data plane keeps forwarding while it
 restarts; its lease ends ``ttl`` s later unless a restarted agent takes it back (the lease id is kept in
-``state_dir``).  Draining the node's ranges before it leaves is not done yet (issue 45): endpoints on it keep
-their ranges until their own leases end.
+``state_dir``).  ``vfab node leave`` drains the node's ranges before it deletes the records
+(``vfab.controller.drain``).
 """
 
 from __future__ import annotations

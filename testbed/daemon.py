@@ -2,6 +2,9 @@
 
 It writes a state file (JSON) that ``vfab status/down/exec`` read: its own PID,
 the etcd endpoint, the controller's PID and port, and each host's shell PID.
+With ``--hosts N`` it holds a ``HostsTestbed`` instead (N emulated hosts, an etcd
+member on each of the first 3, node agents): ``hosts`` then lists the ports one
+can run programs in (each its own namespace) and ``nodes`` the hosts.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import signal
 import threading
 
 from vfab.testbed.fabric import Testbed
+from vfab.testbed.hosts import HostsTestbed
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,14 +25,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--topo", default="line,2,3")
     ap.add_argument("--state-file", required=True)
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--etcd-members", type=int, default=1)
+    ap.add_argument("--etcd-members", type=int, default=None)
+    ap.add_argument("--hosts", type=int, default=0)
+    ap.add_argument("--ports", type=int, default=1)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGHUP, lambda *_: stop.set())
-    tb = Testbed(args.topo, workdir=args.workdir, etcd_members=args.etcd_members)
+    if args.hosts:
+        hosts_main(args, stop)
+        return
+    tb = Testbed(args.topo, workdir=args.workdir, etcd_members=args.etcd_members or 1)
     try:
         tb.start()
         state = {
@@ -39,11 +48,50 @@ def main(argv: list[str] | None = None) -> None:
             "switches": tb.switches,
             "hosts": {n: dict(h, pid=tb.host(n).pid) for n, h in tb.hosts.items()},
         }
-        tmp = args.state_file + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump(state, fh, indent=1)
-        os.replace(tmp, args.state_file)
-        logging.info("fabric up: %s", args.state_file)
+        write_state(args.state_file, state)
+        stop.wait()
+    finally:
+        tb.stop()
+        try:
+            os.unlink(args.state_file)
+        except OSError:
+            pass
+
+
+def write_state(path: str, state: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(state, fh, indent=1)
+    os.replace(tmp, path)
+    logging.info("fabric up: %s", path)
+
+
+def hosts_state(tb: HostsTestbed) -> dict:
+    """What ``vfab`` reads of a multi-host testbed: the ports as ``hosts`` (where programs run), the hosts as
+    ``nodes``."""
+    return {
+        "pid": os.getpid(), "kind": "hosts", "etcd": tb.etcd_endpoint(), "workdir": tb.workdir,
+        "etcd_members": {m.name: {"pid": m.pid, "endpoint": m.endpoint, "via": m.reach, "log": str(m.log_path),
+                                  "host": next(h.name for h in tb.hosts.values() if h.member is m)}
+                         for m in tb.etcd.members},
+        "controller": None,
+        "switches": {h.name: h.dpid for h in tb.hosts.values()},
+        "nodes": {h.name: {"netns": h.ns_path, "tunnel_ip": h.tunnel_ip, "control_ip": h.ctl_ip,
+                           "etcd": tb.etcd_endpoint(h.name), "ovs_rundir": h.rundir,
+                           "agent": h.agent.pid if h.agent else None} for h in tb.hosts.values()},
+        "hosts": {port: {"netns": tb.port_ns(port), "iface": "eth0", "mac": info["mac"], "node": h.name}
+                  for h in tb.hosts.values() for port, info in h.ports.items()},
+    }
+
+
+def hosts_main(args, stop: threading.Event) -> None:
+    tb = HostsTestbed(args.hosts, workdir=args.workdir, etcd_members=args.etcd_members, ttl=5)
+    try:
+        tb.start()
+        for h in tb.hosts:
+            for _ in range(args.ports):
+                tb.add_port(h)
+        write_state(args.state_file, hosts_state(tb))
         stop.wait()
     finally:
         tb.stop()

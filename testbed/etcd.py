@@ -14,9 +14,10 @@ name, so another etcd on the machine is never touched)::
     Registry(cluster.endpoint)  # "127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3"
     cluster.leader().kill9()    # the one the status API names; start() brings it back
 
-A member can sit elsewhere than on this namespace's loopback: ``Placement`` gives it an address and a
-command prefix that runs it there (``ip netns exec NS``), which a multi-host testbed uses to put one
-member in each emulated host.
+A member can sit elsewhere than on this namespace's loopback: ``Placement`` gives it an address (and ports)
+and a command prefix that runs it there (``ip netns exec NS``), which the multi-host testbed uses to put one
+member in each emulated host; ``via`` is where this process reaches its client port when it cannot reach the
+address itself (a relay, ``testbed.ctlnet``): ``endpoint`` lists those.
 
 Starting one makes SIGTERM/SIGHUP unwind the process like SIGINT
 (``procs.unwind_on_signals``), so a killed test run still stops its member.
@@ -51,6 +52,9 @@ class Placement:
 
     ip: str = HOST
     wrap: tuple[str, ...] = ()     # e.g. ("ip", "netns", "exec", "vfab-h1"): the member runs inside that netns
+    client_port: int = 0           # 0: a free one
+    peer_port: int = 0
+    via: str = ""                  # HOST:PORT this process reaches the client port at ("": ip:client_port)
 
 
 class EtcdMember:
@@ -59,11 +63,12 @@ class EtcdMember:
     def __init__(self, name: str, data_dir: Path, client_port: int, peer_port: int, *, cluster: str = "",
                  place: Placement = Placement(), binary: str = "etcd", heartbeat_ms: int = 50,
                  election_ms: int = 500, history: str = "1h", log_path: Path | None = None,
-                 member_dir: Path | None = None):
+                 member_dir: Path | None = None, pre_vote: bool = True):
         self.name, self.data_dir = name, Path(data_dir)
         self.client_port, self.peer_port = client_port, peer_port
         self.place, self.binary = place, binary
         self.heartbeat_ms, self.election_ms, self.history = heartbeat_ms, election_ms, history
+        self.pre_vote = pre_vote
         self.cluster = cluster or f"{name}={self.peer_url}"
         self.log_path = log_path or self.data_dir / "etcd.log"
         self.member_dir = member_dir or self.data_dir / "member-data"
@@ -78,6 +83,11 @@ class EtcdMember:
     @property
     def client_url(self) -> str:
         return f"http://{self.endpoint}"
+
+    @property
+    def reach(self) -> str:
+        """HOST:PORT where this process reaches the member's client port (its own address, or a relay)."""
+        return self.place.via or self.endpoint
 
     @property
     def peer_url(self) -> str:
@@ -99,19 +109,20 @@ class EtcdMember:
             "--initial-cluster", self.cluster, "--initial-cluster-state", "new",
             "--heartbeat-interval", str(self.heartbeat_ms),
             "--election-timeout", str(self.election_ms),
+            f"--pre-vote={'true' if self.pre_vote else 'false'}",
             "--auto-compaction-mode", "periodic", "--auto-compaction-retention", self.history,
             "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn",
         ]
 
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.client_url}/health", timeout=0.5) as resp:
+            with urllib.request.urlopen(f"http://{self.reach}/health", timeout=0.5) as resp:
                 return resp.status == 200 and json.loads(resp.read()).get("health") == "true"
         except (OSError, ValueError, urllib.error.URLError):
             return False
 
     def status(self) -> etcd_members.Status:
-        return etcd_members.status(self.endpoint, timeout=1.0)
+        return etcd_members.status(self.reach, timeout=1.0)
 
     def spawn(self) -> None:
         if self.alive():
@@ -188,13 +199,19 @@ class LocalEtcd:
     write, the fabric's range changes and re-registrations included.  A watch resumed from a revision
     older than ``history`` is cancelled by etcd, and ``Registry.follow`` reads its prefix again.
 
+    ``pre_vote`` (etcd's ``--pre-vote``, off by default in etcd 3.4, on from 3.5): a member asks whether it could
+    win before it starts an election.  Without it, a member cut off from the others keeps starting elections,
+    raising its raft term, and when it comes back that term deposes the leader the majority kept: measured in
+    the multi-host testbed, a healed host's member made the majority's leader step down and left the cluster
+    without a leader for 2.3 s (tests/integration/test_etcd_partition.py, docs/sessions/2026-12-07-i45h.md).
+
     ``client_port``/``peer_port`` are the first member's (0: a free one); the others get free ports.
     ``members`` may also be a list of ``Placement`` (one per member) for members outside loopback.
     """
 
     def __init__(self, data_dir: str | os.PathLike, client_port: int = 0, peer_port: int = 0, *,
                  members: int | Sequence[Placement] = 1, name: str = "vfab", binary: str = "etcd",
-                 heartbeat_ms: int = 50, election_ms: int = 500, history: str = "1h"):
+                 heartbeat_ms: int = 50, election_ms: int = 500, history: str = "1h", pre_vote: bool = True):
         places = [Placement()] * members if isinstance(members, int) else list(members)
         if not 1 <= len(places) <= etcd_members.MAX_MEMBERS:
             raise RegistryError(f"an etcd cluster of {len(places)} members: give 1 (one member), or 3 or 5 "
@@ -208,8 +225,8 @@ class LocalEtcd:
         self.heartbeat_ms = heartbeat_ms
         self.election_ms = election_ms
         self.history = history
-        ports = [(client_port or free_port(), peer_port or free_port())]
-        ports += [(free_port(), free_port()) for _ in places[1:]]
+        ports = [(client_port or places[0].client_port or free_port(), peer_port or places[0].peer_port or free_port())]
+        ports += [(p.client_port or free_port(), p.peer_port or free_port()) for p in places[1:]]
         names = [name] if single else [f"{name}{i}" for i in range(1, len(places) + 1)]
         cluster = ",".join(f"{n}=http://{p.ip}:{pp}" for n, p, (_, pp) in zip(names, places, ports))
         self.members: list[EtcdMember] = []
@@ -217,7 +234,7 @@ class LocalEtcd:
             where = self.data_dir if single else self.data_dir / n
             self.members.append(EtcdMember(n, where, cp, pp, cluster=cluster, place=place, binary=binary,
                                            heartbeat_ms=self.heartbeat_ms, election_ms=self.election_ms,
-                                           history=history))
+                                           history=history, pre_vote=pre_vote))
         self.on_spawn: Callable[[int], None] | None = None  # called with each member's PID right after its spawn
 
     # -- the first member (what a single-member etcd's callers read) ------------------------------------
@@ -251,8 +268,9 @@ class LocalEtcd:
     # -- the whole ------------------------------------------------------------------------------------
     @property
     def endpoint(self) -> str:
-        """``HOST:PORT[,HOST:PORT...]`` of every member, as ``vfab.vid.registry.Registry`` and ``--etcd`` take it."""
-        return ",".join(m.endpoint for m in self.members)
+        """``HOST:PORT[,HOST:PORT...]`` of every member as this process reaches it, as
+        ``vfab.vid.registry.Registry`` and ``--etcd`` take it."""
+        return ",".join(m.reach for m in self.members)
 
     def member(self, name: str) -> EtcdMember:
         for m in self.members:
@@ -284,7 +302,7 @@ class LocalEtcd:
         target = member.status().member_id
         lead = self.leader(timeout)
         if lead is not member:
-            req = urllib.request.Request(f"{lead.client_url}/v3/maintenance/transfer-leadership",
+            req = urllib.request.Request(f"http://{lead.reach}/v3/maintenance/transfer-leadership",
                                          data=json.dumps({"targetID": str(target)}).encode(), method="POST")
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 resp.read()

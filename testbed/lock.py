@@ -7,12 +7,18 @@ never keeps the lock alive after its parent died.  ``testbed.fabric`` re-exports
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import threading
 import time
 
+log = logging.getLogger("vfab.testbed")
 LOCK_FILE = "/run/vfab-testbed.lock"
 LOCK_WAIT = 900
+LOCK_POLL = 0.05   # s between tries: the lock goes to whichever waiter tries first after it is let go
+# A parent holding the lock (a test around 'vfab up') hands its open lock file down as this descriptor
+# (``pass_fds``): the child then holds the lock through it instead of waiting for its own parent.
+LOCK_FD_ENV = "VFAB_TESTBED_LOCK_FD"
 
 # The machine-wide testbed lock, re-entrant within this process (a test can hold it around a Testbed).
 _lock_mutex = threading.Lock()
@@ -27,19 +33,40 @@ def acquire_lock(wait: float = LOCK_WAIT) -> None:
         if _lock_depth:
             _lock_depth += 1
             return
-        fh = open(LOCK_FILE, "w")
+        fh = _inherited_lock() or open(LOCK_FILE, "w")
         t0 = time.monotonic()
+        said = False
         while True:
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                if not said:   # once: a testbed that seems stuck says it is waiting
+                    said = True
+                    log.info("waiting for the testbed lock %s: another vfab testbed holds it (at most %.0f s)",
+                             LOCK_FILE, wait)
                 if time.monotonic() - t0 > wait:
                     fh.close()
                     raise RuntimeError(f"another vfab testbed holds {LOCK_FILE} for over {wait:.0f} s: "
                                        "stop it ('vfab down') or wait") from None
-                time.sleep(0.5)
+                time.sleep(LOCK_POLL)
         _lock_fh, _lock_depth = fh, 1
+
+
+def _inherited_lock():
+    """The lock file as handed down by the parent (``LOCK_FD_ENV``), or None."""
+    fd = os.environ.get(LOCK_FD_ENV, "")
+    try:
+        if fd.isdigit() and os.fstat(int(fd)).st_ino == os.stat(LOCK_FILE).st_ino:
+            return os.fdopen(int(fd), "w", closefd=False)   # closing it leaves the parent's lock alone
+    except OSError:
+        pass
+    return None
+
+
+def lock_fd() -> int | None:
+    """The descriptor of the lock this process holds (to hand down with ``LOCK_FD_ENV``), or None."""
+    return _lock_fh.fileno() if _lock_depth else None
 
 
 def _drop_lock_in_child() -> None:

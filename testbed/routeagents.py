@@ -23,6 +23,8 @@ class RouteAgents:
     hosts: dict
     sup: object
     etcd: object
+    etcd_endpoint: object   # (host) -> the host's etcd member list, its own member first (testbed.hosts)
+    int_bridge: str         # the hosts' integration bridge (testbed.hosts.INT; not imported: no import cycle)
 
     def _agents(self, host: str) -> dict[int, Proc]:
         return self.__dict__.setdefault("_route_agents", {}).setdefault(host, {})
@@ -30,18 +32,16 @@ class RouteAgents:
     def route_agent_command(self, host: str, port: int = ROUTE_PORT, *extra: str) -> list[str]:
         """``host``'s route agent as run inside its namespace (a real machine runs the same line)."""
         h = self.hosts[host]
-        return ["ip", "netns", "exec", h.ns, sys.executable, "-m", "vfab.controller", "--etcd", self.etcd.endpoint,
+        return [*h.enter(), sys.executable, "-m", "vfab.controller", "--etcd", self.etcd_endpoint(host),
                 "--node", h.name, "--listen", "127.0.0.1", "--port", str(port), "--ovs-rundir", h.rundir, *extra]
 
     def _point_switch(self, host: str) -> None:
-        from vfab.testbed.hosts import INT
-
         targets = [f"tcp:127.0.0.1:{p}" for p in sorted(self._agents(host))]
         h = self.hosts[host]
         if targets:
-            h.ovs.vsctl("set-controller", INT, *targets)
+            h.ovs.vsctl("set-controller", self.int_bridge, *targets)
         else:
-            h.ovs.vsctl("del-controller", INT)
+            h.ovs.vsctl("del-controller", self.int_bridge)
 
     def start_route_agent(self, host: str, port: int = ROUTE_PORT, *extra: str) -> Proc:
         """Start ``host``'s route agent on ``port`` and point its switch at it (besides the agents already

@@ -3,6 +3,7 @@ Geneve tunnels built by the node agent ('vfab node join' under ip netns exec), o
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import struct
@@ -16,7 +17,7 @@ from vfab.testbed.hosts import INT, UNDERLAY_NS, HostsTestbed, in_ns
 from vfab.testbed.procs import wait_for
 from vfab.vid import frame
 from vfab.vid.netns import netns
-from vfab.vid.registry import nodes
+from vfab.vid.registry import nodes, schema
 
 VID = bytes.fromhex("0e0045000003")   # a service VID (class 0, service 0x0045, key 3)
 
@@ -90,6 +91,13 @@ def route_vid(tb: HostsTestbed, src: str, dst: str) -> None:
 
 
 def test_agents_mesh_and_register(tb):
+    # one etcd member in each host, on the control network; each host's processes list their own first
+    assert [h.member.endpoint for h in tb.hosts.values()] == ["172.16.46.1:2379", "172.16.46.2:2379",
+                                                             "172.16.46.3:2379"]
+    assert tb.etcd_endpoint("host2").split(",")[0] == "172.16.46.2:2379"
+    assert f"--etcd {tb.etcd_endpoint('host3')} " in " ".join(tb.join_command("host3"))
+    res = tb.node_in_ns("host2", "status", "--json")   # vfab on a host: its own member by default
+    assert res.returncode == 0 and json.loads(res.stdout)["etcd"]["using"] == "172.16.46.2:2379", res.stderr
     found = nodes.nodes(tb.registry)
     assert set(found) == {"host1", "host2", "host3"}
     for name, rec in found.items():
@@ -192,12 +200,65 @@ def test_bad_joins_are_refused_and_change_nothing(tb):
         assert tb.peers(n) == set(before) - {n}
 
 
+def echo_server(tb, host: str, name: str, *listen: str):
+    """An echo endpoint on ``host``'s port (the process runs on the host, under its host name)."""
+    args = [sys.executable, "-m", "vfab.services.echo", "server", "--service", "drain", "--name", name, "--netns",
+            tb.port_ns(tb.ports[host]), "--iface", "eth0", "--create", "--ttl", "2"]
+    for rng in listen:
+        args += ["--listen", rng]
+    proc = tb.run_on(host, f"echo-{name}", args)
+    wait_for(lambda: any(e.name == name for e in tb.registry.endpoints("drain")) if tb.registry.get(
+        schema.service_key("drain")) else False, 20, f"endpoint {name}")
+    return proc
+
+
+def owners(tb) -> set[str]:
+    return {r.owner for r, _ in tb.registry.ranges("drain")}
+
+
+def leave(tb, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vfab.cli", "--etcd", tb.etcd.endpoint, "node", "leave", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_leave_drains_the_nodes_ranges_to_another_node_first(tb):
+    e3 = echo_server(tb, "host3", "e3", "0-0xffffff")
+    try:
+        wait_for(lambda: owners(tb) == {"e3"}, 10, "e3 to own every key")
+        assert {e.name: e.host for e in tb.registry.endpoints("drain")} == {"e3": "host3"}
+        # no other node runs an endpoint of the service: refused, nothing changed
+        res = leave(tb, "--name", "host3")
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert "node host3 cannot be drained: drain/e3 owns 1 range(s) and no endpoint of drain runs on another " \
+               "node" in res.stderr and "--no-drain" in res.stderr, res.stderr
+        assert "host3" in nodes.nodes(tb.registry) and owners(tb) == {"e3"}
+        # an endpoint on host2: host3's ranges go to it first, then host3 leaves
+        e2 = echo_server(tb, "host2", "e2")
+        try:
+            res = leave(tb, "--name", "host3")
+            assert res.returncode == 0, res.stdout + res.stderr
+            assert "draining node host3 (1/1): drain: e3 -> e2, 1 range(s) reassigned" in res.stderr, res.stderr
+            assert "node host3 drained (1 range(s) of 1 endpoint(s) moved to other nodes) and left" in res.stdout
+            assert owners(tb) == {"e2"}
+            wait_for(lambda: "host3" not in tb.peers("host1"), 10, "host1 to drop its tunnel to host3")
+        finally:
+            tb.sup.stop(e2)
+    finally:
+        tb.sup.stop(e3)
+        tb.registry.delete_service("drain")
+    assert tb.hosts["host3"].agent.popen.wait(10) == 0
+    tb.hosts["host3"].agent = None
+    tb.start_agent("host3")
+    tb.wait_mesh()
+
+
 def test_leave_removes_the_node_everywhere_and_it_can_join_again(tb):
     agent = tb.hosts["host3"].agent
     res = subprocess.run([sys.executable, "-m", "vfab.cli", "--etcd", tb.etcd.endpoint, "node", "leave", "--name",
                           "host3"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    assert "not drained" in res.stdout
+    assert "node host3: no endpoint on it owns a range: nothing to drain" in res.stderr
+    assert "node host3 drained (0 range(s) of 0 endpoint(s) moved to other nodes) and left" in res.stdout
     wait_for(lambda: "host3" not in tb.peers("host1") and "host3" not in tb.peers("host2"), 10,
              "the others to drop their tunnels to host3")
     assert agent.popen.wait(10) == 0, agent.tail()     # its agent took its tunnels down and ended
@@ -225,12 +286,16 @@ def test_a_stopped_agent_leaves_its_tunnels_and_a_restarted_one_rejoins(tb):
 
 
 def test_killed_host_is_dropped_then_rejoins(tb):
+    member = tb.hosts["host2"].member
     tb.kill_host("host2")
+    assert member is not None and not member.alive()      # its etcd member died with it; the other two serve
     wait_for(lambda: "host2" not in nodes.nodes(tb.registry), 10, "host2's lease to end")
     wait_for(lambda: "host2" not in tb.peers("host1") and "host2" not in tb.peers("host3"), 10,
              "the others to drop their tunnels to host2")
     tb.restart_host("host2")
     tb.wait_mesh()
+    said = tb.registry.members.survey()                   # the member is back on its data, in the same cluster
+    assert all(st.ok for st in said) and len({st.cluster_id for st in said}) == 1, said
     # its port came back with its switch (same database): frames reach it again
     route_vid(tb, "host1", "host2")
     rx2 = rx_socket(tb.ports["host2"])
@@ -268,3 +333,27 @@ def test_partitioned_host_is_dropped_and_comes_back_when_healed(tb):
     finally:
         rx3.close()
     assert "registering again" in tb.hosts["host3"].agent.tail(50)
+
+
+def test_an_etcd_list_with_a_dead_member_is_used_with_a_warning(tb):
+    """A member list with dead members (one refusing, one whose address answers nobody) works through the live
+    ones, naming the dead in a warning; a list with no live member is refused clearly.  Nothing else changes."""
+    dead = "127.0.0.1:1,172.16.46.9:2379"
+    own = tb.etcd_endpoint("host1")
+    res = tb.node_in_ns("host1", "--etcd", f"{dead},{own}", "node", "list", "--json")
+    assert res.returncode == 0, res.stderr
+    assert set(json.loads(res.stdout)) == {"host1", "host2", "host3"}
+    for member in dead.split(","):
+        assert f"etcd: member {member} (listed in" in res.stderr and "does not answer" in res.stderr, res.stderr
+    # an agent started on such a list joins and meshes as the others
+    tb.stop_agent("host1")
+    h = tb.hosts["host1"]
+    h.agent = tb.sup.start("host1-agent", tb.join_command("host1", "--etcd", f"{dead},{own}"))
+    tb.wait_mesh()
+    wait_for(lambda: "does not answer" in h.agent.tail(50), 10, "the agent's warning about the dead members")
+    # no live member at all: refused, saying which members and what to do
+    res = tb.node_in_ns("host1", "--etcd", dead, "node", "list")
+    assert res.returncode == 1 and "no etcd member of 127.0.0.1:1,172.16.46.9:2379 answers" in res.stderr, res.stderr
+    tb.stop_agent("host1")
+    tb.start_agent("host1")
+    tb.wait_mesh()

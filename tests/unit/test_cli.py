@@ -142,3 +142,26 @@ def test_hosts_lists_each_hosts_source_guard_and_host_set_changes_it(run, regist
         assert res.exit_code == 2 and needle in res.output, (args, res.output)
     res = run("host", "set", "02:5d:00:99:99:99", "--dhcp")
     assert res.exit_code == 1 and "is not a registered host" in res.output, res.output
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["up", "--hosts", "0"], "0 hosts: the multi-host testbed builds 1 to 16 hosts"),
+    (["up", "--hosts", "17"], "17 hosts: the multi-host testbed builds 1 to 16 hosts"),
+    (["up", "--hosts", "x"], "'x' is not a valid integer"),
+    (["up", "--hosts", "4", "--etcd-members", "2"], "an etcd cluster of 2 members: give 1, 3 or 5"),
+    (["up", "--hosts", "2", "--etcd-members", "3"], "3 etcd members on 2 hosts: one member per host"),
+    (["up", "--hosts", "3", "--topo", "single,2"], "give one of them"),
+    (["up", "--hosts", "3", "--ports", "9"], "--ports"),
+    (["up", "--etcd-members", "2"], "use 1, 3 or 5"),
+])
+def test_up_refuses_a_bad_fabric_size_before_starting_anything(args, needle):
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 2, res.output
+    assert needle in res.output and "Traceback" not in res.output
+
+
+def test_member_count_of_a_hosts_testbed():
+    from vfab.testbed.hosts import check_size
+
+    assert [check_size(n, None) for n in (1, 2, 3, 4, 16)] == [1, 1, 3, 3, 3]   # one member per host, 3 by default
+    assert check_size(5, 5) == 5 and check_size(3, 1) == 1

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 
 import pytest
 from click.testing import CliRunner
 
 from vfab.cli.cmd_node import parse_endpoints
 from vfab.cli.main import cli
-from vfab.testbed.procs import wait_for
+from vfab.testbed.procs import free_port, wait_for
 from vfab.vid.errors import Conflict, NotFound
 from vfab.vid.registry import Registry, nodes, schema
 
@@ -105,6 +106,7 @@ def test_cli_refuses_bad_input_before_touching_anything():
 
 
 def test_control_network_reaches_root_loopback_from_a_namespace_until_cut(ns):
+    from vfab.testbed import ctlnet
     from vfab.testbed.ctlnet import ControlNet
     from vfab.vid.netns import netns
 
@@ -124,7 +126,7 @@ def test_control_network_reaches_root_loopback_from_a_namespace_until_cut(ns):
                     c.sendall(data)
 
     threading.Thread(target=echo, daemon=True).start()
-    net = ControlNet([port])
+    net = ControlNet()
     path = f"/var/run/netns/{ns.name}"
 
     def talk(payload: bytes) -> bytes:
@@ -144,7 +146,7 @@ def test_control_network_reaches_root_loopback_from_a_namespace_until_cut(ns):
         with netns(path):   # nothing listens in the namespace before the relay does
             with pytest.raises(ConnectionRefusedError):
                 socket.create_connection(("127.0.0.1", port), timeout=2)
-        net.add("h", path)
+        net.forward(path, port, ("127.0.0.1", port), tags=("h",))
         big = bytes(range(256)) * 4096                     # 1 MiB: the relay's buffering under back-pressure
         assert talk(b"hello") == b"hello"
         assert talk(big) == big
@@ -153,6 +155,19 @@ def test_control_network_reaches_root_loopback_from_a_namespace_until_cut(ns):
             talk(b"x")
         net.heal("h")
         assert talk(b"again") == b"again"
+        # onward to an address nobody answers for (ARP goes unanswered inside the namespace): the client's
+        # connection is closed after CONNECT s, and the relay keeps serving the others meanwhile
+        ns.sh("ip", "addr", "add", "10.99.0.1/24", "dev", ns.a)
+        void_port = free_port()
+        net.forward(path, void_port, ("10.99.0.2", 9), target_ns=path, tags=("void",))
+        with netns(path):
+            void = socket.create_connection(("127.0.0.1", void_port), timeout=5)
+        with void:
+            t0 = time.monotonic()
+            assert talk(b"meanwhile") == b"meanwhile"
+            void.settimeout(ctlnet.CONNECT + 3)
+            assert void.recv(10) == b""
+            assert ctlnet.CONNECT - 0.5 < time.monotonic() - t0 < ctlnet.CONNECT + 2
     finally:
         net.close()
         srv.close()
