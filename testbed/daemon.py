@@ -18,6 +18,15 @@ import threading
 
 from vfab.testbed.fabric import Testbed
 from vfab.testbed.hosts import HostsTestbed
+from vfab.testbed.procs import unwind_on_signals
+
+
+class _Stop(threading.Event):
+    def wait_for_signal(self) -> None:
+        """Take SIGTERM, SIGINT and SIGHUP as "stop" from now on, and wait for one."""
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda *_: self.set())
+        self.wait()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,10 +39,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ports", type=int, default=1)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGHUP, lambda *_: stop.set())
+    stop = _Stop()
+    # While starting (waiting for the testbed lock, building) a signal unwinds it: the finally below stops
+    # what was started.  Once up, a signal only ends the wait: the teardown then runs to its end.
+    unwind_on_signals()
     if args.hosts:
         hosts_main(args, stop)
         return
@@ -49,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
             "hosts": {n: dict(h, pid=tb.host(n).pid) for n, h in tb.hosts.items()},
         }
         write_state(args.state_file, state)
-        stop.wait()
+        stop.wait_for_signal()
     finally:
         tb.stop()
         try:
@@ -84,7 +93,7 @@ def hosts_state(tb: HostsTestbed) -> dict:
     }
 
 
-def hosts_main(args, stop: threading.Event) -> None:
+def hosts_main(args, stop: _Stop) -> None:
     tb = HostsTestbed(args.hosts, workdir=args.workdir, etcd_members=args.etcd_members, ttl=5)
     try:
         tb.start()
@@ -92,7 +101,7 @@ def hosts_main(args, stop: threading.Event) -> None:
             for _ in range(args.ports):
                 tb.add_port(h)
         write_state(args.state_file, hosts_state(tb))
-        stop.wait()
+        stop.wait_for_signal()
     finally:
         tb.stop()
         try:
