@@ -28,11 +28,12 @@ from os_ken.controller.handler import DEAD_DISPATCHER, MAIN_DISPATCHER, set_ev_c
 from os_ken.lib import hub
 from os_ken.ofproto import ofproto_v1_4
 
-from vfab.controller import engine
+from vfab.controller import ctlmetrics, engine
 from vfab.controller.config import ControllerConfig
 from vfab.controller.datapath import Datapath, DatapathError
 from vfab.controller.ofconn import OFConn, OpError, install_raw_flow_stats
 from vfab.controller.report import COUNTED, Reporter, counters_from_stats
+from vfab.vid import metrics
 from vfab.vid.registry import Registry, schema
 
 log = logging.getLogger("vfab.controller")
@@ -49,6 +50,8 @@ def configure(config: ControllerConfig) -> None:
 
 class VfabController(app_manager.OSKenApp):
     OFP_VERSIONS = [ofproto_v1_4.OFP_VERSION]
+    state_revision = 0                  # the newest revision that changed what is compiled (ctlmetrics)
+    changed_at: float | None = None     # monotonic: when the first change no round took yet came
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -70,7 +73,7 @@ class VfabController(app_manager.OSKenApp):
         self.datapath = Datapath(self.config.ovs_rundir) if self.config.datapath_wait else None
         self.datapath_problem = ""          # logged once per distinct reason
         self.next_change: float | None = None   # when the next binding in force ends (unix s)
-        self.to_report: list = []           # (Report, committed at), published by _report_loop
+        self.to_report: list = []           # (Report, committed at, change came at), published by _report_loop
         self.hold: dict[int, set[int]] = {}  # groups kept until the datapath followed the round that unused them
         # endpoint key -> (its last record, until when it lingers): records etcd deleted (lease expired or revoked)
         # whose ranges still reach them while nobody else serves them (engine.plan_round ``lingering``)
@@ -78,6 +81,8 @@ class VfabController(app_manager.OSKenApp):
         self.retired: dict[int, dict[int, float]] = {}   # dpid -> {group id: when a round may have deleted it}
         self.hold_lock = threading.Lock()
         self.report_cv = threading.Condition()
+        if metrics.enabled():
+            metrics.REGISTRY.register(ctlmetrics.ControllerCollector(self))
         self.threads = [hub.spawn(self._watch_loop), hub.spawn(self._reconcile_loop),
                         hub.spawn(self._poll_loop), hub.spawn(self._report_loop)]
 
@@ -89,7 +94,8 @@ class VfabController(app_manager.OSKenApp):
                 for key in [k for k in self.items if k not in fresh]:
                     self._departed(key, self.items[key])
                 self.items = fresh
-                self.revision = rev
+                self.revision = self.state_revision = rev
+                self.changed_at = self.changed_at or time.monotonic()
             log.info("etcd %s: loaded %d keys at revision %d", self.registry.endpoint, len(items), rev)
             self.dirty.set()
 
@@ -110,6 +116,9 @@ class VfabController(app_manager.OSKenApp):
                     parsed = schema.parse_key(ev.key)
                     if not (parsed and parsed[0] in schema.PASSIVE):
                         changed = True
+                        self.state_revision = max(self.state_revision, ev.revision)
+                if changed and self.changed_at is None:
+                    self.changed_at = time.monotonic()
             if changed:
                 self.dirty.set()
 
@@ -154,6 +163,7 @@ class VfabController(app_manager.OSKenApp):
         with self.mirror_lock:
             items, revision = dict(self.items), self.revision
             lingering, linger_end = self._lingering(now)
+            since, self.changed_at = self.changed_at, None
         with self.hold_lock:
             hold = {d: set(g) for d, g in self.hold.items() if g}
             for gids in self.retired.values():
@@ -189,7 +199,9 @@ class VfabController(app_manager.OSKenApp):
         # Reported once every switch has its bundle and (_report_loop) the datapath follows: the reports
         # never delay a cut-over or the next round.
         committed = time.time()
-        reports = [(rep, committed) for rep in rnd.reports if rep.dpid not in failed and rep.dpid in self.installed]
+        turned = {step.dpid for step in rnd.steps if isinstance(step, engine.Commit)}   # cut-overs to time
+        reports = [(rep, committed, since if rep.dpid in turned else None) for rep in rnd.reports
+                   if rep.dpid not in failed and rep.dpid in self.installed]
         if reports:
             with self.report_cv:
                 self.to_report.extend(reports)
@@ -255,10 +267,11 @@ class VfabController(app_manager.OSKenApp):
                 batch, self.to_report = self.to_report, []
             try:
                 confirmed = self._datapath_pass()
-                for rep, committed in batch:
+                for rep, committed, since in batch:
                     if rep.dpid in self.installed and self.reporter.reported.get(rep.dpid, -1) < rep.revision:
-                        self.reporter.applied(rep.dpid, rep.revision, rep.flows, rep.groups, committed=committed,
-                                              datapath=confirmed)
+                        if self.reporter.applied(rep.dpid, rep.revision, rep.flows, rep.groups, committed=committed,
+                                                 datapath=confirmed) and since is not None:
+                            ctlmetrics.cutover(rep.dpid, since)
             except Exception:  # a bug must not stop reporting for good
                 log.exception("publishing applied revisions failed")
 
@@ -387,6 +400,7 @@ class VfabController(app_manager.OSKenApp):
                 conn.close("the switch disconnected")
                 self.conns.pop(dp.id, None)
                 self.installed.pop(dp.id, None)
+                self.reporter.last.pop(dp.id, None)
 
     def _reply(self, msg, body=(), error=None, more=False) -> None:
         conn = self.conns.get(msg.datapath.id)

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 
 from vfab.controller.balancer import (Balancer, BalancerConfig, Decision, EndpointObs, HelperObs, RangeObs,
                                       ServiceObs)
+from vfab.controller import ctlmetrics
 from vfab.vid.codec import KEY_MAX
 from vfab.vid.errors import RegistryError, StateError, VfabError
 from vfab.vid.netns import netns
@@ -354,6 +355,7 @@ class Runner:
     # -- applying --------------------------------------------------------------------------------------------
     def apply(self, d: Decision) -> None:
         self.etcd_view.pop(d.service, None)   # the next round sees what this changed
+        ctlmetrics.DECISIONS.labels(d.service, d.action).inc()
         entry = d.to_dict()
         entry["result"] = "requested"
         log.warning("balancer: %s %s %s: %s", d.service, d.action,

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
+import socket
 import sys
 
 from vfab.controller.config import ConfigError, ControllerConfig
+from vfab.vid import metrics
 
 
 def parse_config(argv: list[str] | None = None) -> tuple[ControllerConfig, bool]:
@@ -41,6 +44,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[ControllerConfig, bool]
                          f"again within its keep-alive period; 0 = route away at once (default {d.linger})")
     ap.add_argument("--bundle-timeout", type=float,
                     help=f"seconds to wait for a bundle commit or a table dump (default {d.bundle_timeout})")
+    ap.add_argument("--metrics-port", type=int,
+                    help=f"port of the controller's Prometheus /metrics, registered in etcd (default {d.metrics_port}: "
+                         "any free port; -1: no metrics)")
+    ap.add_argument("--metrics-host", help=f"address /metrics listens on (default {d.metrics_host})")
     ap.add_argument("-v", "--verbose", action="store_true", default=None, help="debug logging")
     ap.add_argument("--check", action="store_true", help="validate the settings, print them and exit")
     args = ap.parse_args(argv)
@@ -56,7 +63,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ControllerConfig, bool]
                          settle_ms=args.settle_ms, audit_polls=args.audit_polls,
                          datapath_wait=args.datapath_wait, datapath_timeout=args.datapath_timeout,
                          ovs_rundir=args.ovs_rundir, linger=args.linger,
-                         bundle_timeout=args.bundle_timeout, verbose=args.verbose)
+                         bundle_timeout=args.bundle_timeout, verbose=args.verbose,
+                         metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     except ConfigError as exc:
         ap.error(str(exc))
     return cfg, args.check
@@ -81,6 +89,12 @@ def main(argv: list[str] | None = None) -> None:
 
     oscfg.CONF(args=[f"--ofp-listen-host={cfg.listen}", f"--ofp-tcp-listen-port={cfg.port}"], project="os_ken")
     app.configure(cfg)
+    if cfg.metrics_port < 0:
+        metrics.disable()
+    else:
+        name = re.sub(r"[^a-z0-9_.-]", "-", socket.gethostname().lower()).strip("-.") or "host"
+        metrics.start(argparse.Namespace(metrics_port=cfg.metrics_port, metrics_host=cfg.metrics_host),
+                      "controller", f"{name}-{cfg.port}"[:63], etcd=cfg.etcd)
     logging.getLogger("vfab.controller").info("listening on %s:%d, etcd %s", cfg.listen, cfg.port, cfg.etcd)
     AppManager.run_apps(["vfab.controller.app"])
 
