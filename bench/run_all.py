@@ -23,7 +23,8 @@ BENCHES = ["etcd_client.py", "etcd_leader_loss.py", "reroute.py", "reroute_busy.
            "sdhcp_failover.py",
            "sdhcp_ops.py",
            "sdhcp_path.py",
-           "tunnel_rtt.py"]
+           "tunnel_rtt.py",
+           "metrics_cost.py"]
 
 
 def main() -> int:

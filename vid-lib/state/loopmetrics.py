@@ -25,9 +25,8 @@ EP = ["service", "endpoint"]
 REQUESTS = Counter("vfab_endpoint_requests_total", "requests the endpoint's backend served", EP)
 BATCH_SECONDS = Histogram("vfab_endpoint_batch_duration_seconds", "time the backend took to serve one batch of "
                           "requests (their service time; replies leave after it, or after the batch's fsync and "
-                          "replication)", EP, buckets=metrics.DURATION_BUCKETS)
-BATCH_REQUESTS = Histogram("vfab_endpoint_batch_requests", "requests per batch the backend served", EP,
-                           buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+                          "replication; its _count is the batches: requests per batch = requests_total / _count)", EP,
+                          buckets=metrics.DURATION_BUCKETS)
 FSYNC_SECONDS = Histogram("vfab_endpoint_fsync_duration_seconds", "group commits' fsync of the store (sdhcp's)", EP,
                           buckets=metrics.DURATION_BUCKETS)
 OPS = Counter("vfab_state_ops_total", "state operations this endpoint ran as their source, by outcome",
@@ -47,13 +46,11 @@ class LoopMetrics:
         self.service, self.endpoint = service, endpoint
         self._requests = REQUESTS.labels(service, endpoint)
         self._batch = BATCH_SECONDS.labels(service, endpoint)
-        self._size = BATCH_REQUESTS.labels(service, endpoint)
         self._fsync = FSYNC_SECONDS.labels(service, endpoint)
 
     def batch(self, n: int, seconds: float) -> None:
         self._requests.inc(n)
-        self._batch.observe(seconds)
-        self._size.observe(n)
+        self._batch.observe(seconds)   # ~1.5 µs for both on this machine, once per batch
 
     def fsync(self, seconds: float) -> None:
         self._fsync.observe(seconds)

@@ -1,0 +1,122 @@
+"""What the metrics cost the elastic-KVS path: requests/s with and without them, side by side, in one run.
+
+One fabric (``single,3``).  Two elastic-KVS endpoints, each owning a service of its own: ``with`` in vfh1
+(metrics on, as every endpoint runs by default, and scraped every second while it is loaded: 15x more often
+than Prometheus' default) and ``without`` in vfh3 (``--no-metrics``: no exporter and no hooks on the hot
+path).  The same closed-loop load (the ``load`` process in vfh2: put/get/delete 1:1:1 on 256 keys, 64 B
+values) runs against each in turn, alternating which goes first from round to round so drift hits both
+alike.  Reported: req/s of each per round and the ratio with/without (median over rounds); the issue's bar is
+a cost of at most 2 %, a ratio of 0.98 or more.
+
+Run: ``/opt/vfab-venv/bin/python bench/metrics_cost.py [--smoke] [--rounds N] [--clients N] [--duration S]``
+(root).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import threading
+import urllib.request
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import not_root, parser, write  # noqa: E402
+from vfab.testbed import kvs  # noqa: E402
+from vfab.testbed.fabric import Testbed  # noqa: E402
+from vfab.vid import metrics  # noqa: E402
+
+KEYS = 256
+VALUE = 64
+MIX = "1:1:1"
+
+
+class Scraper:
+    """GETs ``/metrics`` every ``period`` s while it runs; counts the scrapes and the bytes."""
+
+    def __init__(self, addr: str, period: float = 1.0):
+        self.addr, self.period = addr, period
+        self.stop = threading.Event()
+        self.scrapes = self.bytes = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.period):
+            self.bytes += len(urllib.request.urlopen(f"http://{self.addr}/metrics", timeout=5).read())
+            self.scrapes += 1
+
+    def __enter__(self) -> "Scraper":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def load(tb: Testbed, service: str, clients: int, duration: float, tag: str) -> dict:
+    proc, out = kvs.start_load(tb, "vfh2", f"load-{tag}", service, duration=duration, clients=clients, keys=KEYS,
+                               mix=MIX, value_size=VALUE)
+    s = kvs.finish_load(tb, proc, out, wait=duration + 60)["summary"]
+    return {"req_per_s": s["req_per_s"], "median_ms": s["lat_ms"]["median"], "failed": s["failed"]}
+
+
+def main() -> int:
+    ap = parser(__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=None, help="rounds, each loading both (default 4; smoke 1)")
+    ap.add_argument("--clients", type=int, default=16, help="closed-loop clients of the load (default 16)")
+    ap.add_argument("--duration", type=float, default=None, help="s of load per server per round (default 8; "
+                                                                   "smoke 2)")
+    args = ap.parse_args()
+    if not_root("metrics_cost", "a testbed: namespaces and Open vSwitch"):
+        return 1
+    rounds = args.rounds or (1 if args.smoke else 4)
+    duration = args.duration or (2.0 if args.smoke else 8.0)
+    params = {"smoke": args.smoke, "rounds": rounds, "clients": args.clients, "duration_s": duration, "keys": KEYS,
+              "value_size": VALUE, "mix": MIX, "topo": "single,3", "scrape_period_s": 1.0}
+    rows = []
+    with Testbed("single,3") as tb:
+        for svc in ("kvson", "kvsoff"):
+            tb.registry.create_service(svc)
+        servers = [kvs.start_server(tb, "vfh1", "on", "kvson", "0-0xffffff"),
+                   kvs.start_server(tb, "vfh3", "off", "kvsoff", "0-0xffffff", extra=["--no-metrics"])]
+        tb.wait_revision(tb.registry.state_revision())
+        found = {t.name: t for t in metrics.targets(tb.registry)}
+        if "on" not in found or "off" in found:
+            raise RuntimeError(f"expected the 'on' endpoint registered and 'off' not: {sorted(found)}")
+        addr = found["on"].addr
+        for r in range(rounds):
+            row = {}
+            for which in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                if which == "on":
+                    with Scraper(addr) as sc:
+                        row["with"] = load(tb, "kvson", args.clients, duration, f"on{r}")
+                    row["with"]["scrapes"], row["with"]["scrape_bytes"] = sc.scrapes, sc.bytes
+                else:
+                    row["without"] = load(tb, "kvsoff", args.clients, duration, f"off{r}")
+            row["ratio"] = round(row["with"]["req_per_s"] / row["without"]["req_per_s"], 4) \
+                if row["without"]["req_per_s"] else None
+            rows.append(row)
+            print(f"  round {r}: with metrics {row['with']['req_per_s']:.0f} req/s "
+                  f"({row['with']['scrapes']} scrapes), without {row['without']['req_per_s']:.0f} req/s, "
+                  f"ratio {row['ratio']}", flush=True)
+        for proc in servers:
+            tb.sup.stop(proc)
+            if "Traceback" in open(proc.logpath).read():
+                print(f"WARNING: {proc.name} raised:\n{proc.tail(20)}")
+    ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
+    median = round(statistics.median(ratios), 4) if ratios else None
+    print(f"\nelastic-KVS req/s with metrics (scraped every 1 s) / without, {args.clients} clients, mix {MIX}, "
+          f"{duration:g} s per point")
+    print(f"{'round':>5} | {'with req/s':>10} | {'without req/s':>13} | {'ratio':>6}")
+    for i, r in enumerate(rows):
+        print(f"{i:>5} | {r['with']['req_per_s']:>10.1f} | {r['without']['req_per_s']:>13.1f} | {r['ratio']:>6.3f}")
+    print(f"median ratio {median} (the bar: >= 0.98)")
+    write("metrics_cost", params, {"rounds": rows, "median_ratio": median}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
