@@ -8,7 +8,7 @@ starts its exporter and makes it findable::
 
 serves ``/metrics`` on ``--metrics-host`` (loopback unless the host's control address is given) and
 ``--metrics-port`` (0: a free port), and registers the address in etcd under
-``/vfab/v1/metrics/<process>/<name>`` (a ``schema.MetricsTarget``) under a lease of its own: the key
+``/vfab/v1/metrics/<process>/<service or ->/<name>`` (a ``schema.MetricsTarget``) under a lease of its own: the key
 vanishes with the process, and comes back if etcd lost the lease.  ``vfab metrics targets --out FILE``
 turns the registered targets into a Prometheus ``file_sd`` file (:func:`file_sd`), so one Prometheus finds
 every target of a fabric, on one host or many.
@@ -112,7 +112,7 @@ class Exporter:
                  registry=REGISTRY):
         if not 0 <= port < 65536:
             raise RegistryError(f"metrics port {port} is out of range: 0..65535 (0: any free port)")
-        schema.metrics_key(process, name)   # checks both
+        schema.metrics_key(process, name, service)   # checks them
         try:
             self.server, self.thread = start_http_server(port, addr=host, registry=registry)
         except OSError as exc:
@@ -122,7 +122,7 @@ class Exporter:
         self.addr = f"{host}:{self.port}"
         self.target = schema.MetricsTarget(process=process, name=name, addr=self.addr, service=service,
                                            host=socket.gethostname(), pid=os.getpid(), at=time.time())
-        self.key = schema.metrics_key(process, name)
+        self.key = schema.metrics_key(process, name, service)
         self.lease = None
         log.info("metrics of %s %s on http://%s/metrics", process, name, self.addr)
 

@@ -161,7 +161,7 @@ def test_exporter_registers_in_etcd_serves_and_leaves(registry, tmp_path):
         exp.register(registry.endpoint, ttl=2)
         found = metrics.targets(registry)
         assert [(t.process, t.name, t.addr, t.service) for t in found] == [("endpoint", "kvs-a", exp.addr, "kvs")]
-        assert registry.lease_of(schema.metrics_key("endpoint", "kvs-a"))   # leased: it goes with the process
+        assert registry.lease_of(schema.metrics_key("endpoint", "kvs-a", "kvs"))   # leased: it goes with the process
         body = urllib.request.urlopen(f"http://{exp.addr}/metrics", timeout=5).read().decode()
         assert "vfab_etcd_request_duration_seconds_bucket" in body
         if shutil.which("promtool") is None:
@@ -194,6 +194,17 @@ def test_etcd_requests_are_timed_and_errors_counted(registry):
     with pytest.raises(Exception):
         dead.get("/vfab/v1/x")
     assert value("vfab_etcd_request_errors_total", op="kv/range", reason="RegistryError") == errs + 1
+
+
+def test_endpoints_of_two_services_with_one_name_are_two_targets(registry):
+    exps = [metrics.Exporter("endpoint", "s1", service=svc) for svc in ("kvs", "dh")]
+    try:
+        for e in exps:
+            e.register(registry.endpoint, ttl=2)
+        assert sorted((t.service, t.name) for t in metrics.targets(registry)) == [("dh", "s1"), ("kvs", "s1")]
+    finally:
+        for e in exps:
+            e.close()
 
 
 def test_exporter_port_in_use_is_a_clear_error():

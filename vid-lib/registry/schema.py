@@ -664,8 +664,9 @@ RECORDS: dict[str, type[Record]] = {
 
 
 # -- metrics targets (issue 46) ------------------------------------------------------------------------------------
-#    /vfab/v1/metrics/<process>/<name>    MetricsTarget {process, name, addr, host, pid, at}  where a process's
-#                                         Prometheus exporter listens, leased by it (vfab.vid.metrics)
+#    /vfab/v1/metrics/<process>/<service|->/<name>   MetricsTarget {process, name, addr, service, host, pid, at}
+#                                         where a process's Prometheus exporter listens, leased by it
+#                                         (vfab.vid.metrics); "-" for a process of no one service
 METRICS_PROCESSES = ("controller", "endpoint", "helper", "balancer", "agent")
 FOLDERS = (*FOLDERS, "metrics")
 PASSIVE = (*PASSIVE, "metrics")
@@ -675,10 +676,13 @@ def metrics_prefix() -> str:
     return f"{ROOT}metrics/"
 
 
-def metrics_key(process: str, name: str) -> str:
+def metrics_key(process: str, name: str, service: str = "") -> str:
+    """Endpoint names are unique within their service only: the service is part of the key."""
     if process not in METRICS_PROCESSES:
         raise VidError(f"metrics process kind {process!r} is unknown: one of {', '.join(METRICS_PROCESSES)}")
-    return f"{ROOT}metrics/{process}/{check_name('metrics target', name)}"
+    if service:
+        check_name("service", service)
+    return f"{ROOT}metrics/{process}/{service or '-'}/{check_name('metrics target', name)}"
 
 
 @dataclass
@@ -705,6 +709,8 @@ class MetricsTarget(Record):
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise VidError(f"metrics target {self.name}: address {self.addr!r} is not HOST:PORT")
         _need("metrics target", "service", self.service, str)
+        if self.service:
+            check_name("service", self.service)
         _need("metrics target", "host", self.host, str)
         _need("metrics target", "pid", self.pid, int)
         _need("metrics target", "at", self.at, (int, float))
