@@ -12,7 +12,7 @@ DEBS=(openvswitch-switch openvswitch-common mininet etcd-server etcd-client libp
       isc-dhcp-client dhcpcd-base gcc make libc6-dev libsqlite3-dev
       dpdk libdpdk-dev dpdk-dev meson ninja-build pkg-config libmemcached-tools nutcracker
       kea-dhcp4-server kea-ctrl-agent kea-admin dnsmasq-base
-      prometheus tmux)   # promtool (the alert rules' unit tests), the server the metrics test scrapes with; tmux drives vfab top in its test
+      prometheus tmux python3-matplotlib)   # promtool (the alert rules' unit tests), the server the metrics test scrapes with; tmux drives vfab top in its test; matplotlib draws 'make report'
 
 if [ "$(id -u)" != 0 ]; then
   echo "bootstrap: must run as root (it installs Debian packages and creates network namespaces)" >&2
