@@ -337,6 +337,7 @@ class Runner:
         t = self.clock()   # when the counters were read (an etcd read may have come first this round)
         cpu = self.rates.rate(("mc-cpu", service, ep), t, cpu_s)
         served = self.rates.rate(("mc-req", service, ep), t, reqs)
+        ctlmetrics.helpee_cpu(service, ep, cpu, served)
         return EndpointObs(ep, cpu=cpu, served=served, cores=max(threads, 1.0))
 
     def helper_obs(self, service: str, h: str, path: str, now: float, problems: list[str]) -> HelperObs:

@@ -15,7 +15,7 @@ import json
 import time
 from typing import TYPE_CHECKING
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from vfab.vid import metrics
@@ -30,12 +30,20 @@ CUTOVER_SECONDS = Histogram("vfab_cutover_duration_seconds", "a change of etcd u
                             buckets=metrics.DURATION_BUCKETS)
 DECISIONS = Counter("vfab_balancer_decisions_total", "what the balancer decided (helpers_on, helpers_off, split, "
                     "merge)", ["service", "action"])
+HELPEE_CPU = Gauge("vfab_helpee_cpu_per_request_seconds", "CPU a helpee (memcached) spent per request it served, "
+                   "as the balancer last measured it (its rusage over its gets and sets)", ["service", "endpoint"])
 DROPS = ("deny", "vid_miss", "guard", "spoofed")   # the counter names' prefixes of report.counters_from_stats
 
 
 def cutover(dpid: int, since: float) -> None:
     """A switch reported holding a change that came at ``since`` (time.monotonic())."""
     CUTOVER_SECONDS.labels(f"{dpid:016x}").observe(time.monotonic() - since)
+
+
+def helpee_cpu(service: str, endpoint: str, cpu: float | None, served: float | None) -> None:
+    """The balancer measured a helpee's CPU s/s and requests/s (either may be unknown yet)."""
+    if cpu is not None and served:
+        HELPEE_CPU.labels(service, endpoint).set(cpu / served)
 
 
 def range_states(items: dict[str, bytes]) -> dict[str, dict[str, int]]:

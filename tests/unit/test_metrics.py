@@ -123,6 +123,15 @@ def test_loop_collector_reads_counters_keys_and_the_running_phase():
     assert age.labels["phase"] == "copy" and 2.9 < age.value < 10
 
 
+def test_helpee_cpu_per_request():
+    ctlmetrics.helpee_cpu("mc", "m1", None, 100.0)   # not measured yet: nothing
+    assert metrics.REGISTRY.get_sample_value("vfab_helpee_cpu_per_request_seconds",
+                                             {"service": "mc", "endpoint": "m1"}) is None
+    ctlmetrics.helpee_cpu("mc", "m1", 0.5, 100000.0)
+    assert metrics.REGISTRY.get_sample_value("vfab_helpee_cpu_per_request_seconds",
+                                             {"service": "mc", "endpoint": "m1"}) == pytest.approx(5e-6)
+
+
 def test_declared_families_follow_the_conventions():
     """Every vfab_ family in the process registry (etcd client, state loop, controller, balancer)."""
     found = metrics.vfab_families()
