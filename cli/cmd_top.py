@@ -97,7 +97,7 @@ def top(c, once: bool, interval: float) -> None:
                 except RegistryError as exc:
                     failing_since = failing_since or time.time()
                     head = [f"!! etcd unreachable for {time.time() - failing_since:.0f} s: {exc}",
-                            "!! showing the last frame; retrying every second"]
+                            f"!! showing the last frame; retrying every {interval:g} s"]
                 size = shutil.get_terminal_size((120, 40))
                 out.write(HOME + fit(head + last, size.columns, size.lines - 1))
                 out.flush()
