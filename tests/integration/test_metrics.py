@@ -166,7 +166,8 @@ def prometheus(testbed, tmp_path):
 
 def test_a_real_prometheus_scrapes_the_fabric(testbed, prometheus):
     """Through Prometheus' HTTP API: every target up, the per-range packet count matching what the load sent
-    (within 10 %), the split's cut-over in the histogram, the rules loaded and healthy."""
+    (within 10 %), the split's cut-over in the histogram, the rules loaded and healthy, none firing for the
+    service; then its owner of a range without mirror stopped: VfabOwnerDownNoMirror fires."""
     base, refresh = prometheus
     reg = testbed.registry
     service = "kvsprom"
@@ -201,9 +202,16 @@ def test_a_real_prometheus_scrapes_the_fabric(testbed, prometheus):
         groups = json.loads(urllib.request.urlopen(f"{base}/api/v1/rules", timeout=5).read())["data"]["groups"]
         rules = [r for g in groups for r in g["rules"]]
         assert len(rules) >= 9 and all(r["health"] == "ok" for r in rules), rules
-        firing = [a["labels"]["alertname"] for a in json.loads(urllib.request.urlopen(
-            f"{base}/api/v1/alerts", timeout=5).read())["data"]["alerts"] if a["state"] == "firing"]
-        assert not {"VfabRangeNoLiveOwner", "VfabOwnerDownNoMirror", "VfabSwitchBehind"} & set(firing), firing
+
+        def alerts(state: str = "firing") -> set[str]:
+            got = json.loads(urllib.request.urlopen(f"{base}/api/v1/alerts", timeout=5).read())["data"]["alerts"]
+            return {a["labels"]["alertname"] for a in got
+                    if a["state"] == state and a["labels"].get("service") in (service, None)}
+        assert not {"VfabRangeNoLiveOwner", "VfabOwnerDownNoMirror", "VfabSwitchBehind"} & alerts(), alerts()
+        # pb owns the upper half now, with no mirror: stopped, it leaves etcd and the critical alert fires
+        testbed.sup.stop(procs[1])
+        wait_for(lambda: "VfabOwnerDownNoMirror" in alerts(), 30, "VfabOwnerDownNoMirror to fire in Prometheus")
+        assert _scalar(base, f'sum(vfab_service_ranges{{service="{service}",state="lost"}})') == 1
     finally:
         for p in procs:
             testbed.sup.stop(p)

@@ -123,6 +123,25 @@ def test_loop_collector_reads_counters_keys_and_the_running_phase():
     assert age.labels["phase"] == "copy" and 2.9 < age.value < 10
 
 
+def test_loop_collector_reads_an_sdhcp_shards_stats_on_its_loop():
+    stats = {"bound": 90, "offered": 3, "slice": 100, "counters": {"offers": 120, "acks": 95, "naks": 2}}
+    calls = []
+
+    def call(fn, timeout=10.0):
+        calls.append(timeout)
+        return fn()
+
+    loop = SimpleNamespace(service=SimpleNamespace(name="dh"), name="s1", counters={}, op=None, lane=None,
+                           housekeeper=SimpleNamespace(_counts={}), call=call,
+                           _control=lambda env: env.reply("OK", "s1", sdhcp=stats) if env.type == "STATS" else None)
+    fams = {f.name: f for f in _families(loopmetrics.LoopCollector(loop))}
+    assert calls == [1.0]   # asked on the loop's thread, bounded
+    assert fams["vfab_sdhcp_leases_active"].samples[0].value == 90
+    assert fams["vfab_sdhcp_pool_addresses"].samples[0].value == 100
+    msgs = {s.labels["type"]: s.value for s in fams["vfab_sdhcp_messages"].samples if s.name.endswith("_total")}
+    assert msgs["offers"] == 120 and msgs["acks"] == 95 and msgs["naks"] == 2 and msgs["declines"] == 0
+
+
 def test_helpee_cpu_per_request():
     ctlmetrics.helpee_cpu("mc", "m1", None, 100.0)   # not measured yet: nothing
     assert metrics.REGISTRY.get_sample_value("vfab_helpee_cpu_per_request_seconds",
