@@ -130,7 +130,8 @@ def plot_metrics_cost(doc: dict, out: str) -> list[str]:
     ax.bar([x + 0.2 for x in xs], [r["without"]["req_per_s"] for r in rounds], width=0.4, label="--no-metrics")
     ax.set_xticks(list(xs), [str(i) for i in xs])
     ax.set(xlabel="round", ylabel="requests/s",
-           title=f"elastic-KVS with and without metrics (median ratio {doc['results'].get('median_ratio')})")
+           title=f"elastic-KVS with and without metrics: median ratios req/s {doc['results'].get('median_ratio')}, "
+                 f"CPU/request {doc['results'].get('median_cpu_ratio')}")
     ax.legend()
     return [_save(plt, fig, out, "metrics_cost")]
 

@@ -96,6 +96,8 @@ def test_metrics_move_with_traffic_and_a_split(testbed, servers):
         return total(c, "vfab_range_packets_total", service=SERVICE) - pk0
     got = wait_for(lambda: packets() >= sent - retries and packets(), 10, "the range's packets in the controller")
     assert sent - retries <= got <= sent * 1.1 + 5, (got, sent)
+    print(f"scrape: client sent {sent} ({retries} retries), endpoint counted {served:.0f}, controller's range "
+          f"packets {got:.0f}")
 
     op = statectl.wait(reg, SERVICE, statectl.split(reg, SERVICE, HALF, "mb").op, timeout=60)
     assert op.phase == "done", op
@@ -192,6 +194,7 @@ def test_a_real_prometheus_scrapes_the_fabric(testbed, prometheus):
             return (_scalar(base, f'sum(vfab_range_packets_total{{service="{service}"}})') or 0.0) - before
         got = wait_for(lambda: counted() >= 0.9 * sent and counted(), 15, "the load's packets in Prometheus")
         assert abs(got - sent) <= 0.1 * sent, (got, sent)
+        print(f"prometheus: the load sent {sent} requests, Prometheus counted {got:.0f} packets for the service")
 
         op = statectl.wait(reg, service, statectl.split(reg, service, HALF, "pb").op, timeout=60)
         assert op.phase == "done", op
