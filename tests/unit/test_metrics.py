@@ -123,6 +123,26 @@ def test_loop_collector_reads_counters_keys_and_the_running_phase():
     assert age.labels["phase"] == "copy" and 2.9 < age.value < 10
 
 
+def test_loop_hooks_count_requests_and_batch_times_read_at_scrape():
+    hooks = loopmetrics.LoopMetrics("kvs", "a")
+    for n, took in ((3, 0.0004), (1, 0.0004), (5, 0.003), (2, 99.0)):
+        hooks.batch(n, took)
+    loop = SimpleNamespace(service=SimpleNamespace(name="kvs"), name="a", counters={}, op=None, metrics=hooks,
+                           housekeeper=SimpleNamespace(_counts={}))
+    fams = {f.name: f for f in _families(loopmetrics.LoopCollector(loop))}
+    for f in fams.values():
+        metrics.check_name(f.name + ("_total" if f.type == "counter" else ""), f.type,
+                           sorted({k for s in f.samples for k in s.labels}))
+    req = [s.value for s in fams["vfab_endpoint_requests"].samples if s.name.endswith("_total")]
+    assert req == [11]
+    buckets = {s.labels["le"]: s.value for s in fams["vfab_endpoint_batch_duration_seconds"].samples
+               if s.name.endswith("_bucket")}
+    assert buckets["0.00025"] == 0 and buckets["0.0005"] == 2 and buckets["0.0025"] == 2
+    assert buckets["0.005"] == 3 and buckets["30.0"] == 3 and buckets["+Inf"] == 4
+    count = [s.value for s in fams["vfab_endpoint_batch_duration_seconds"].samples if s.name.endswith("_count")]
+    assert count == [4]
+
+
 def test_loop_collector_reads_an_sdhcp_shards_stats_on_its_loop():
     stats = {"bound": 90, "offered": 3, "slice": 100, "counters": {"offers": 120, "acks": 95, "naks": 2}}
     calls = []
@@ -155,8 +175,7 @@ def test_declared_families_follow_the_conventions():
     """Every vfab_ family in the process registry (etcd client, state loop, controller, balancer)."""
     found = metrics.vfab_families()
     names = {n for n, _, _ in found}
-    for needed in ("vfab_etcd_request_duration_seconds", "vfab_endpoint_requests_total",
-                   "vfab_state_op_phase_duration_seconds", "vfab_cutover_duration_seconds",
+    for needed in ("vfab_etcd_request_duration_seconds", "vfab_state_op_phase_duration_seconds", "vfab_cutover_duration_seconds",
                    "vfab_balancer_decisions_total"):
         assert needed in names
     for name, kind, labels in found:

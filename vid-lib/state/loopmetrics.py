@@ -1,6 +1,7 @@
 """Metrics of a stateful endpoint (the state loop under elastic-KVS and sdhcp shards), for ``vfab.vid.metrics``.
 
-Hot paths pay one call per *batch* of requests, never per request (:meth:`LoopMetrics.batch`); everything the
+Hot paths pay one call per *batch* of requests, never per request (:meth:`LoopMetrics.batch`, plain ints read at
+scrape time); everything the
 loop already counts (its ``counters``, the records per range its load reports count, a running operation's
 phase, sdhcp's leases and pool) is read when Prometheus scrapes (:class:`LoopCollector`), at no cost between
 scrapes.  ``range`` labels are a range's lo as 6 hex digits (the key etcd files it under).
@@ -9,10 +10,12 @@ scrapes.  ``range`` labels are a range's lo as 6 hex digits (the key etcd files 
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from vfab.vid import metrics
 from vfab.vid.envelope import Envelope
@@ -22,11 +25,9 @@ if TYPE_CHECKING:
     from vfab.vid.state.loop import EndpointLoop
 
 EP = ["service", "endpoint"]
-REQUESTS = Counter("vfab_endpoint_requests_total", "requests the endpoint's backend served", EP)
-BATCH_SECONDS = Histogram("vfab_endpoint_batch_duration_seconds", "time the backend took to serve one batch of "
-                          "requests (their service time; replies leave after it, or after the batch's fsync and "
-                          "replication; its _count is the batches: requests per batch = requests_total / _count)", EP,
-                          buckets=metrics.DURATION_BUCKETS)
+BATCH_HELP = ("time the backend took to serve one batch of requests (their service time; replies leave after it, "
+              "or after the batch's fsync and replication; its _count is the batches: requests per batch = "
+              "vfab_endpoint_requests_total / _count)")
 FSYNC_SECONDS = Histogram("vfab_endpoint_fsync_duration_seconds", "group commits' fsync of the store (sdhcp's)", EP,
                           buckets=metrics.DURATION_BUCKETS)
 OPS = Counter("vfab_state_ops_total", "state operations this endpoint ran as their source, by outcome",
@@ -40,17 +41,37 @@ OP_KEYS = Counter("vfab_state_op_keys_total", "records state operations copied t
 
 
 class LoopMetrics:
-    """The hooks one endpoint's loop calls (children resolved once: a hook is an observe, no label lookup)."""
+    """The hooks one endpoint's loop calls.
+
+    The per-batch numbers (requests, the batch-time histogram) are kept here in plain ints, written by the loop's
+    thread alone and read by :class:`LoopCollector` when Prometheus scrapes: 0.6 µs a batch, where
+    ``prometheus_client``'s Counter and Histogram, which take a lock on every update, cost 1.5 µs (1-3
+    requests per batch at 16 clients: up to 2.5 % of a request's ~60 µs of CPU)."""
 
     def __init__(self, service: str, endpoint: str):
         self.service, self.endpoint = service, endpoint
-        self._requests = REQUESTS.labels(service, endpoint)
-        self._batch = BATCH_SECONDS.labels(service, endpoint)
+        self.requests = 0
+        self.batch_counts = [0] * (len(metrics.DURATION_BUCKETS) + 1)   # per bucket, the last one +Inf
+        self.batch_sum = 0.0
         self._fsync = FSYNC_SECONDS.labels(service, endpoint)
 
     def batch(self, n: int, seconds: float) -> None:
-        self._requests.inc(n)
-        self._batch.observe(seconds)   # ~1.5 µs for both on this machine, once per batch
+        self.requests += n
+        self.batch_counts[bisect_left(metrics.DURATION_BUCKETS, seconds)] += 1   # le: the first bound >= seconds
+        self.batch_sum += seconds
+
+    def families(self) -> list:
+        lab = [self.service, self.endpoint]
+        req = CounterMetricFamily("vfab_endpoint_requests", "requests the endpoint's backend served", labels=EP)
+        req.add_metric(lab, self.requests)
+        counts, total = list(self.batch_counts), 0
+        buckets = []
+        for bound, n in zip((*(floatToGoString(b) for b in metrics.DURATION_BUCKETS), "+Inf"), counts):
+            total += n
+            buckets.append((bound, total))
+        hist = HistogramMetricFamily("vfab_endpoint_batch_duration_seconds", BATCH_HELP, labels=EP)
+        hist.add_metric(lab, buckets, sum_value=self.batch_sum)
+        return [req, hist]
 
     def fsync(self, seconds: float) -> None:
         self._fsync.observe(seconds)
@@ -97,6 +118,9 @@ class LoopCollector:
         if op is not None:
             age.add_metric([*lab, op.rec.op, op.rec.phase], time.monotonic() - op.phase_since)
         yield age
+        hooks = getattr(lp, "metrics", None)
+        if hooks is not None:
+            yield from hooks.families()
         yield from self._backend()
 
     def _backend(self):
