@@ -123,16 +123,21 @@ def plot_reroute(doc: dict, out: str) -> list[str]:
 
 def plot_metrics_cost(doc: dict, out: str) -> list[str]:
     plt = _plt()
-    rounds = doc["results"]["rounds"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    xs = range(len(rounds))
-    ax.bar([x - 0.2 for x in xs], [r["with"]["req_per_s"] for r in rounds], width=0.4, label="with metrics")
-    ax.bar([x + 0.2 for x in xs], [r["without"]["req_per_s"] for r in rounds], width=0.4, label="--no-metrics")
-    ax.set_xticks(list(xs), [str(i) for i in xs])
-    ax.set(xlabel="round", ylabel="requests/s",
-           title=f"elastic-KVS with and without metrics: median ratios req/s {doc['results'].get('median_ratio')}, "
-                 f"CPU/request {doc['results'].get('median_cpu_ratio')}")
-    ax.legend()
+    res = doc["results"]
+    rounds = res["rounds"]
+    xs = list(range(len(rounds)))
+    panels = [("req_per_s", "requests/s", f"throughput (median ratio {res.get('median_ratio')})")]
+    if all(r["with"].get("server_cpu_us_per_req") for r in rounds):
+        panels.append(("server_cpu_us_per_req", "server CPU-µs per request",
+                       f"CPU per request (median ratio {res.get('median_cpu_ratio')})"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (key, ylabel, title) in zip(axes[0], panels):
+        ax.bar([x - 0.2 for x in xs], [r["with"][key] for r in rounds], width=0.4, label="metrics on")
+        ax.bar([x + 0.2 for x in xs], [r["without"][key] for r in rounds], width=0.4, label="metrics off")
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set(xlabel="round", ylabel=ylabel, title=title)
+        ax.legend(loc="lower right")
+    fig.suptitle("elastic-KVS with metrics (scraped) and with --no-metrics, side by side")
     return [_save(plt, fig, out, "metrics_cost")]
 
 
