@@ -28,11 +28,14 @@ from os_ken.controller.handler import DEAD_DISPATCHER, MAIN_DISPATCHER, set_ev_c
 from os_ken.lib import hub
 from os_ken.ofproto import ofproto_v1_4
 
-from vfab.controller import ctlmetrics, engine
+from vfab.controller import ctlmetrics, engine, nodeplan
+from vfab.controller.election import Election
 from vfab.controller.config import ControllerConfig
 from vfab.controller.datapath import Datapath, DatapathError
 from vfab.controller.ofconn import OFConn, OpError, install_raw_flow_stats
 from vfab.controller.report import COUNTED, Reporter, counters_from_stats
+from vfab.fabric import nodecompile
+from vfab.fabric.nodecompile import Memory
 from vfab.vid import metrics
 from vfab.vid.registry import Registry, schema
 
@@ -81,10 +84,19 @@ class VfabController(app_manager.OSKenApp):
         self.retired: dict[int, dict[int, float]] = {}   # dpid -> {group id: when a round may have deleted it}
         self.hold_lock = threading.Lock()
         self.report_cv = threading.Condition()
+        # A route agent (config.node): its switch's routing memory (fabric/nodecompile.py), kept once committed,
+        # and the nodes whose applied reports its held ranges wait for.
+        self.node_memory = Memory()
+        self.node_waiting: dict[str, int] = {}
+        self.node_waiting_keys: frozenset[str] = frozenset()   # their applied/ key names (dpid as 16 hex digits)
+        self.lead = 0          # a route agent writes only while it leads its node's election (controller/election.py)
         if metrics.enabled():
             metrics.REGISTRY.register(ctlmetrics.ControllerCollector(self))
         self.threads = [hub.spawn(self._watch_loop), hub.spawn(self._reconcile_loop),
                         hub.spawn(self._poll_loop), hub.spawn(self._report_loop)]
+        if self.config.node:
+            election = Election(self.registry, self.config.node, self._lead, ttl=self.config.election_ttl)
+            self.threads.append(hub.spawn(election.run, threading.Event()))
 
     # -- etcd -------------------------------------------------------------
     def _watch_loop(self) -> None:
@@ -114,7 +126,7 @@ class VfabController(app_manager.OSKenApp):
                         self.departed.pop(ev.key, None)
                     self.revision = max(self.revision, ev.revision)
                     parsed = schema.parse_key(ev.key)
-                    if not (parsed and parsed[0] in schema.PASSIVE):
+                    if not (parsed and parsed[0] in schema.PASSIVE) or self._node_relevant(parsed):
                         changed = True
                         self.state_revision = max(self.state_revision, ev.revision)
                 if changed and self.changed_at is None:
@@ -128,6 +140,44 @@ class VfabController(app_manager.OSKenApp):
         # Reloaded whenever the watch ends (etcd restarted): never resumed from a revision it may not have.
         self.registry.follow(schema.ROOT, reset, apply, threading.Event(), resume=False, errors=(Exception,),
                              on_error=failed)
+
+    def _node_relevant(self, parsed) -> bool:
+        """A route agent also compiles from the node records (its tunnels, where hosts are) and, while a held
+        range waits for a node to apply a move, from the applied reports (nodecompile's cut-over order)."""
+        if not self.config.node or not parsed:
+            return False
+        if parsed[0] == "applied":   # not its own reports: a round would report again, and wake itself again
+            return bool(parsed[1]) and parsed[1][0] in self.node_waiting_keys
+        return parsed[0] == "nodes"
+
+    # -- a route agent's election and fencing -------------------------------------
+    def _lead(self, generation: int) -> None:
+        """The election's verdict: lead with ``generation`` (claim MASTER on the switch), or 0 (stand by)."""
+        self.lead = generation
+        if generation:   # claim first (the old master can no longer write), then read what it left, then plan
+            for conn in list(self.conns.values()):
+                self._claim(conn.dp)
+                self.installed.pop(conn.dpid, None)
+                hub.spawn(self._sync, conn)
+
+    def _claim(self, dp) -> None:
+        """Role MASTER with the election's generation: the switch demotes every other agent to SLAVE and refuses
+        an older generation from now on."""
+        gen = self.lead
+        if gen:
+            ofp = dp.ofproto
+            dp.send_msg(dp.ofproto_parser.OFPRoleRequest(dp, ofp.OFPCR_ROLE_MASTER, gen))
+
+    def _fenced(self, dpid: int, why: str) -> None:
+        if self.lead:
+            log.error("switch %016x: %s: another route agent of node %s leads now; this one stops writing (its "
+                      "election lease is gone or going)", dpid, why, self.config.node)
+        self.lead = 0
+
+    @set_ev_cls(ofp_event.EventOFPRoleReply, MAIN_DISPATCHER)
+    def _role_reply(self, ev):
+        msg = ev.msg
+        log.info("switch %016x: role %d, generation %d", msg.datapath.id, msg.role, msg.generation_id)
 
     def _departed(self, key: str, value: bytes) -> None:
         """(mirror lock held) ``key`` left etcd: an endpoint's record lingers ``config.linger`` s (engine)."""
@@ -170,9 +220,16 @@ class VfabController(app_manager.OSKenApp):
                 for gid in [g for g, t in gids.items() if now - t > RETIRED_S]:
                     del gids[gid]
             retired = {d: set(g) for d, g in self.retired.items() if g}
-        rnd = engine.plan_round(items, revision, snapshot, settle=self.config.settle,
-                                reported=dict(self.reporter.reported), cache=self.parsed, hold=hold, now=now,
-                                lingering=lingering, retired=retired)
+        compiled = None
+        if self.config.node:
+            rnd, compiled = nodeplan.plan_node_round(
+                items, revision, snapshot, self.config.node, self.node_memory, switch_ports=self._switch_ports(),
+                reported=dict(self.reporter.reported), hold=hold, retired=retired, now=now, lingering=lingering,
+                cache=self.parsed)
+        else:
+            rnd = engine.plan_round(items, revision, snapshot, settle=self.config.settle,
+                                    reported=dict(self.reporter.reported), cache=self.parsed, hold=hold, now=now,
+                                    lingering=lingering, retired=retired)
         self.next_change = min((t for t in (rnd.next_change, linger_end) if t is not None), default=None)
         if rnd.error:
             log.error("compile failed at revision %d (%s); keeping the switches as they are",
@@ -187,7 +244,12 @@ class VfabController(app_manager.OSKenApp):
         self.problems = set(rnd.problems)
         failed: set[int] = set()
         run: list[engine.Commit] = []
-        for step in [*rnd.steps, None]:
+        steps = rnd.steps
+        if self.config.node and not self.lead and steps:   # a standby (or fenced) route agent never writes
+            log.info("node %s: standby: %d commit(s) left to the active route agent", self.config.node,
+                     len(rnd.commits))
+            failed, steps = {c.dpid for c in rnd.commits}, []
+        for step in [*steps, None]:
             if isinstance(step, engine.Commit):
                 run.append(step)
                 continue
@@ -196,6 +258,23 @@ class VfabController(app_manager.OSKenApp):
             if isinstance(step, engine.Pause):
                 self._pause(step)
         self._hold_groups(rnd.held, failed)
+        if compiled is not None and compiled.config is not None:
+            dpid = compiled.config.dpid
+            if dpid in self.installed and dpid not in failed:   # what the switch holds now: the next round's past
+                self.node_memory = compiled.memory
+                if compiled.waiting != self.node_waiting:
+                    log.info("node %s: %s", self.config.node, "holding moved ranges until " + ", ".join(
+                        f"{n} reports revision {r} applied" for n, r in sorted(compiled.waiting.items()))
+                        if compiled.waiting else "no moved range held any more")
+                nodes = nodecompile.nodes_of(items)
+                self.node_waiting_keys = frozenset(f"{nodes[n].dpid:016x}" for n in compiled.waiting if n in nodes)
+                self.node_waiting = compiled.waiting
+                if compiled.waiting:   # a report that came in while this round ran found nothing waiting for it
+                    with self.mirror_lock:
+                        now_items = dict(self.items)
+                    done = nodecompile.applied_of(now_items, nodes)
+                    if any(done.get(n, -1) >= r for n, r in compiled.waiting.items()):
+                        self.dirty.set()
         # Reported once every switch has its bundle and (_report_loop) the datapath follows: the reports
         # never delay a cut-over or the next round.
         committed = time.time()
@@ -207,12 +286,12 @@ class VfabController(app_manager.OSKenApp):
                 self.to_report.extend(reports)
                 self.report_cv.notify()
 
-    def _datapath_pass(self) -> bool:
+    def _datapath_pass(self, passes: int = 2) -> bool:
         """Wait for a whole revalidation pass of the local daemon; False if it cannot be had."""
         if self.datapath is None:
             return False
         try:
-            took = self.datapath.wait_pass(self.config.datapath_timeout)
+            took = self.datapath.wait_pass(self.config.datapath_timeout, passes)
             if self.datapath_problem:
                 log.info("datapath: %s answers again", self.datapath.daemon)
                 self.datapath_problem = ""
@@ -266,7 +345,9 @@ class VfabController(app_manager.OSKenApp):
                     self.report_cv.wait()
                 batch, self.to_report = self.to_report, []
             try:
-                confirmed = self._datapath_pass()
+                # A route agent's report is what the other nodes' cut-overs wait for: the pass its commit started
+                # (controller/datapath.py), not a second one that an idle datapath runs only every 500 ms.
+                confirmed = self._datapath_pass(1 if self.config.node else 2)
                 for rep, committed, since in batch:
                     if rep.dpid in self.installed and self.reporter.reported.get(rep.dpid, -1) < rep.revision:
                         if self.reporter.applied(rep.dpid, rep.revision, rep.flows, rep.groups, committed=committed,
@@ -392,6 +473,8 @@ class VfabController(app_manager.OSKenApp):
             self.locks.setdefault(dp.id, threading.Lock())
             self.installed.pop(dp.id, None)
             self.reporter.forget(dp.id)
+            if self.config.node:
+                self._claim(dp)
             hub.spawn(self._sync, conn)
         elif ev.state == DEAD_DISPATCHER and dp.id is not None:
             conn = self.conns.get(dp.id)
@@ -401,6 +484,20 @@ class VfabController(app_manager.OSKenApp):
                 self.conns.pop(dp.id, None)
                 self.installed.pop(dp.id, None)
                 self.reporter.last.pop(dp.id, None)
+
+    def _switch_ports(self) -> dict[str, int]:
+        """Port name -> number of every connected switch (a route agent has one): where its tunnels are."""
+        out = {}
+        for conn in list(self.conns.values()):
+            for no, port in list(getattr(conn.dp, "ports", {}).items()):
+                name = port.name.decode(errors="replace") if isinstance(port.name, bytes) else str(port.name)
+                out[name] = no
+        return out
+
+    @set_ev_cls(ofp_event.EventOFPPortStatus, MAIN_DISPATCHER)
+    def _port_status(self, ev):
+        if self.config.node:   # a tunnel port came or went (os-ken keeps dp.ports): compile again
+            self.dirty.set()
 
     def _reply(self, msg, body=(), error=None, more=False) -> None:
         conn = self.conns.get(msg.datapath.id)
@@ -426,4 +523,9 @@ class VfabController(app_manager.OSKenApp):
     @set_ev_cls(ofp_event.EventOFPErrorMsg, MAIN_DISPATCHER)
     def _error(self, ev):
         msg = ev.msg
+        ofp = msg.datapath.ofproto
+        if msg.type == ofp.OFPET_ROLE_REQUEST_FAILED:
+            self._fenced(msg.datapath.id, f"the switch refused role MASTER (code {msg.code}: stale generation)")
+        elif msg.type == ofp.OFPET_BAD_REQUEST and msg.code == ofp.OFPBRC_IS_SLAVE:
+            self._fenced(msg.datapath.id, "the switch refused a write from this agent as a SLAVE")
         self._reply(msg, error=f"OpenFlow error type={msg.type} code={msg.code}")

@@ -13,8 +13,9 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from vfab.vid.errors import RegistryError
+from vfab.vid.errors import RegistryError, VidError
 from vfab.vid.registry import members as etcd_members
+from vfab.vid.registry import schema
 
 
 class ConfigError(ValueError):
@@ -36,6 +37,10 @@ class ControllerConfig:
     verbose: bool = False              # debug logging
     group_hold_ms: float = 200.0       # how long a group no flow uses any more is kept when the datapath cannot be
                                        # asked (else: until a revalidation pass followed; engine.place_groups)
+    node: str = ""                     # route agent of this fabric node (its own switch only, fabric/nodecompile.py);
+                                       # "" = the single-host controller of every switch in switches/
+    election_ttl: int = 1              # s: a route agent's election lease (controller/election.py): a dead agent's
+                                       # standby takes over within it
     linger: float = 2.0                # seconds a range's frames still reach its owner after etcd deleted the
                                        # owner's endpoint record, while nobody else serves the range (0: never)
     metrics_port: int = 0              # port of the controller's Prometheus /metrics (0: any free one; -1: none)
@@ -74,6 +79,14 @@ class ControllerConfig:
         if not 0 <= self.linger <= 60:
             raise ConfigError(f"linger {self.linger} s is out of range: 0..60 s (longer than the endpoints' keep-alive "
                               "period, so that a machine paused past their leases loses no frame; 2 s by default)")
+        if self.node:
+            try:
+                schema.check_name("node", self.node)
+            except VidError as exc:
+                raise ConfigError(f"node {self.node!r}: {exc} (the name it joined with: 'vfab node list')") from None
+        if not 1 <= self.election_ttl <= 60:
+            raise ConfigError(f"election_ttl {self.election_ttl} s is out of range: 1..60 s (etcd's minimum lease is "
+                              "1.5 election timeouts, rounded up to whole seconds)")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port {self.metrics_port} is out of range: 0..65535 (0: any free port, -1: no "
                               "metrics)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -21,9 +21,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from vfab.vid import metrics
 from vfab.vid.errors import RegistryError
 from vfab.vid.registry import schema
-
-if TYPE_CHECKING:
-    from vfab.controller.app import VfabController
 
 CUTOVER_SECONDS = Histogram("vfab_cutover_duration_seconds", "a change of etcd until the switch reported "
                             "holding it (bundle committed, datapath revalidated where it can be asked)", ["switch"],
@@ -118,7 +115,7 @@ def counter_families(per_switch: dict[int, dict[str, list[int]]], names: dict[in
 class ControllerCollector:
     """What the app holds, read at scrape time (no lock is taken: dict copies are atomic under the GIL)."""
 
-    def __init__(self, app: "VfabController"):
+    def __init__(self, app: Any):
         self.app = app
 
     def describe(self) -> list:

@@ -44,6 +44,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[ControllerConfig, bool]
                          f"again within its keep-alive period; 0 = route away at once (default {d.linger})")
     ap.add_argument("--bundle-timeout", type=float,
                     help=f"seconds to wait for a bundle commit or a table dump (default {d.bundle_timeout})")
+    ap.add_argument("--node", help="run as the route agent of this fabric node: program only its own switch, "
+                                   "compiled with two-level routing ('vfab node join' registered it)")
+    ap.add_argument("--election-ttl", type=int,
+                    help=f"a route agent's election lease in s: a standby takes over within it (default {d.election_ttl})")
     ap.add_argument("--metrics-port", type=int,
                     help=f"port of the controller's Prometheus /metrics, registered in etcd (default {d.metrics_port}: "
                          "any free port; -1: no metrics)")
@@ -63,8 +67,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ControllerConfig, bool]
                          settle_ms=args.settle_ms, audit_polls=args.audit_polls,
                          datapath_wait=args.datapath_wait, datapath_timeout=args.datapath_timeout,
                          ovs_rundir=args.ovs_rundir, linger=args.linger,
-                         bundle_timeout=args.bundle_timeout, verbose=args.verbose,
-                         metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+                         bundle_timeout=args.bundle_timeout, node=args.node, election_ttl=args.election_ttl,
+                         verbose=args.verbose, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     except ConfigError as exc:
         ap.error(str(exc))
     return cfg, args.check
@@ -92,9 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.metrics_port < 0:
         metrics.disable()
     else:
-        name = re.sub(r"[^a-z0-9_.-]", "-", socket.gethostname().lower()).strip("-.") or "host"
+        host = re.sub(r"[^a-z0-9_.-]", "-", socket.gethostname().lower()).strip("-.") or "host"
         metrics.start(argparse.Namespace(metrics_port=cfg.metrics_port, metrics_host=cfg.metrics_host),
-                      "controller", f"{name}-{cfg.port}"[:63], etcd=cfg.etcd)
+                      "controller", cfg.node or f"{host}-{cfg.port}"[:63], etcd=cfg.etcd)   # a route agent: its node
     logging.getLogger("vfab.controller").info("listening on %s:%d, etcd %s", cfg.listen, cfg.port, cfg.etcd)
     AppManager.run_apps(["vfab.controller.app"])
 

@@ -51,6 +51,7 @@ class Kind(enum.IntEnum):
     VID_MISS = 7    # VID of no live range
     GUARD = 8       # a front door's server answers from a port with no server of it: drop (counted)
     SPOOF = 9       # a front door's request from an IPv4 source its host is not registered with: drop (counted)
+    REMOTE = 10     # masked VID prefix → the tunnel to the node owning those keys (fabric/tworoute.py)
 
 
 @contextlib.contextmanager

@@ -41,6 +41,7 @@ from vfab.testbed.fabric import acquire_lock, release_lock
 from vfab.testbed.net import TopoError
 from vfab.testbed.ovsinst import OvsInstance
 from vfab.testbed.procs import Proc, Supervisor, free_port, shielded, unwind_on_signals, wait_for
+from vfab.testbed.routeagents import RouteAgents
 from vfab.vid.registry import Registry, nodes
 
 log = logging.getLogger("vfab.testbed.hosts")
@@ -90,7 +91,7 @@ class Host:
         return f"/var/run/netns/{self.ns}"
 
 
-class HostsTestbed:
+class HostsTestbed(RouteAgents):
     """``HostsTestbed(hosts=3).start()``: N emulated hosts, an underlay, one etcd, a node agent per host."""
 
     _running: "HostsTestbed | None" = None
@@ -355,3 +356,4 @@ class HostsTestbed:
         in_ns(UNDERLAY_NS, "ip", "link", "set", self.hosts[host].downlink, "up")
         self.ctlnet.heal(host)
         log.warning("%s healed", host)
+

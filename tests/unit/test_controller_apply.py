@@ -106,7 +106,7 @@ def test_a_pause_or_a_barrier_ends_the_group_of_bundles_in_flight(monkeypatch):
     app.mirror_lock, app.hold_lock, app.report_cv = threading.Lock(), threading.Lock(), threading.Condition()
     app.items, app.revision, app.hold, app.parsed, app.problems, app.to_report = {}, 9, {}, {}, set(), []
     app.departed, app.retired = {}, {}
-    app.config = SimpleNamespace(settle=0.005)
+    app.config = SimpleNamespace(settle=0.005, node="")
     app.reporter = SimpleNamespace(reported={})
     app._hold_groups = lambda held, failed: None
     app._reconcile()
@@ -120,7 +120,7 @@ def test_a_deleted_endpoint_record_lingers_for_the_configured_time_then_goes():
     from vfab.vid.registry import schema
 
     app = object.__new__(app_mod.VfabController)
-    app.config, app.departed = SimpleNamespace(linger=2.0), {}
+    app.config, app.departed = SimpleNamespace(linger=2.0, node=""), {}
     ep, rng = schema.endpoint_key("mc", "h1"), schema.range_key("mc", 0)
     t0 = app_mod.time.time()
     app._departed(ep, b"{ep}")
@@ -128,7 +128,7 @@ def test_a_deleted_endpoint_record_lingers_for_the_configured_time_then_goes():
     lingering, end = app._lingering(t0)
     assert lingering == {ep: b"{ep}"} and t0 + 1.9 < end <= app_mod.time.time() + 2.0
     assert app._lingering(end + 0.01) == ({}, None) and app.departed == {}
-    app.config = SimpleNamespace(linger=0.0)
+    app.config = SimpleNamespace(linger=0.0, node="")
     app._departed(ep, b"{ep}")
     assert app.departed == {}
 
@@ -148,7 +148,7 @@ def test_an_endpoint_gone_across_an_etcd_reload_lingers_too():
             reset({back: (b"{h1}", 7)}, 7)                         # mc0 and the range vanished meanwhile
 
     app = object.__new__(app_mod.VfabController)
-    app.config, app.departed, app.registry = SimpleNamespace(linger=2.0), {}, Registry()
+    app.config, app.departed, app.registry = SimpleNamespace(linger=2.0, node=""), {}, Registry()
     app.mirror_lock, app.dirty = threading.Lock(), threading.Event()
     app.items, app.revision = {gone: b"{mc0}", back: b"{h1}", rng: b"{range}"}, 5
     app._watch_loop()

@@ -26,6 +26,8 @@
     /vfab/v1/nodes/<name>                  Node      {name, tunnel_ip, dpid, bridge, ports, peers, ...}  a fabric
                                                      host (its Open vSwitch), leased by its node agent
     /vfab/v1/node-ips/<tunnel ip>          <name>    same lease: makes tunnel addresses unique
+    /vfab/v1/route-agents/<node>           <pid@host> the node's active route agent, leased by it; its create
+                                                     revision is the OpenFlow generation_id (the election)
 
 ``hosts/`` holds where a MAC attaches (a port's record); a machine of the fabric is a *node* (``vfab node
 join``), kept in ``nodes/`` so the controller never recompiles on a node's changes (``PASSIVE``).
@@ -115,13 +117,19 @@ def node_key(name: str) -> str:
     return f"{ROOT}nodes/{check_name('node', name)}"
 
 
+def route_agent_key(node: str) -> str:
+    """The election of node ``node``'s route agent: held (leased) by the active one; its create revision is the
+    OpenFlow generation_id it fences its switch with (controller/election.py)."""
+    return f"{ROOT}route-agents/{check_name('node', node)}"
+
+
 def node_ip_key(ip: str) -> str:
     return f"{ROOT}node-ips/{ipaddress.IPv4Address(ip)}"
 
 
 MISS_KEY = f"{ROOT}config/miss"
 FOLDERS = ("services", "service-ids", "endpoints", "ranges", "hosts", "bindings", "switches", "links", "config",
-           "applied", "counters", "ops", "load", "balancer", "helpers", "holds", "nodes", "node-ips")
+           "applied", "counters", "ops", "load", "balancer", "helpers", "holds", "nodes", "node-ips", "route-agents")
 
 
 def op_key(service: str, op_id: str) -> str:
@@ -627,7 +635,7 @@ class Node(Record):
 
 # Folders that never change what the controller compiles (its own reports, endpoints' ops and load, the
 # balancer's status: its decisions reach the switches through the ranges it writes).
-PASSIVE = ("applied", "counters", "ops", "load", "balancer", "helpers", "holds", "nodes", "node-ips")
+PASSIVE = ("applied", "counters", "ops", "load", "balancer", "helpers", "holds", "nodes", "node-ips", "route-agents")
 
 
 def parse_key(key: str) -> tuple[str, list[str]] | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from typing import TYPE_CHECKING
+from typing import Any
 
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -20,9 +20,6 @@ from prometheus_client.utils import floatToGoString
 from vfab.vid import metrics
 from vfab.vid.envelope import Envelope
 from vfab.vid.registry import schema
-
-if TYPE_CHECKING:
-    from vfab.vid.state.loop import EndpointLoop
 
 EP = ["service", "endpoint"]
 BATCH_HELP = ("time the backend took to serve one batch of requests (their service time; replies leave after it, "
@@ -91,7 +88,7 @@ class LoopMetrics:
 class LoopCollector:
     """What the loop keeps anyway, read at scrape time."""
 
-    def __init__(self, loop: "EndpointLoop"):
+    def __init__(self, loop: Any):
         self.loop = loop
         self.labels = [loop.service.name, loop.name]
 
@@ -148,7 +145,7 @@ class LoopCollector:
         yield msgs
 
 
-def attach(loop: "EndpointLoop") -> LoopMetrics | None:
+def attach(loop: Any) -> LoopMetrics | None:
     """The loop's hooks, and its collector in the process's registry (None when metrics are off)."""
     if not metrics.enabled():
         return None
@@ -157,7 +154,7 @@ def attach(loop: "EndpointLoop") -> LoopMetrics | None:
     return LoopMetrics(loop.service.name, loop.name)
 
 
-def detach(loop: "EndpointLoop") -> None:
+def detach(loop: Any) -> None:
     col = getattr(loop, "metrics_collector", None)
     if col is not None:
         loop.metrics_collector = None

@@ -1,0 +1,223 @@
+"""One node's switch, compiled from etcd alone (the route agent's logic, DESIGN.md §8): pure.
+
+``compile_node(items, me, revision, memory)`` takes the ``/vfab/v1/`` mirror, this node's name, the mirror's
+revision and what the previous call returned as ``memory``; it gives the node's ``SwitchConfig`` and the
+memory for the next call.  No I/O, no clock (``now`` comes in): the route agent (controller/app.py with a
+node name) and the scale bench call the same function.
+
+What the node's switch holds (``fabric/compiler.py``'s tables, two-level routing of ``fabric/tworoute.py``):
+
+- everything local exactly as the single-host compiler makes it for a switch that is alone: the host ports
+  attached to this node's bridge (a ``hosts/`` record whose dpid is the node's), their port security and
+  front doors, and the ranges whose owner is attached here (their blocks, rewritten to the owner's MAC);
+- per other node, its ranges as the fewest prefixes ORTC finds (``tworoute.remote_prefixes``), each to the
+  tunnel port of that node (``tunnel_ports``: node name -> OpenFlow port, read off the switch); a node with
+  no tunnel yet gets its prefixes dropped;
+- the host MACs of other nodes' ports to the tunnel of their node (replies to clients on other hosts);
+- per tunnel port: admitted in table 0 (tunnels are trusted like trunks), and in table 1 a drop below
+  every route, so a frame from a tunnel never reaches NORMAL (which would flood it into the other tunnels).
+
+**Cut-over order across nodes.**  A range whose owner moves to another node ``W`` is pointed at ``W``
+only once ``W``'s switch reported (``applied/<W's dpid>``) a revision at or past the one at which this
+node first saw the move; until then this node keeps routing it as it did (to the old owner's node, or to
+the old owner's port when that was here).  ``W`` itself turns at once (the new owner's node first).  A
+straggler (a frame that an ingress node sent to the old owner's node before the ingress turned) meets the
+old owner's node's new route and goes on through the tunnel to ``W``, which holds the range by then.
+The one-hop bound is OpenFlow's: a frame is never output to the port it came in on, so two nodes that
+disagree for a moment (each pointing at the other) pass it at most once, and the order above keeps them
+from disagreeing that way (the node pointed at has always applied the move that made it the target).
+
+Limits (not done): mirrors and helpers on another node than the range's owner are left out (the owner's
+node delivers to its local targets only); host MAC routes grow with the fabric's registered host ports.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field, replace
+
+from vfab.fabric.compiler import PRIO_ADMIT, PRIO_HOST, block_matcher, compile_fabric
+from vfab.fabric.flows import TABLE_ADMIT, TABLE_ROUTE, FlowSpec, Kind, SwitchConfig, make_cookie, match
+from vfab.fabric.state import FabricState
+from vfab.fabric.tworoute import MISS, PRIO_REMOTE, Owned, remote_prefixes
+from vfab.vid import codec
+from vfab.vid.codec import KEY_BITS
+from vfab.vid.errors import RegistryError
+from vfab.vid.registry import schema
+
+PRIO_TUNNEL_DROP = 1       # table 1: a frame from a tunnel that no route took (never NORMAL)
+
+
+@dataclass
+class Memory:
+    """What a node's previous compile decided, for the next one.  ``routes``: service -> the range records
+    compiled last time, each with the node it was routed to (records of no node: ``MISS``); ``seen``:
+    (service, lo, hi, node) -> the revision at which this node first saw that range owned on that node."""
+
+    routes: dict[str, list[tuple[schema.RangeRec, str]]] = field(default_factory=dict)
+    seen: dict[tuple[str, int, int, str], int] = field(default_factory=dict)
+
+
+@dataclass
+class NodeCompile:
+    config: SwitchConfig | None
+    memory: Memory
+    waiting: dict[str, int] = field(default_factory=dict)   # node -> the revision this node waits for it to apply
+    problems: list[str] = field(default_factory=list)
+    error: str = ""
+    next_change: float | None = None
+
+
+def nodes_of(items: dict[str, bytes]) -> dict[str, schema.Node]:
+    """The well-formed node records of the mirror, by name."""
+    out = {}
+    prefix = schema.folder("nodes")
+    for key, raw in items.items():
+        if key.startswith(prefix):
+            try:
+                node = schema.Node.from_json(raw, key)
+            except RegistryError:
+                continue
+            out[node.name] = node
+    return out
+
+
+def applied_of(items: dict[str, bytes], nodes: dict[str, schema.Node]) -> dict[str, int]:
+    """node -> the revision its switch reported applied (``applied/<dpid>``)."""
+    by_dpid = {n.dpid: n.name for n in nodes.values()}
+    out = {}
+    prefix = schema.folder("applied")
+    for key, raw in items.items():
+        if key.startswith(prefix):
+            try:
+                rec = schema.Applied.from_json(raw, key)
+            except RegistryError:
+                continue
+            if rec.dpid in by_dpid:
+                out[by_dpid[rec.dpid]] = rec.revision
+    return out
+
+
+def _clip(rec: schema.RangeRec, lo: int, hi: int) -> schema.RangeRec | None:
+    a, b = max(rec.lo, lo), min(rec.hi, hi)
+    return replace(rec, lo=a, hi=b) if a <= b else None
+
+
+def _overlaps(before: list[tuple[schema.RangeRec, str]]):
+    """``(lo, hi) ->`` the entries of ``before`` (a previous compile's routes of one service) that overlap
+    ``[lo, hi]``.  A compile's routes are sorted and disjoint: two binary searches find them (a scan per range
+    made a service of n ranges cost n² clips: 4.6 s of a node's compile at 1,000 services x 100 ranges,
+    bench/scale.py); routes that are not (records that overlap in etcd) are scanned."""
+    los = [r.lo for r, _ in before]
+    his = [r.hi for r, _ in before]
+    if all(his[i] < los[i + 1] for i in range(len(before) - 1)):
+        return lambda lo, hi: before[bisect.bisect_left(his, lo):bisect.bisect_right(los, hi)]
+    return lambda lo, hi: [(r, node) for r, node in before if r.lo <= hi and lo <= r.hi]
+
+
+def _decide(st: FabricState, me: str, dpid_node: dict[int, str], revision: int, memory: Memory,
+            applied: dict[str, int]) -> tuple[Memory, dict[str, list[tuple[schema.RangeRec, str]]], dict[str, int]]:
+    """Per service, the records to compile now with the node each is routed to (held where a move's new node
+    has not applied it yet), the new memory, and node -> revision waited for."""
+    new = Memory()
+    routes: dict[str, list[tuple[schema.RangeRec, str]]] = {}
+    waiting: dict[str, int] = {}
+    for sname, recs in st.ranges.items():
+        before = memory.routes.get(sname, [])
+        overlapping = _overlaps(before)
+        out: list[tuple[schema.RangeRec, str]] = []
+        for rec in recs:
+            if not rec.owner or rec.state == "unassigned":
+                continue
+            ep = st.owner_endpoint(sname, rec.owner)
+            host = st.hosts.get(ep.mac) if ep else None
+            want = dpid_node.get(host.dpid, MISS) if host else MISS
+            seen_key = (sname, rec.lo, rec.hi, want)
+            since = memory.seen.get(seen_key, revision)
+            new.seen[seen_key] = since
+            near = overlapping(rec.lo, rec.hi)
+            ready = (want in (me, MISS) or not near or all(node == want for _, node in near)
+                     or applied.get(want, -1) >= since)
+            if ready:
+                out.append((rec, want))
+                continue
+            prev = [(c, node) for r, node in near if (c := _clip(r, rec.lo, rec.hi)) is not None]
+            waiting[want] = max(waiting.get(want, 0), since)
+            covered = sorted(prev, key=lambda p: p[0].lo)
+            at = rec.lo
+            for c, node in covered:   # the keys the previous compile did not route go to the new node at once
+                if c.lo > at:
+                    out.append((replace(rec, lo=at, hi=c.lo - 1), want))
+                out.append((c, node))
+                at = c.hi + 1
+            if at <= rec.hi:
+                out.append((replace(rec, lo=at, hi=rec.hi), want))
+        routes[sname] = out
+        new.routes[sname] = out
+    return new, routes, waiting
+
+
+def compile_node(items: dict[str, bytes], me: str, revision: int, memory: Memory | None = None, *,
+                 tunnel_ports: dict[str, int] | None = None, now: float | None = None,
+                 lingering: dict[str, bytes] | None = None, cache: dict | None = None) -> NodeCompile:
+    """Node ``me``'s switch from the mirror ``items`` at ``revision``; see the module's docstring."""
+    memory = memory or Memory()
+    tunnel_ports = tunnel_ports or {}
+    nodes = nodes_of(items)
+    node = nodes.get(me)
+    if node is None:
+        return NodeCompile(None, memory, error=f"node {me!r} is not registered (no {schema.node_key(me)}): "
+                                               "run 'vfab node join' on it first")
+    try:
+        st = FabricState.from_items(items, cache, lingering)
+        dpid_node = {n.dpid: n.name for n in nodes.values()}
+        new, routes, waiting = _decide(st, me, dpid_node, revision, memory, applied_of(items, nodes))
+        local = FabricState(services=st.services, endpoints=st.endpoints, lingering=st.lingering,
+                            hosts={m: h for m, h in st.hosts.items() if h.dpid == node.dpid},
+                            bindings=st.bindings, switches={node.dpid: schema.Switch(dpid=node.dpid, name=me)},
+                            miss=st.miss, problems=st.problems)
+        local.ranges = {s: [r for r, n in rs if n == me] for s, rs in routes.items()}
+        cfg = compile_fabric(local, hops={}, now=now)[node.dpid]
+        _remote(cfg, st, routes, me, tunnel_ports)
+        _hosts_elsewhere(cfg, st, node.dpid, dpid_node, tunnel_ports)
+        _tunnels(cfg, tunnel_ports)
+    except Exception as exc:   # a record the parser let through but the compiler cannot use
+        return NodeCompile(None, memory, error=f"{type(exc).__name__}: {exc}")
+    ends = [b.until for m, b in st.bindings.items() if now is not None and b.until > now and m in local.hosts]
+    return NodeCompile(cfg, new, waiting, list(st.problems), next_change=min(ends) if ends else None)
+
+
+def _remote(cfg: SwitchConfig, st: FabricState, routes: dict, me: str, tunnel_ports: dict[str, int]) -> None:
+    """Each service's ranges owned on other nodes, as prefixes into the tunnel to their node."""
+    full = (1 << KEY_BITS) - 1
+    for sname, rs in sorted(routes.items()):
+        svc = st.services.get(sname)
+        if svc is None:
+            continue
+        labelled = [Owned(r.lo, r.hi, n, r.epoch) for r, n in rs]
+        if all(o.node in (me, MISS) for o in labelled):
+            continue
+        block = block_matcher(svc.id, svc.layout)
+        for value, plen, node in remote_prefixes(labelled, me):
+            mask = full ^ (full >> plen)
+            port = tunnel_ports.get(node) if node != MISS else None
+            acts = (("output", port),) if port is not None else ()
+            cfg.add(FlowSpec(TABLE_ROUTE, PRIO_REMOTE + plen, match(eth_dst=block(value, mask)), acts,
+                             make_cookie(Kind.REMOTE, svc.id, value, plen)))
+
+
+def _hosts_elsewhere(cfg: SwitchConfig, st: FabricState, mine: int, dpid_node: dict[int, str],
+                     tunnel_ports: dict[str, int]) -> None:
+    for mac, host in st.hosts.items():
+        node = dpid_node.get(host.dpid)
+        if host.dpid == mine or node is None or node not in tunnel_ports:
+            continue
+        cfg.add(FlowSpec(TABLE_ROUTE, PRIO_HOST, match(eth_dst=codec.mac_to_int(mac)),
+                         (("output", tunnel_ports[node]),), make_cookie(Kind.HOST_ROUTE)))
+
+
+def _tunnels(cfg: SwitchConfig, tunnel_ports: dict[str, int]) -> None:
+    for port in sorted(set(tunnel_ports.values())):
+        cfg.add(FlowSpec(TABLE_ADMIT, PRIO_ADMIT, match(in_port=port), (("goto", TABLE_ROUTE),),
+                         make_cookie(Kind.ADMIT, lo=port)))
+        cfg.add(FlowSpec(TABLE_ROUTE, PRIO_TUNNEL_DROP, match(in_port=port), (), make_cookie(Kind.BASE, lo=port)))
