@@ -152,3 +152,26 @@ class ControllerCollector:
             for st, n in counts.items():
                 fam.add_metric([service, st], n)
         yield fam
+
+
+class NodeCollector:
+    """A node agent's (``vfab node join``) record, read at scrape time: its tunnels' peers and the tunnel packets
+    its underlay filter refused (``read()`` returns the agent's last ``schema.Node`` record, or None)."""
+
+    def __init__(self, read):
+        self.read = read
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        rec = self.read()
+        if rec is None:
+            return
+        peers = GaugeMetricFamily("vfab_node_peers", "nodes this node has a tunnel to", labels=["host"])
+        peers.add_metric([rec.name], len(rec.peers))
+        refused = CounterMetricFamily("vfab_node_refused_packets", "tunnel packets from addresses that are no node's, "
+                                      "dropped by the underlay filter", labels=["host"])
+        refused.add_metric([rec.name], rec.refused)
+        yield peers
+        yield refused

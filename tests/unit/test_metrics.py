@@ -162,6 +162,14 @@ def test_loop_collector_reads_an_sdhcp_shards_stats_on_its_loop():
     assert msgs["offers"] == 120 and msgs["acks"] == 95 and msgs["naks"] == 2 and msgs["declines"] == 0
 
 
+def test_node_collector():
+    assert _families(ctlmetrics.NodeCollector(lambda: None)) == []
+    rec = schema.Node(name="h1", tunnel_ip="172.16.45.1", dpid=1, bridge="br-int", peers=["h2", "h3"], refused=7)
+    fams = {f.name: f for f in _families(ctlmetrics.NodeCollector(lambda: rec))}
+    assert fams["vfab_node_peers"].samples[0].value == 2
+    assert [s.value for s in fams["vfab_node_refused_packets"].samples if s.name.endswith("_total")] == [7]
+
+
 def test_helpee_cpu_per_request():
     ctlmetrics.helpee_cpu("mc", "m1", None, 100.0)   # not measured yet: nothing
     assert metrics.REGISTRY.get_sample_value("vfab_helpee_cpu_per_request_seconds",
