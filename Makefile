@@ -3,7 +3,7 @@ VENV ?= /opt/vfab-venv
 PY := $(VENV)/bin/python
 
 # `make demo` is the elastic-KVS demo; `make demo-echo` the first (echo) demo.
-.PHONY: bootstrap demo demo-echo demo-helpers demo-sdhcp test unit integration bench bench-smoke lint helper
+.PHONY: bootstrap demo demo-echo demo-helpers demo-sdhcp test unit integration bench bench-smoke lint helper report
 
 bootstrap:
 	@VFAB_VENV=$(VENV) bash scripts/bootstrap.sh
@@ -27,6 +27,7 @@ test: bootstrap
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests/unit tests/integration
 	$(PY) bench/run_all.py --smoke
+	$(PY) bench/report.py
 
 unit: bootstrap
 	$(PY) -m pytest -q tests/unit
@@ -36,6 +37,10 @@ integration: bootstrap
 
 bench: bootstrap
 	$(PY) bench/run_all.py
+
+# The latest results in bench/results as one HTML page with plots: bench/results/report/index.html.
+report: bootstrap
+	$(PY) bench/report.py
 
 lint: bootstrap
 	$(PY) -m ruff check .

@@ -34,7 +34,8 @@ setup(
         "pyzmq>=25",
         "click>=8.1",
         "rich>=13",
+        "prometheus_client>=0.17",   # every process's /metrics (vfab.vid.metrics)
     ],
-    extras_require={"test": ["pytest>=8", "hypothesis>=6", "ruff>=0.5", "redis>=5"]},
+    extras_require={"test": ["pytest>=8", "hypothesis>=6", "ruff>=0.5", "redis>=5", "pyyaml>=6"]},
     entry_points={"console_scripts": ["vfab=vfab.cli.main:main"]},
 )

@@ -25,7 +25,8 @@ BENCHES = ["etcd_client.py", "etcd_leader_loss.py", "reroute.py", "reroute_busy.
            "sdhcp_path.py",
            "tunnel_rtt.py",
            "cutover_hosts.py",
-           "scale.py"]
+           "scale.py",
+           "metrics_cost.py"]
 
 
 def main() -> int:

@@ -16,6 +16,7 @@ import time
 
 import click
 
+from vfab.cli.cmd_metrics import metrics_options, start_metrics
 from vfab.cli.common import NameType, errors, pass_ctx, table
 from vfab.controller.balancer import BalancerConfig, BalancerConfigError
 from vfab.controller.balancer_run import Memcached, Runner, ServiceSources
@@ -50,9 +51,10 @@ def _pairs(values: tuple[str, ...], what: str, need_value: bool) -> dict[str, st
 @click.option("--duration", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
               help="Stop after this long (default: until SIGINT/SIGTERM).")
 @click.option("--help-settings", is_flag=True, help="List the settings with their defaults and exit.")
+@metrics_options
 @pass_ctx
 @errors
-def run(c, services, config_file, sets, mcs, helpers, duration, help_settings) -> None:
+def run(c, services, config_file, sets, mcs, helpers, duration, help_settings, **exporter) -> None:
     """Balance SERVICES until stopped; decisions go to etcd ('vfab balancer status SERVICE').
 
     Example: vfab balancer run dh --set split_rate=100 --set merge_rate=20
@@ -100,7 +102,12 @@ def run(c, services, config_file, sets, mcs, helpers, duration, help_settings) -
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     click.echo(f"balancer: running for {', '.join(services)} every {cfg.period:g} s", err=True)
-    runner.run(stop, duration)
+    exp = start_metrics(exporter, "balancer", "-".join(services), reg.endpoint)
+    try:
+        runner.run(stop, duration)
+    finally:
+        if exp is not None:
+            exp.close()
 
 
 @balancer.command("status")

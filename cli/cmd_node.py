@@ -17,7 +17,9 @@ import time
 
 import click
 
+from vfab.cli.cmd_metrics import metrics_options, start_metrics
 from vfab.cli.common import NameType, errors, pass_ctx, table
+from vfab.vid import metrics
 from vfab.vid.errors import VidError
 from vfab.vid.registry import Registry, nodes, schema
 
@@ -77,14 +79,16 @@ def node() -> None:
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
               help="Where the agent keeps its lease id, to take its registration back after a restart "
                    "(default /var/lib/vfab/node).")
+@metrics_options
 @pass_ctx
 @errors
-def join(c, etcd, tunnel_ip, name, bridge, ovs_rundir, ttl, state_dir) -> None:
+def join(c, etcd, tunnel_ip, name, bridge, ovs_rundir, ttl, state_dir, **exporter) -> None:
     """Register this machine as a fabric node and keep its tunnels to every other node, until stopped.
 
     Refused: a tunnel address that is not this machine's, or is another node's; a name a live node holds.
     Stopping the agent (SIGTERM) keeps the tunnels: its registration ends --ttl s later unless it is started
     again.  'vfab node leave' drains the node (its endpoints' ranges go to other nodes), then removes it."""
+    from vfab.controller import ctlmetrics
     from vfab.controller.node_agent import NodeAgent
 
     if ovs_rundir:
@@ -101,7 +105,14 @@ def join(c, etcd, tunnel_ip, name, bridge, ovs_rundir, ttl, state_dir) -> None:
         signal.signal(sig, lambda *_: stop.set())
     agent.on_joined = lambda: click.echo(f"node {name}: joined at {tunnel_ip} (bridge {bridge}, underlay bridge "
                                          f"{agent.phy}); following the other nodes", err=True)
-    agent.run(stop)
+    if not exporter["no_metrics"]:
+        metrics.REGISTRY.register(ctlmetrics.NodeCollector(lambda: agent.record))
+    exp = start_metrics(exporter, "agent", name, agent.reg.endpoint)
+    try:
+        agent.run(stop)
+    finally:
+        if exp is not None:
+            exp.close()
     if agent.left:
         click.echo(f"node {name}: left the fabric", err=True)
 

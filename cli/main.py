@@ -16,6 +16,8 @@ with --opt; 'vfab service show NAME' prints them).  Stateful services
 status' shows a DHCP service's shards, pool use and leases.  'vfab helpers'
 shows and switches the PostMan helpers in front of a memcached service;
 'vfab balancer run' does that (and splits hot sdhcp shards) by itself.
+'vfab top' watches the whole fabric live; 'vfab metrics targets' finds every
+process's Prometheus /metrics.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import click
 
 import vfab.services.memcached_helper.plugin  # noqa: F401  (registers kind memcached)
 import vfab.services.sdhcp.plugin  # noqa: F401  (registers kind sdhcp; vid-lib's BUILTIN lists echo, elastic-kvs)
-from vfab.cli import cmd_balancer, cmd_fabric, cmd_flows, cmd_helpers, cmd_hosts, cmd_node, cmd_ranges, cmd_state
+from vfab.cli import (cmd_balancer, cmd_fabric, cmd_flows, cmd_helpers, cmd_hosts, cmd_metrics, cmd_node, cmd_ranges,
+                      cmd_state, cmd_top)
 from vfab.cli.common import Ctx, etcd_list
 from vfab.vid import plugin
 
@@ -43,7 +46,8 @@ def cli(ctx: click.Context, etcd: str | None, verbose: bool) -> None:
     ctx.obj = Ctx(etcd)
 
 
-for module in (cmd_fabric, cmd_ranges, cmd_hosts, cmd_node, cmd_flows, cmd_state, cmd_balancer, cmd_helpers):
+for module in (cmd_fabric, cmd_ranges, cmd_hosts, cmd_node, cmd_flows, cmd_state, cmd_balancer, cmd_helpers,
+               cmd_metrics, cmd_top):
     for command in module.COMMANDS:
         cli.add_command(command)
 for _plug in plugin.load().values():  # each service type brings its own command group

@@ -28,7 +28,7 @@ from os_ken.controller.handler import DEAD_DISPATCHER, MAIN_DISPATCHER, set_ev_c
 from os_ken.lib import hub
 from os_ken.ofproto import ofproto_v1_4
 
-from vfab.controller import engine, nodeplan
+from vfab.controller import ctlmetrics, engine, nodeplan
 from vfab.controller.election import Election
 from vfab.controller.config import ControllerConfig
 from vfab.controller.datapath import Datapath, DatapathError
@@ -36,6 +36,7 @@ from vfab.controller.ofconn import OFConn, OpError, install_raw_flow_stats
 from vfab.controller.report import COUNTED, Reporter, counters_from_stats
 from vfab.fabric import nodecompile
 from vfab.fabric.nodecompile import Memory
+from vfab.vid import metrics
 from vfab.vid.registry import Registry, schema
 
 log = logging.getLogger("vfab.controller")
@@ -52,6 +53,8 @@ def configure(config: ControllerConfig) -> None:
 
 class VfabController(app_manager.OSKenApp):
     OFP_VERSIONS = [ofproto_v1_4.OFP_VERSION]
+    state_revision = 0                  # the newest revision that changed what is compiled (ctlmetrics)
+    changed_at: float | None = None     # monotonic: when the first change no round took yet came
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -73,7 +76,7 @@ class VfabController(app_manager.OSKenApp):
         self.datapath = Datapath(self.config.ovs_rundir) if self.config.datapath_wait else None
         self.datapath_problem = ""          # logged once per distinct reason
         self.next_change: float | None = None   # when the next binding in force ends (unix s)
-        self.to_report: list = []           # (Report, committed at), published by _report_loop
+        self.to_report: list = []           # (Report, committed at, change came at), published by _report_loop
         self.hold: dict[int, set[int]] = {}  # groups kept until the datapath followed the round that unused them
         # endpoint key -> (its last record, until when it lingers): records etcd deleted (lease expired or revoked)
         # whose ranges still reach them while nobody else serves them (engine.plan_round ``lingering``)
@@ -87,6 +90,8 @@ class VfabController(app_manager.OSKenApp):
         self.node_waiting: dict[str, int] = {}
         self.node_waiting_keys: frozenset[str] = frozenset()   # their applied/ key names (dpid as 16 hex digits)
         self.lead = 0          # a route agent writes only while it leads its node's election (controller/election.py)
+        if metrics.enabled():
+            metrics.REGISTRY.register(ctlmetrics.ControllerCollector(self))
         self.threads = [hub.spawn(self._watch_loop), hub.spawn(self._reconcile_loop),
                         hub.spawn(self._poll_loop), hub.spawn(self._report_loop)]
         if self.config.node:
@@ -101,7 +106,8 @@ class VfabController(app_manager.OSKenApp):
                 for key in [k for k in self.items if k not in fresh]:
                     self._departed(key, self.items[key])
                 self.items = fresh
-                self.revision = rev
+                self.revision = self.state_revision = rev
+                self.changed_at = self.changed_at or time.monotonic()
             log.info("etcd %s: loaded %d keys at revision %d", self.registry.endpoint, len(items), rev)
             self.dirty.set()
 
@@ -122,6 +128,9 @@ class VfabController(app_manager.OSKenApp):
                     parsed = schema.parse_key(ev.key)
                     if not (parsed and parsed[0] in schema.PASSIVE) or self._node_relevant(parsed):
                         changed = True
+                        self.state_revision = max(self.state_revision, ev.revision)
+                if changed and self.changed_at is None:
+                    self.changed_at = time.monotonic()
             if changed:
                 self.dirty.set()
 
@@ -204,6 +213,7 @@ class VfabController(app_manager.OSKenApp):
         with self.mirror_lock:
             items, revision = dict(self.items), self.revision
             lingering, linger_end = self._lingering(now)
+            since, self.changed_at = self.changed_at, None
         with self.hold_lock:
             hold = {d: set(g) for d, g in self.hold.items() if g}
             for gids in self.retired.values():
@@ -268,7 +278,9 @@ class VfabController(app_manager.OSKenApp):
         # Reported once every switch has its bundle and (_report_loop) the datapath follows: the reports
         # never delay a cut-over or the next round.
         committed = time.time()
-        reports = [(rep, committed) for rep in rnd.reports if rep.dpid not in failed and rep.dpid in self.installed]
+        turned = {step.dpid for step in rnd.steps if isinstance(step, engine.Commit)}   # cut-overs to time
+        reports = [(rep, committed, since if rep.dpid in turned else None) for rep in rnd.reports
+                   if rep.dpid not in failed and rep.dpid in self.installed]
         if reports:
             with self.report_cv:
                 self.to_report.extend(reports)
@@ -336,10 +348,11 @@ class VfabController(app_manager.OSKenApp):
                 # A route agent's report is what the other nodes' cut-overs wait for: the pass its commit started
                 # (controller/datapath.py), not a second one that an idle datapath runs only every 500 ms.
                 confirmed = self._datapath_pass(1 if self.config.node else 2)
-                for rep, committed in batch:
+                for rep, committed, since in batch:
                     if rep.dpid in self.installed and self.reporter.reported.get(rep.dpid, -1) < rep.revision:
-                        self.reporter.applied(rep.dpid, rep.revision, rep.flows, rep.groups, committed=committed,
-                                              datapath=confirmed)
+                        if self.reporter.applied(rep.dpid, rep.revision, rep.flows, rep.groups, committed=committed,
+                                                 datapath=confirmed) and since is not None:
+                            ctlmetrics.cutover(rep.dpid, since)
             except Exception:  # a bug must not stop reporting for good
                 log.exception("publishing applied revisions failed")
 
@@ -470,6 +483,7 @@ class VfabController(app_manager.OSKenApp):
                 conn.close("the switch disconnected")
                 self.conns.pop(dp.id, None)
                 self.installed.pop(dp.id, None)
+                self.reporter.last.pop(dp.id, None)
 
     def _switch_ports(self) -> dict[str, int]:
         """Port name -> number of every connected switch (a route agent has one): where its tunnels are."""

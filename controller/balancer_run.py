@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 
 from vfab.controller.balancer import (Balancer, BalancerConfig, Decision, EndpointObs, HelperObs, RangeObs,
                                       ServiceObs)
+from vfab.controller import ctlmetrics
 from vfab.vid.codec import KEY_MAX
 from vfab.vid.errors import RegistryError, StateError, VfabError
 from vfab.vid.netns import netns
@@ -336,6 +337,7 @@ class Runner:
         t = self.clock()   # when the counters were read (an etcd read may have come first this round)
         cpu = self.rates.rate(("mc-cpu", service, ep), t, cpu_s)
         served = self.rates.rate(("mc-req", service, ep), t, reqs)
+        ctlmetrics.helpee_cpu(service, ep, cpu, served)
         return EndpointObs(ep, cpu=cpu, served=served, cores=max(threads, 1.0))
 
     def helper_obs(self, service: str, h: str, path: str, now: float, problems: list[str]) -> HelperObs:
@@ -354,6 +356,7 @@ class Runner:
     # -- applying --------------------------------------------------------------------------------------------
     def apply(self, d: Decision) -> None:
         self.etcd_view.pop(d.service, None)   # the next round sees what this changed
+        ctlmetrics.DECISIONS.labels(d.service, d.action).inc()
         entry = d.to_dict()
         entry["result"] = "requested"
         log.warning("balancer: %s %s %s: %s", d.service, d.action,

@@ -43,6 +43,8 @@ class ControllerConfig:
                                        # standby takes over within it
     linger: float = 2.0                # seconds a range's frames still reach its owner after etcd deleted the
                                        # owner's endpoint record, while nobody else serves the range (0: never)
+    metrics_port: int = 0              # port of the controller's Prometheus /metrics (0: any free one; -1: none)
+    metrics_host: str = "127.0.0.1"    # address /metrics listens on (the host's control address for a remote scrape)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -85,6 +87,13 @@ class ControllerConfig:
         if not 1 <= self.election_ttl <= 60:
             raise ConfigError(f"election_ttl {self.election_ttl} s is out of range: 1..60 s (etcd's minimum lease is "
                               "1.5 election timeouts, rounded up to whole seconds)")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port {self.metrics_port} is out of range: 0..65535 (0: any free port, -1: no "
+                              "metrics)")
+        try:
+            ipaddress.ip_address(self.metrics_host)
+        except ValueError:
+            raise ConfigError(f"metrics_host {self.metrics_host!r} is not an IP address: e.g. 127.0.0.1") from None
         if not 1 <= self.bundle_timeout <= 3600:
             raise ConfigError(f"bundle_timeout {self.bundle_timeout} s is out of range: 1..3600 s")
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
+import socket
 import sys
 
 from vfab.controller.config import ConfigError, ControllerConfig
+from vfab.vid import metrics
 
 
 def parse_config(argv: list[str] | None = None) -> tuple[ControllerConfig, bool]:
@@ -45,6 +48,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[ControllerConfig, bool]
                                    "compiled with two-level routing ('vfab node join' registered it)")
     ap.add_argument("--election-ttl", type=int,
                     help=f"a route agent's election lease in s: a standby takes over within it (default {d.election_ttl})")
+    ap.add_argument("--metrics-port", type=int,
+                    help=f"port of the controller's Prometheus /metrics, registered in etcd (default {d.metrics_port}: "
+                         "any free port; -1: no metrics)")
+    ap.add_argument("--metrics-host", help=f"address /metrics listens on (default {d.metrics_host})")
     ap.add_argument("-v", "--verbose", action="store_true", default=None, help="debug logging")
     ap.add_argument("--check", action="store_true", help="validate the settings, print them and exit")
     args = ap.parse_args(argv)
@@ -60,7 +67,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ControllerConfig, bool]
                          settle_ms=args.settle_ms, audit_polls=args.audit_polls,
                          datapath_wait=args.datapath_wait, datapath_timeout=args.datapath_timeout,
                          ovs_rundir=args.ovs_rundir, linger=args.linger,
-                         bundle_timeout=args.bundle_timeout, node=args.node, election_ttl=args.election_ttl, verbose=args.verbose)
+                         bundle_timeout=args.bundle_timeout, node=args.node, election_ttl=args.election_ttl,
+                         verbose=args.verbose, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     except ConfigError as exc:
         ap.error(str(exc))
     return cfg, args.check
@@ -85,6 +93,12 @@ def main(argv: list[str] | None = None) -> None:
 
     oscfg.CONF(args=[f"--ofp-listen-host={cfg.listen}", f"--ofp-tcp-listen-port={cfg.port}"], project="os_ken")
     app.configure(cfg)
+    if cfg.metrics_port < 0:
+        metrics.disable()
+    else:
+        host = re.sub(r"[^a-z0-9_.-]", "-", socket.gethostname().lower()).strip("-.") or "host"
+        metrics.start(argparse.Namespace(metrics_port=cfg.metrics_port, metrics_host=cfg.metrics_host),
+                      "controller", cfg.node or f"{host}-{cfg.port}"[:63], etcd=cfg.etcd)   # a route agent: its node
     logging.getLogger("vfab.controller").info("listening on %s:%d, etcd %s", cfg.listen, cfg.port, cfg.etcd)
     AppManager.run_apps(["vfab.controller.app"])
 

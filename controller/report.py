@@ -58,6 +58,7 @@ class Reporter:
         self.lease: int | None = None
         self._lease_stop = None
         self.reported: dict[int, int] = {}   # dpid -> last revision reported applied
+        self.last: dict[int, dict[str, list[int]]] = {}   # dpid -> the counters last polled (ctlmetrics)
 
     def applied(self, dpid: int, revision: int, flows: int, groups: int, committed: float = 0.0,
                 datapath: bool = False) -> bool:
@@ -77,6 +78,7 @@ class Reporter:
         self.reported.pop(dpid, None)
 
     def counters(self, dpid: int, per: dict[str, list[int]]) -> None:
+        self.last[dpid] = per
         if self.lease is None:
             self.lease = self.registry.lease(self.ttl)
             self._lease_stop = self.registry.keepalive(self.lease, self.ttl)

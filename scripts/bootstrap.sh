@@ -11,7 +11,8 @@ DEBS=(openvswitch-switch openvswitch-common mininet etcd-server etcd-client libp
       tcpdump ethtool iproute2 iputils-ping memcached redis-server python3-venv python3-dev busybox
       isc-dhcp-client dhcpcd-base gcc make libc6-dev libsqlite3-dev
       dpdk libdpdk-dev dpdk-dev meson ninja-build pkg-config libmemcached-tools nutcracker
-      kea-dhcp4-server kea-ctrl-agent kea-admin dnsmasq-base)
+      kea-dhcp4-server kea-ctrl-agent kea-admin dnsmasq-base
+      prometheus tmux python3-matplotlib)   # promtool (the alert rules' unit tests), the server the metrics test scrapes with; tmux drives vfab top in its test; matplotlib draws 'make report'
 
 if [ "$(id -u)" != 0 ]; then
   echo "bootstrap: must run as root (it installs Debian packages and creates network namespaces)" >&2

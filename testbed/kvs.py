@@ -17,7 +17,7 @@ KVS = ["-m", "vfab.services.elastic_kvs"]
 
 
 def start_server(tb: Testbed, host: str, name: str, service: str, listen: str | None = None,
-                 rx: str = "ovs", ttl: int = 3, data: str | None = None) -> Proc:
+                 rx: str = "ovs", ttl: int = 3, data: str | None = None, extra: list[str] = ()) -> Proc:
     out = os.path.join(tb.workdir, f"{service}-{name}.out")
     with open(out, "wb"):
         pass
@@ -26,6 +26,7 @@ def start_server(tb: Testbed, host: str, name: str, service: str, listen: str | 
             "--data", data or os.path.join(tb.workdir, f"data-{service}")]
     if listen:
         args += ["--listen", listen]
+    args += list(extra)   # e.g. --no-metrics
     proc = tb.run_on(host, f"{service}-{name}", args, stdout=open(out, "ab"))
     wait_for(lambda: b"ready" in open(out, "rb").read() or not proc.alive(), 20, f"kvs server {name} ready")
     if not proc.alive():

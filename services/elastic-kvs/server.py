@@ -15,6 +15,7 @@ import threading
 
 from vfab.services.elastic_kvs.backend import open_backend
 from vfab.vid.ranges import Range
+from vfab.vid import metrics
 from vfab.vid.registry import Registry
 from vfab.vid.state.loop import EndpointLoop
 from vfab.vid.state.view import read_view
@@ -49,14 +50,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="take this key-hash range at start (repeatable; only for a fresh service)")
     p.add_argument("--ttl", type=int, default=3, help="endpoint lease TTL in s: a mirror takes over this long "
                                                       "after a crash (default 3)")
+    metrics.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    metrics.configure(args)   # before the loop: --no-metrics leaves its hooks out
     registry = Registry(args.etcd)
-    loop = None
+    loop = exporter = None
     try:
         loop = open_server(registry, args.service, args.name, args.iface, args.data, rx=args.rx, netns=args.netns,
                            ttl=args.ttl)
@@ -66,10 +69,13 @@ def run(args: argparse.Namespace) -> int:
         if args.listen:
             loop._set_view(read_view(registry, args.service))
         owned = [str(r.range) for r in loop.view.owned_by(args.name)]
-        print(f"ready {loop.ctl}", flush=True)
+        exporter = metrics.start(args, "endpoint", args.name, etcd=args.etcd, service=args.service)
+        print(f"ready {loop.ctl}" + (f" metrics={exporter.addr}" if exporter else ""), flush=True)
         log.info("%s: ready; owns %s", args.name, ", ".join(owned) or "nothing yet")
         loop.serve(stop)
     finally:
+        if exporter is not None:
+            exporter.close()
         if loop is not None:
             loop.close()
             loop.backend.store.close()

@@ -64,13 +64,14 @@ import threading
 import time
 
 from vfab.fabric import frontdoor
-from vfab.vid import api
+from vfab.vid import api, metrics
 from vfab.vid.errors import RegistryError, VfabError
 from vfab.vid.netns import netns as in_netns
 from vfab.vid.registry import Registry, schema
 from vfab.vid.state.sched import proc_stat
 
 from vfab.services.memcached_helper import control
+from vfab.services.memcached_helper.helpermetrics import HelperCollector
 from vfab.services.memcached_helper.readmit import Readmit
 from vfab.vid.registry import members as etcd_members
 
@@ -480,6 +481,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--child-log", default=None, help="file for the child's output (default: discarded)")
     p.add_argument("--mem-mb", type=int, default=64, help="memory of the child in MB (default 64)")
     p.add_argument("extra", nargs="*", help="after --: more options for the child")
+    metrics.add_arguments(p)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -516,7 +518,17 @@ def main(argv: list[str] | None = None) -> int:
     except (VfabError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return agent.run()
+    metrics.configure(args)
+    if isinstance(agent, HelperAgent) and metrics.enabled():
+        metrics.REGISTRY.register(HelperCollector(
+            lambda: (agent.svc.name, args.name, agent.last_stats, agent.server is not None)))
+    exporter = metrics.start(args, "helper" if args.role == "helper" else "agent", args.name, etcd=args.etcd,
+                             service=args.service)
+    try:
+        return agent.run()
+    finally:
+        if exporter is not None:
+            exporter.close()
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from vfab.vid import codec, mackey
 from vfab.vid.envelope import Envelope
 from vfab.vid.frame import ETH_TYPE
 from vfab.vid.ranges import Range
+from vfab.vid import metrics
 from vfab.vid.registry import Registry
 from vfab.vid.state.loop import EndpointLoop
 from vfab.vid.state.view import read_view
@@ -370,6 +371,7 @@ example (shard s1 on testbed host vfh1, owning every key):
                                                       "clients about this long after the crash, plus up to 0.5 s "
                                                       "(default 1: etcd's minimum TTL must allow it, see "
                                                       "vfab.vid.state.lease)")
+    metrics.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -379,8 +381,9 @@ def run(args: argparse.Namespace) -> int:
     opts = parse_opt_list(args.opt)
     if {"pool", "mask", "server"} <= opts.keys():
         parse_opts(opts)   # a whole pool of its own: bad input is said before etcd is asked
+    metrics.configure(args)   # before the loop: --no-metrics leaves its hooks out
     registry = Registry(args.etcd)
-    loop = None
+    loop = exporter = None
     try:
         config = shard_config(opts, registry.service(args.service).opts, args.service)
         loop = open_server(registry, args.service, args.name, args.iface, args.data, config, netns=args.netns,
@@ -395,10 +398,13 @@ def run(args: argparse.Namespace) -> int:
         if args.listen:
             loop._set_view(read_view(registry, args.service))
         owned = [str(r.range) for r in loop.view.owned_by(args.name)]
-        print(f"ready {loop.ctl}", flush=True)
+        exporter = metrics.start(args, "endpoint", args.name, etcd=args.etcd, service=args.service)
+        print(f"ready {loop.ctl}" + (f" metrics={exporter.addr}" if exporter else ""), flush=True)
         log.info("%s: ready; %s; owns %s", args.name, loop.backend.config.describe(), ", ".join(owned) or "nothing yet")
         loop.serve(stop)
     finally:
+        if exporter is not None:
+            exporter.close()
         if loop is not None:
             if loop.binder is not None:
                 loop.binder.stop()

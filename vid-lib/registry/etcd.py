@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
+from prometheus_client import Counter, Histogram
+
 from vfab.vid.registry import schema
 from vfab.vid.codec import KEY_MAX, SERVICE_MAX, Layout
 from vfab.vid.errors import Compacted, Conflict, MemberDown, NotFound, RegistryError, VidError
@@ -31,6 +33,16 @@ CONNECT = 1.0    # s to connect to one of several members before trying the next
 # one encoder for every request: json.dumps with separators builds a new one per call (~0.2 ms of a cold
 # keepalive thread's 1 ms)
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+
+# What etcd looks like from this process (vfab.vid.metrics serves them): ``op`` is the gateway path without
+# /v3/ ("kv/range", "kv/txn", "lease/keepalive", ...), ``reason`` the error's class (bounded by both).
+REQUEST_SECONDS = Histogram("vfab_etcd_request_duration_seconds", "etcd requests of this process, failing over "
+                            "between members included", ["op"],
+                            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
+REQUEST_ERRORS = Counter("vfab_etcd_request_errors_total", "etcd requests of this process that failed, by the "
+                         "error's kind", ["op", "reason"])
+WATCH_BREAKS = Counter("vfab_etcd_watch_breaks_total", "watches of this process that broke and were resumed or "
+                       "read again", ["reason"])
 
 
 def _b64(text: str | bytes) -> str:
@@ -323,6 +335,17 @@ class Registry:
                              "--etcd at running members")
 
     def _post(self, path: str, body: dict, safe: bool | None = None) -> dict:
+        t0 = time.perf_counter()
+        op = path[1:]
+        try:
+            out = self._request(path, body, safe)
+        except RegistryError as exc:
+            REQUEST_ERRORS.labels(op, type(exc).__name__).inc()
+            raise
+        REQUEST_SECONDS.labels(op).observe(time.perf_counter() - t0)
+        return out
+
+    def _request(self, path: str, body: dict, safe: bool | None = None) -> dict:
         """One request, to the member in use, moving on to the others as ``members`` describes: at once when
         nothing was sent, every BACKOFF s while members have no leader, and, for SAFE requests only, when an
         answer was lost; within ``timeout`` s."""
@@ -578,6 +601,7 @@ class Registry:
                     rev = 0
                 continue
             except MemberDown as exc:
+                WATCH_BREAKS.labels("member_down").inc()
                 downs += 1   # said once per failure, not once per try while an election lasts
                 log.log(logging.WARNING if downs == 1 else logging.DEBUG, "%s: watching %s again from revision %d",
                         exc, prefix, rev + 1)
@@ -585,10 +609,12 @@ class Registry:
                     stop.wait(BACKOFF if downs < 100 else 1.0)
                 continue
             except Compacted as exc:
+                WATCH_BREAKS.labels("compacted").inc()
                 log.debug("%s; reading %s again", exc, prefix)
                 rev = 0
                 continue
             except errors as exc:
+                WATCH_BREAKS.labels("error").inc()
                 if on_error is not None and not stop.is_set():
                     on_error(exc, not failing)
                 rev, failing = 0, True

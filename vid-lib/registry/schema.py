@@ -669,3 +669,56 @@ RECORDS: dict[str, type[Record]] = {
     "links": Link,
     "applied": Applied,
 }
+
+
+# -- metrics targets (issue 46) ------------------------------------------------------------------------------------
+#    /vfab/v1/metrics/<process>/<service|->/<name>   MetricsTarget {process, name, addr, service, host, pid, at}
+#                                         where a process's Prometheus exporter listens, leased by it
+#                                         (vfab.vid.metrics); "-" for a process of no one service
+METRICS_PROCESSES = ("controller", "endpoint", "helper", "balancer", "agent")
+FOLDERS = (*FOLDERS, "metrics")
+PASSIVE = (*PASSIVE, "metrics")
+
+
+def metrics_prefix() -> str:
+    return f"{ROOT}metrics/"
+
+
+def metrics_key(process: str, name: str, service: str = "") -> str:
+    """Endpoint names are unique within their service only: the service is part of the key."""
+    if process not in METRICS_PROCESSES:
+        raise VidError(f"metrics process kind {process!r} is unknown: one of {', '.join(METRICS_PROCESSES)}")
+    if service:
+        check_name("service", service)
+    return f"{ROOT}metrics/{process}/{service or '-'}/{check_name('metrics target', name)}"
+
+
+@dataclass
+class MetricsTarget(Record):
+    """A process's Prometheus exporter: ``addr`` HOST:PORT serving ``/metrics``; ``process`` its kind
+    (METRICS_PROCESSES), ``name`` which one (an endpoint's name, a controller's host, ...), ``service`` the
+    service it serves ("" if none), ``host`` the machine, ``pid``, ``at`` when it started (unix s)."""
+
+    KIND: ClassVar[str] = "metrics target"
+    process: str
+    name: str
+    addr: str
+    service: str = ""
+    host: str = ""
+    pid: int = 0
+    at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.process not in METRICS_PROCESSES:
+            raise VidError(f"metrics target process {self.process!r} is unknown: one of {', '.join(METRICS_PROCESSES)}")
+        check_name("metrics target", self.name)
+        _need("metrics target", "addr", self.addr, str)
+        host, sep, port = self.addr.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise VidError(f"metrics target {self.name}: address {self.addr!r} is not HOST:PORT")
+        _need("metrics target", "service", self.service, str)
+        if self.service:
+            check_name("service", self.service)
+        _need("metrics target", "host", self.host, str)
+        _need("metrics target", "pid", self.pid, int)
+        _need("metrics target", "at", self.at, (int, float))

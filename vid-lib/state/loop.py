@@ -49,7 +49,7 @@ from vfab.vid.errors import FrameError, StateError, VfabError
 from vfab.vid.frame import Frame, FrameType, pack, parse
 from vfab.vid.ranges import Range
 from vfab.vid.registry import Registry, schema
-from vfab.vid.state import machine
+from vfab.vid.state import loopmetrics, machine
 from vfab.vid.state.backend import Backend, BackendError, BadRequest, Refusal, Request
 from vfab.vid.state.faillog import FailureLog
 from vfab.vid.state.housekeeper import Housekeeper
@@ -173,6 +173,7 @@ class EndpointLoop(PeerSide, Replication):
         self._run_delay: RunDelay | None = None   # the serving thread's wait for a core (serve opens it)
         self.watcher = ViewWatcher(self.etcd, service, self._on_view)
         self.housekeeper = Housekeeper(self)
+        self.metrics = loopmetrics.attach(self)   # None with metrics off
         self.lease.on_renewed.append(self._renewed)
         self._refilter()
         dropped = self.backend.keep_only([r.range for r in self.view.held_by(name)])
@@ -533,6 +534,7 @@ class EndpointLoop(PeerSide, Replication):
             self._reply(frame, vk, payload)
         if not reqs:
             return
+        t_batch = time.perf_counter()
         try:
             replies, records = self.backend.handle_batch(reqs)
         except BackendError as exc:
@@ -544,6 +546,8 @@ class EndpointLoop(PeerSide, Replication):
         else:
             if self.batch_failures.failing:
                 self.batch_failures.succeeded(self.name)
+            if self.metrics is not None:
+                self.metrics.batch(len(reqs), time.perf_counter() - t_batch)
         for r in reqs:
             rec = self.view.find(r.key)
             if rec is not None:
@@ -592,6 +596,8 @@ class EndpointLoop(PeerSide, Replication):
                 self._unsynced_replies(self.disk_wait.popleft()[2], str(exc))
             return str(exc)
         self._count_wait("sync", time.monotonic() - t0)
+        if self.metrics is not None:
+            self.metrics.fsync(time.monotonic() - t0)
         if self.sync_failures.failing:
             self.sync_failures.succeeded(self.name)
         self._release_synced(upto)
@@ -749,6 +755,7 @@ class EndpointLoop(PeerSide, Replication):
         return not self._gave_up
 
     def close(self) -> None:
+        loopmetrics.detach(self)
         served = self.leave_serve()
         if self.op is not None:
             self.op.cancel.set()

@@ -57,6 +57,7 @@ class OpRunner:
         self.reg: Registry | None = None
         self.dealer: zmq.Socket | None = None
         self.progress: ProgressWriter | None = None
+        self.phase_since = time.monotonic()   # when rec.phase last changed (vfab_state_op_phase_age_seconds)
 
     # -- the thread ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -83,6 +84,9 @@ class OpRunner:
         self.loop.call(lambda: self.loop.op_ended(self))  # before anyone can see it ended (a BEGIN may follow)
         self.progress.close()   # no progress write may land after the final record
         self._publish_final()
+        hooks = getattr(self.loop, "metrics", None)
+        if hooks is not None:
+            hooks.op_ended(self.rec)
         self.loop.call(lambda: self.loop.op_recorded(self.id))
         self._prune_old_records()
         log.info("%s: %s %s of %s to %s: %s in %.3f s %s %s", self.loop.name, self.kind, self.id, self.rec.ranges,
@@ -105,6 +109,8 @@ class OpRunner:
             return None
         if isinstance(a, m.Publish):
             if "phase" in a.fields:
+                if a.fields["phase"] != self.rec.phase:
+                    self.phase_since = time.monotonic()
                 self.rec.phase = a.fields["phase"]
             self._progress()
             return None
