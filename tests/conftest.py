@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from vfab.testbed.etcd import LocalEtcd, free_port
 from vfab.vid.registry import Registry
+
+# Property tests check behaviour, not speed: on these shared 2-core machines an example can take seconds
+# when other work holds the cores, which Hypothesis would otherwise report as a failure (deadline 200 ms,
+# "too slow" data generation).  Speed is measured by bench/.
+settings.register_profile("vfab", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("vfab")
 
 
 @pytest.fixture(scope="session")
