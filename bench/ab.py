@@ -11,7 +11,8 @@ Run (root, as the benchmark needs)::
         --bench kvs_throughput --rounds 2 -- --clients 1,4 --duration 6
 
 Known benchmarks (what is compared): kvs_throughput (req/s and median ms per client count), kvs_ops (wall s
-per operation, the load's p99 ms in its window).  ``--smoke`` runs one round of the benchmark's own smoke.
+per operation, the load's p99 ms in its window), helper_activation (the balancer's reaction to a burst and its
+CPU, memcached's agent's CPU).  ``--smoke`` runs one round of the benchmark's own smoke.
 """
 
 from __future__ import annotations
@@ -50,7 +51,23 @@ def _ops(doc: dict) -> dict[str, float]:
     return out
 
 
-METRICS = {"kvs_throughput": _throughput, "kvs_ops": _ops}
+def _activation(doc: dict) -> dict[str, float]:
+    """helper_activation: the balancer's reaction (burst onset -> its helpers_on decision, -> helpers carrying)
+    and its CPU; memcached's agent's CPU (with issue 45 it reads memcached's stats for the usage report)."""
+    sm, out = doc["results"]["summary"], {}
+    for v in ("balancer", "balancer_1obs"):
+        out[f"{v} onset->decision median ms"] = sm["onset_to_decision_ms"][v]["median"]
+        out[f"{v} onset->decision max ms"] = sm["onset_to_decision_ms"][v]["max"]
+        out[f"{v} onset->carrying median ms"] = sm["onset_to_carrying_ms"][v]["median"]
+    rows = [r for r in doc["results"]["rounds"] if r["variant"] == "balancer"]
+    for k in ("balancer_cpu_share", "memcached_agent_cpu_share"):
+        vals = [r[k] for r in rows if r.get(k) is not None]
+        if vals:
+            out[f"{k} (balancer variant)"] = statistics.median(vals)
+    return out
+
+
+METRICS = {"kvs_throughput": _throughput, "kvs_ops": _ops, "helper_activation": _activation}
 
 
 def run_one(tree: str, python: str, bench: str, extra: list[str], out: str) -> dict:

@@ -8,7 +8,8 @@ its lease, or cut off from etcd while the lease ran out — can no longer write 
 holds it: etcd refuses the transaction, whatever the old process still believes (Jepsen's lesson on etcd
 locks: never trust a lock without a fence).
 
-The lease is kept alive by a thread every ttl/3 s; when etcd says it is gone the holder steps down at once.
+The lease is kept alive by a thread every ttl/3 s; when it is gone, the holder's next write is refused
+(its key went with the lease, or a successor's key has another create revision) and it steps down.
 A kill -9 of the holder leaves the key until its lease expires (``ttl`` s, plus up to 0.5 s: etcd checks
 expiry every 500 ms); a standby tries again every ``retry`` s, so it takes over within about
 ``ttl + 0.5 + retry`` s (``tests/integration/test_balancer_ha.py`` measures it).
@@ -90,7 +91,11 @@ class Election:
 
     @property
     def active(self) -> bool:
-        return self.revision is not None and not self.keeper.lost.is_set() and self.lease == self.keeper.id
+        """It won and no write of it was refused since.  A lease found gone does not end it by itself: the
+        holder's next write (every round writes its status) is refused by the fence if a successor won or the
+        key went with the lease, and that steps it down — one authority (etcd's compare), no race between
+        the keepalive thread and the round."""
+        return self.revision is not None
 
     def campaign(self) -> bool:
         """One try: True if this process holds the key now (won, or still holds it)."""
