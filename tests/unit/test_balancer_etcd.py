@@ -353,3 +353,125 @@ def test_balancer_cli_refuses_the_old_sources_and_status_names_no_active_one(reg
     res = CliRunner().invoke(cli, ["--etcd", registry.endpoint, "balancer", "report", "mc", "--memcached",
                                    "127.0.0.1:1"])
     assert res.exit_code == 2 and "SERVICE/ENDPOINT" in res.output, res.output
+
+
+# -- real runner processes: one active, kill -9, SIGSTOP/SIGCONT --------------------------------------------------
+TTL = 1            # s: the test etcd's election timeout is 500 ms, so leases may be this short
+TAKEOVER_BOUND_S = TTL + 1.5   # the lease's TTL, etcd's expiry check (every 0.5 s), the standby's next try (0.2 s)
+PROC_SETTINGS = {"period": 0.05, "etcd_every": 5.0, "stale_after": 1.0, "min_interval": 0.2, "burst_window": 0.1,
+                 "calm_window": 0.3, "min_on": 0.3, "min_off": 0.1, "op_dwell": 0.0, "rate_on": 5000,
+                 "rate_off": 2500, "helper_capacity": 20000}
+
+
+class Runners:
+    """``vfab balancer run mc`` processes against the test's etcd; stopped by PID afterwards."""
+
+    def __init__(self, registry, tmp_path):
+        self.reg, self.tmp, self.procs = registry, tmp_path, {}
+
+    def start(self, name: str) -> subprocess.Popen:
+        import sys
+        sets = [a for k, v in PROC_SETTINGS.items() for a in ("--set", f"{k}={v}")]
+        log = open(self.tmp / f"{name}.log", "wb")
+        p = subprocess.Popen([sys.executable, "-m", "vfab.cli", "--etcd", self.reg.endpoint, "-v", "balancer", "run",
+                              "mc", "--ttl", str(TTL), *sets], stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.procs[name] = p
+        wait_for(lambda: "running for" in self.log(name) or p.poll() is not None, 15, f"runner {name} to start")
+        assert p.poll() is None, self.log(name)
+        return p
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text(errors="replace")
+
+    def active(self) -> str:
+        got = self.reg.get(sch.leader_key("balancer", "mc"))
+        return sch.Leader.from_json(got[0]).who if got else ""
+
+    def is_active(self, name: str) -> bool:
+        return self.active().endswith(f":{self.procs[name].pid}")
+
+    def status_by(self, name: str) -> bool:
+        got = self.reg.get(sch.balancer_key("mc"))
+        return bool(got) and sch.BalancerStatus.from_json(got[0]).runner.endswith(f":{self.procs[name].pid}")
+
+    def stop(self) -> None:
+        import os
+        import signal
+        for p in self.procs.values():
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+
+
+def test_runner_processes_one_active_kill9_takeover_and_a_resumed_old_one_is_refused(registry, tmp_path):
+    """Three 'vfab balancer run' processes for one service.  One is active, the others write nothing.  kill -9
+    of the active one: a standby wins within TAKEOVER_BOUND_S (printed) and decides on the next burst (helpers
+    on).  SIGSTOP of that one past its lease: the third wins; a burst while the old one is stopped; SIGCONT:
+    the old one acts on what it saw, and etcd refuses its write (the election's fence): the range map and the
+    status are the new active one's only.  On the old code (no election) the standby published and decided too."""
+    import os
+    import signal
+
+    mc_service(registry, helpers=("h1",), halves=False)
+    served = {"v": 300.0}
+    stop = threading.Event()
+
+    def reporter() -> None:   # what memcached's agent writes, every 50 ms
+        while not stop.wait(0.05):
+            usage(registry, "m", time.time(), cpu=0.05, served=served["v"])
+            helper_status(registry, "h1", time.time())
+    threading.Thread(target=reporter, daemon=True).start()
+    runners = Runners(registry, tmp_path)
+    try:
+        runners.start("a")
+        wait_for(lambda: runners.is_active("a") and runners.status_by("a"), 10, "runner a active")
+        runners.start("b")
+        runners.start("c")
+        time.sleep(0.5)
+        assert runners.is_active("a") and runners.status_by("a")
+        assert "is now the active one" not in runners.log("b") + runners.log("c")
+        # kill -9 of the active one
+        t_kill = time.time()
+        os.kill(runners.procs["a"].pid, signal.SIGKILL)
+        wait_for(lambda: runners.active() and not runners.is_active("a"), 10, "a standby to win")
+        took = time.time() - t_kill
+        new, other = ("b", "c") if runners.is_active("b") else ("c", "b")
+        wait_for(lambda: runners.status_by(new), 5, f"{new}'s first round")
+        print(f"\nkill -9 of the active balancer: {new} won {took:.2f} s after the kill (TTL {TTL} s), published "
+              f"{time.time() - t_kill:.2f} s after it")
+        assert took < TAKEOVER_BOUND_S
+        served["v"] = 12000.0                                     # a burst: the new active one decides
+        wait_for(lambda: registry.ranges("mc")[0][0].helpers == ["h1"], 5, f"helpers on by {new}")
+        served["v"] = 300.0                                       # calm: it switches them off again
+        wait_for(lambda: registry.ranges("mc")[0][0].helpers == [], 5, f"helpers off by {new}")
+        time.sleep(0.3)                                           # past min_off
+        # SIGSTOP of the active one past its lease; the other standby wins; a burst while it is stopped
+        os.kill(runners.procs[new].pid, signal.SIGSTOP)
+        t_stop = time.time()
+        wait_for(lambda: runners.is_active(other), 10, f"{other} to win while {new} is stopped")
+        print(f"SIGSTOP of {new}: {other} won {time.time() - t_stop:.2f} s later")
+        before = registry.ranges("mc")[0][0]
+        served["v"] = 12000.0
+        wait_for(lambda: registry.ranges("mc")[0][0].helpers == ["h1"], 5, f"helpers on by {other}")
+        on = registry.ranges("mc")[0][0]
+        assert on.epoch == before.epoch + 1
+        os.kill(runners.procs[new].pid, signal.SIGCONT)
+        wait_for(lambda: "refused by etcd" in runners.log(new), 5, f"{new}'s write to be refused")
+        line = next(ln for ln in runners.log(new).splitlines() if "refused by etcd" in ln)
+        print(f"{new} after SIGCONT: {line.split(' ', 2)[-1]}")
+        time.sleep(0.5)
+        assert runners.is_active(other) and runners.status_by(other)
+        assert "is no longer the active one" in runners.log(new)
+        st = sch.BalancerStatus.from_json(registry.get(sch.balancer_key("mc"))[0])
+        assert all("refused" not in d["result"] for d in st.decisions), st.decisions
+        for name in ("b", "c"):
+            assert runners.procs[name].poll() is None and "Traceback" not in runners.log(name), runners.log(name)
+    finally:
+        stop.set()
+        runners.stop()
