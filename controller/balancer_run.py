@@ -20,7 +20,8 @@ so it runs on any host of the fabric.  Per service:
 * **the helpee's own load**: ``Usage`` reports (``/vfab/v1/usage/<service>/<endpoint>``: CPU s/s, requests/s,
   cores) that a reporter beside memcached writes (its agent reads ``stats`` locally,
   ``services/memcached-helper/usage.py``).  Followed by a watch, so a new report reaches the policy at
-  once: a report wakes the round (the period is only the longest wait).  A report older than
+  once: a report wakes the round.  Without reports a round comes every ``period`` while the policy times a
+  condition (a burst, a calm), else every ``etcd_every``: an idle balancer costs little.  A report older than
   ``stale_after`` is ignored and said so in the status's problems and the log.
 
 **One active at a time** per service (``controller/election.py``): a runner campaigns for
@@ -206,8 +207,14 @@ class Runner:
                     self.tick()
                 except Exception:   # a bug in one round must not stop balancing for good
                     log.exception("balancer round failed")
-                # the next round: at the next usage report of an active service, or after the period
-                self.wake.wait(max(0.0, self.cfg.period - (time.monotonic() - t0)))
+                # the next round: at the next usage report of an active service, or after the period while the
+                # policy times a condition (else after etcd_every: nothing but a report could change its mind)
+                with self.lock:
+                    busy = any(self.pending.values())
+                every = self.cfg.period if self.policy.timing() or busy else max(self.cfg.period, self.cfg.etcd_every)
+                if len(self.active()) < len(self.services):
+                    every = min(every, self.retry)   # standing by somewhere: the next try in time
+                self.wake.wait(max(0.0, every - (time.monotonic() - t0)))
                 self.wake.clear()
         finally:
             stop.set()
