@@ -153,6 +153,7 @@ def report(c, endpoint, where, every, heartbeat, ttl, duration) -> None:
         while not stop.wait(every) and (end is None or time.monotonic() < end):
             rep.tick(lease)
     finally:
+        rep.close()
         reg.revoke(lease)
 
 

@@ -51,24 +51,56 @@ class Memcached:
         return f"{self.host}:{self.port}"
 
 
+class StatsConn:
+    """One TCP connection to memcached kept for its ``stats`` (a reporter reads them every 0.1 s or faster: no
+    connect and close each time); opened again after any failure."""
+
+    def __init__(self, where: Memcached, timeout: float = 1.0):
+        self.where, self.timeout = where, timeout
+        self.sock: socket.socket | None = None
+
+    def stats(self) -> dict[str, str]:
+        if self.sock is None:
+            with netns(self.where.netns or None):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(self.timeout)
+                sock.connect((self.where.host, self.where.port))
+            except OSError:
+                sock.close()
+                raise
+            self.sock = sock
+        try:
+            return _ask(self.sock)
+        except OSError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
 def memcached_stats(where: Memcached, timeout: float = 1.0) -> dict[str, str]:
     """memcached's ``stats`` (``STAT name value`` lines up to ``END``) over a fresh TCP connection."""
-    with netns(where.netns or None):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    conn = StatsConn(where, timeout)
     try:
-        sock.settimeout(timeout)
-        sock.connect((where.host, where.port))
-        sock.sendall(b"stats\r\n")
-        buf = b""
-        while not buf.endswith(b"END\r\n"):
-            chunk = sock.recv(65536)
-            if not chunk:
-                raise OSError("memcached closed the connection before END")
-            buf += chunk
-            if len(buf) > 1 << 20:
-                raise OSError("stats answer larger than 1 MB: not memcached?")
+        return conn.stats()
     finally:
-        sock.close()
+        conn.close()
+
+
+def _ask(sock: socket.socket) -> dict[str, str]:
+    sock.sendall(b"stats\r\n")
+    buf = b""
+    while not buf.endswith(b"END\r\n"):
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise OSError("memcached closed the connection before END")
+        buf += chunk
+        if len(buf) > 1 << 20:
+            raise OSError("stats answer larger than 1 MB: not memcached?")
     out = {}
     for line in buf.decode("ascii", "replace").splitlines():
         parts = line.split(" ", 2)
@@ -124,6 +156,7 @@ class UsageReporter:
         self.reg, self.where, self.clock = reg, where, clock
         self.key = schema.usage_key(service, endpoint)
         self.meter = UsageMeter(f"memcached {where}", every, heartbeat)
+        self.conn = StatsConn(where, timeout=min(1.0, heartbeat))
         self.every = every
         self.next = 0.0
         self.writes = 0
@@ -136,7 +169,7 @@ class UsageReporter:
         self.next = now + self.every
         t = self.clock()
         try:
-            rec = self.meter.read(t, memcached_stats(self.where, timeout=min(1.0, self.meter.heartbeat)))
+            rec = self.meter.read(t, self.conn.stats())
         except (OSError, KeyError, ValueError, VfabError) as exc:
             rec = self.meter.failed(t, f"stats of {self.meter.source}: {exc}")
         if rec is None:
@@ -149,6 +182,9 @@ class UsageReporter:
         self.meter.sent = rec
         self.writes += 1
         return rec
+
+    def close(self) -> None:
+        self.conn.close()
 
     def clear(self) -> None:
         try:
