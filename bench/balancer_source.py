@@ -103,6 +103,13 @@ def main() -> int:
                 "rate_on": 3000, "rate_off": 1000, "helper_capacity": 100000}
     sets = [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
     trees = {"base": (os.path.abspath(args.base), args.base_python), "this": (os.path.dirname(HERE), sys.executable)}
+    if not (os.path.isdir(args.base) and os.access(args.base_python, os.X_OK)):
+        if not args.smoke:
+            print(f"balancer_source: no base checkout at {args.base} with {args.base_python}: give --base and "
+                  "--base-python (e.g. a worktree of main and its venv)", file=sys.stderr)
+            return 2
+        print(f"balancer_source: no base checkout at {args.base}: smoke run of this tree only", flush=True)
+        del trees["base"]
 
     def start(tree: str, python: str, cmd: list[str], name: str) -> subprocess.Popen:
         log = open(os.path.join(work, f"{name}.log"), "ab")
@@ -149,7 +156,7 @@ def main() -> int:
                 return False
         wait_for(up, 10, "memcached")
         for r in range(rounds):
-            for side in (("base", "this") if r % 2 == 0 else ("this", "base")):
+            for side in [t for t in (("base", "this") if r % 2 == 0 else ("this", "base")) if t in trees]:
                 tree, python = trees[side]
                 reg.delete(schema.balancer_key("mc"))
                 rec = reg.ranges("mc")[0][0]
@@ -216,7 +223,7 @@ def main() -> int:
                       "burst_balancer_cpu_share": med(side, "burst_balancer_cpu_share"),
                       "idle_reporter_cpu_share": med(side, "idle_reporter_cpu_share"),
                       "burst_reporter_cpu_share": med(side, "burst_reporter_cpu_share")} for side in trees}
-    b, t = summary["base"], summary["this"]
+    b, t = summary.get("base") or {k: None for k in summary["this"]}, summary["this"]
     if b["reaction_ms_median"] and t["reaction_ms_median"]:
         summary["reaction_this_over_base"] = round(t["reaction_ms_median"] / b["reaction_ms_median"], 2)
     for k in ("idle", "burst"):
@@ -227,7 +234,7 @@ def main() -> int:
           f"ms; balancer CPU idle {b['idle_balancer_cpu_share']} vs {t['idle_balancer_cpu_share']} (+ reporter "
           f"{t['idle_reporter_cpu_share']}), burst {b['burst_balancer_cpu_share']} vs {t['burst_balancer_cpu_share']} "
           f"(+ reporter {t['burst_reporter_cpu_share']})")
-    write("balancer_source", {"smoke": args.smoke, "rounds": rounds, "base": trees["base"][0], "settings": settings,
+    write("balancer_source", {"smoke": args.smoke, "rounds": rounds, "base": trees.get("base", ("",))[0], "settings": settings,
                               "idle_s": idle}, {"rounds": rows, "summary": summary}, args.out)
     return 0
 
