@@ -146,6 +146,7 @@ class Runner:
         # the Usage reports, kept current by a watch (follow_usage): {service: {endpoint: Usage}}
         self.usage: dict[str, dict[str, schema.Usage]] = {s: {} for s in self.services}
         self.wake = threading.Event()
+        self.unusable: set[tuple[str, str]] = set()   # (service, endpoint) whose usage report is stale or failed
 
     # -- the election ---------------------------------------------------------------------------------------
     def active(self) -> list[str]:
@@ -277,14 +278,27 @@ class Runner:
         if pending:
             robs = tuple(replace(r, busy=True) if any(b.overlaps(Range(r.lo, r.hi)) for b in pending) else r
                          for r in robs)
-        endpoints = {ep: usage_obs(ep, rec, now, self.cfg.stale_after, problems)
-                     for ep, rec in sorted(usage.items()) if ep in eps}
+        endpoints = {}
+        for ep, rec in sorted(usage.items()):
+            if ep in eps:
+                endpoints[ep] = got = usage_obs(ep, rec, now, self.cfg.stale_after, problems)
+                self._say_stale(name, ep, got.served is None, problems)
         used = {r.owner for r in ranges} | {m for r in ranges for m in r.mirrors}
         spares = tuple(sorted(n for n, e in eps.items() if e.ctl and n not in used and n not in helpers
                               and n not in busy_eps))
         stateful = any(e.ctl for e in eps.values())
         return ServiceObs(name, ranges=robs, endpoints=endpoints, helpers=helpers, spares=spares,
                           stateful=stateful)
+
+    def _say_stale(self, service: str, ep: str, unusable: bool, problems: list[str]) -> None:
+        """Log once when an endpoint's usage report becomes unusable (stale or failed), and when it is back."""
+        key = (service, ep)
+        if unusable and key not in self.unusable:
+            self.unusable.add(key)
+            log.warning("balancer: %s: %s", service, problems[-1] if problems else f"usage report of {ep} unusable")
+        elif not unusable and key in self.unusable:
+            self.unusable.discard(key)
+            log.warning("balancer: %s: usage report of %s is fresh again", service, ep)
 
     def _from_etcd(self, name: str, now: float, problems: list[str]) -> tuple:
         """(range records, endpoints, RangeObs, busy endpoints, live helpers, helpers' problems) as etcd has them."""

@@ -282,6 +282,7 @@ def test_runner_takes_the_helpees_load_from_usage_reports_and_ignores_stale_ones
         ep = run.observe("mc", clock["t"], problems).endpoints["m"]
         assert ep.cpu is None and ep.served is None
         assert any("usage report of m" in p and "past stale_after 1 s: ignored" in p for p in problems), problems
+        assert run.unusable == {("mc", "m")}                      # logged once, until it is fresh again
         usage(registry, "m", 1001.2, error="stats of memcached 10.0.0.1:11211: connection refused")
         wait_for(lambda: run.usage["mc"]["m"].error != "", 5, "the error report")
         problems = []
