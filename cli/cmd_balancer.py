@@ -200,6 +200,9 @@ def status(c, service: str, as_json: bool, last: int) -> None:
             click.echo(f"{owner}: rho {seen.get('rho')}, {seen.get('service_us')} µs/request, predicted p99 "
                        f"{seen.get('p99_us')} µs (alone {seen.get('p99_direct_us')} µs), helped ranges "
                        f"{seen.get('helped')}")
+    for ep, u in sorted(rec.view.get("usage", {}).items()):
+        click.echo(f"{ep}: usage report {u.get('served')} requests/s, CPU {u.get('cpu')} s/s, {u.get('age_s')} s old"
+                   + ("" if u.get("used", True) else " (not used: stale or failed)"))
     for p in rec.problems:
         click.echo(f"problem: {p}", err=True)
 

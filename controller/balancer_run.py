@@ -147,6 +147,7 @@ class Runner:
         self.usage: dict[str, dict[str, schema.Usage]] = {s: {} for s in self.services}
         self.wake = threading.Event()
         self.unusable: set[tuple[str, str]] = set()   # (service, endpoint) whose usage report is stale or failed
+        self.usage_seen: dict[str, dict] = {}
 
     # -- the election ---------------------------------------------------------------------------------------
     def active(self) -> list[str]:
@@ -283,6 +284,10 @@ class Runner:
             if ep in eps:
                 endpoints[ep] = got = usage_obs(ep, rec, now, self.cfg.stale_after, problems)
                 self._say_stale(name, ep, got.served is None, problems)
+        # what the status shows of the reports: their numbers and age at this round
+        self.usage_seen[name] = {ep: {"served": round(rec.served, 1), "cpu": round(rec.cpu, 4),
+                                      "age_s": round(rec.age(now), 3), "used": endpoints[ep].served is not None}
+                                 for ep, rec in usage.items() if ep in endpoints}
         used = {r.owner for r in ranges} | {m for r in ranges for m in r.mirrors}
         spares = tuple(sorted(n for n, e in eps.items() if e.ctl and n not in used and n not in helpers
                               and n not in busy_eps))
@@ -473,6 +478,7 @@ class Runner:
             view["ranges"] = [{"lo": r.lo, "hi": r.hi, "owner": r.owner, "rate": r.rate, "keys": r.keys,
                                "helpers": list(r.helpers), "busy": r.busy} for r in obs.ranges]
             view["spares"] = list(obs.spares)
+            view["usage"] = self.usage_seen.get(service, {})
         elif strict:
             got = self.reg.get(schema.balancer_key(service))
             if got is not None:

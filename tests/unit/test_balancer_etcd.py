@@ -275,6 +275,11 @@ def test_runner_takes_the_helpees_load_from_usage_reports_and_ignores_stale_ones
             ep = obs.endpoints["m"]
             assert (ep.cpu, ep.served, ep.cores) == (0.2, 12000.0, 1.0) and problems == []
         assert reads == [1000.0]                                  # the map once per etcd_every
+        run.publish("mc", clock["t"], [], obs)                    # the status shows the report and its age
+        view = sch.BalancerStatus.from_json(registry.get(sch.balancer_key("mc"))[0]).view
+        assert view["usage"] == {"m": {"served": 12000.0, "cpu": 0.2, "age_s": 0.04, "used": True}}, view
+        res = CliRunner().invoke(cli, ["--etcd", registry.endpoint, "balancer", "status", "mc"])
+        assert "m: usage report 12000.0 requests/s, CPU 0.2 s/s, 0.04 s old" in res.output, res.output
         usage(registry, "m", 1000.05, served=300.0)
         wait_for(lambda: run.usage["mc"]["m"].served == 300.0, 5, "the next report")
         clock["t"] = 1001.2                                       # 1.15 s after the report: stale
