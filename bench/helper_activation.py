@@ -154,6 +154,8 @@ def one(mc, tb, bind, args, variant: str, settings: dict) -> dict:
             settings = dict(settings, burst_window=0.0)
         bal = mc.start_balancer(settings)
         bal_cpu0, bal_t0 = topo.proc_cpu_s(bal.pid), time.monotonic()
+        # memcached's agent: where its usage report is read and written (what the balancer read itself before)
+        agent_cpu0 = topo.proc_cpu_s(mc.memcached.agent.pid)
         time.sleep(max(0.5, 3 * settings["period"]))   # start_balancer saw its first round: a few more
     hpoll: list = []
     stop = threading.Event()
@@ -201,6 +203,8 @@ def one(mc, tb, bind, args, variant: str, settings: dict) -> dict:
         if bal is not None:
             # the balancer's own CPU, polling every period (a share of one core over the variant)
             row["balancer_cpu_share"] = round((topo.proc_cpu_s(bal.pid) - bal_cpu0) / (time.monotonic() - bal_t0), 3)
+            row["memcached_agent_cpu_share"] = round((topo.proc_cpu_s(mc.memcached.agent.pid) - agent_cpu0)
+                                                     / (time.monotonic() - bal_t0), 3)
             tb.sup.stop(bal)
     print(f"  {variant:<9} onset->decision {row.get('onset_to_decision_ms')} ms, decision->carrying "
           f"{row.get('decision_to_carrying_ms')} ms, onset->carrying {row.get('onset_to_carrying_ms')} ms; "
@@ -228,7 +232,8 @@ def main() -> int:
                 "burst_window": args.period if args.burst_window is None else args.burst_window, "calm_window": 1.0, "min_on": 1.0, "min_off": 0.5,
                 "rate_on": int(args.rate * len(CLIENTS) * 0.5), "rate_off": int(args.rate * len(CLIENTS) * 0.2),
                 "helper_capacity": args.rate * len(CLIENTS)}
-    with helper_fabric(args.binary, stats_ms=10) as (tb, mc, bind):
+    # memcached's usage report read as often as the balancer's period (issue 45: the balancer reads it from etcd)
+    with helper_fabric(args.binary, stats_ms=10, report_every=args.period) as (tb, mc, bind):
         rows: list[dict] = []
         for i in range(repeat):
             print(f"round {i + 1}/{repeat}", flush=True)
@@ -255,7 +260,9 @@ def main() -> int:
         "p99_us": {v: med(v, "p99_us") for v in VARIANTS},
         "lost": {v: sum(r["lost"] for r in rows if r["variant"] == v) for v in VARIANTS},
         "wrong": sum(r["wrong"] for r in rows),
-        "rounds_without_carrying": len(missing)}
+        "rounds_without_carrying": len(missing),
+        "balancer_cpu_share": {v: med(v, "balancer_cpu_share") for v in ("balancer", "balancer_1obs")},
+        "memcached_agent_cpu_share": {v: med(v, "memcached_agent_cpu_share") for v in ("balancer", "balancer_1obs")}}
     p99d, p99b = summary["p99_us"]["direct"], summary["p99_us"]["balancer"]
     if p99d and p99b:
         summary["p99_direct_over_balancer"] = round(p99d / p99b, 2)

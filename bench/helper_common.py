@@ -151,10 +151,12 @@ FABRIC_HELPER_OPTS = ("--idle-us", "50", "--conns", "1", "--t-max", "1000")
 
 
 @contextmanager
-def helper_fabric(binary: str | None, stats_ms: int | None = None):
+def helper_fabric(binary: str | None, stats_ms: int | None = None, report_every: float | None = None):
     """A started ``line,2,3`` testbed with memcached preloaded and both helpers announced; yields
     (testbed, McFabric, {client host: its 4 source addresses}).  ``binary``: mc-helper (default: the one
-    'make helper' built, else one built now in a temporary folder, removed afterwards)."""
+    'make helper' built, else one built now in a temporary folder, removed afterwards); ``report_every``:
+    s between memcached's agent's reads of its stats for the usage report the balancer reads (its default
+    0.1 s)."""
     import shutil
     import tempfile
 
@@ -170,7 +172,7 @@ def helper_fabric(binary: str | None, stats_ms: int | None = None):
     tb.start()
     try:
         mc = McFabric(tb, "mc", "vfh1", binary=binary)
-        mc.start_memcached()
+        mc.start_memcached(**({"report_every": report_every} if report_every is not None else {}))
         mc.preload("vfh3", FABRIC_KEYS)
         for name, host in FABRIC_HELPERS.items():
             mc.start_helper(name, host, extra=FABRIC_HELPER_OPTS, stats_ms=stats_ms)

@@ -14,6 +14,7 @@ BENCHES = ["etcd_client.py", "etcd_leader_loss.py", "reroute.py", "reroute_busy.
            "store_sync.py",
            "helper_batching.py",
            "helper_activation.py",
+           "balancer_source.py",
            "helper_failover.py",
            "helper_throughput.py",
            "helper_core.py",

@@ -84,7 +84,8 @@ class BalancerConfigError(ValueError):
 
 @dataclass(frozen=True)
 class BalancerConfig:
-    period: float = 1.0               # s between observations (the runner's tick): the helpee's own stats
+    period: float = 1.0               # s between observations while a condition is timed (else etcd_every); a
+                                      # new usage report starts one at once
     etcd_every: float = 0.25          # s between reads of the range map, endpoints, operations and load reports
                                       # (and status writes); each period when the period is longer
     stale_after: float = 5.0          # s: observations older than this count as missing
@@ -313,6 +314,11 @@ class Balancer:
     def _settled(self, svc: str, r: RangeObs, now: float) -> bool:
         first = self.seen.get((svc, r.lo, r.hi, r.epoch), now)
         return now - first >= self.cfg.op_dwell and not r.busy and r.state == "active"
+
+    def timing(self) -> bool:
+        """Some condition is being timed (a burst, a calm, a load to split or merge on): the runner observes every
+        period then; otherwise nothing can come of a round but what a new report brings."""
+        return bool(self.since)
 
     def decide(self, now: float, observations: list[ServiceObs]) -> list[Decision]:
         """At most one decision per service; call once per period with fresh observations."""

@@ -70,7 +70,7 @@ from vfab.vid.netns import netns as in_netns
 from vfab.vid.registry import Registry, schema
 from vfab.vid.state.sched import proc_stat
 
-from vfab.services.memcached_helper import control
+from vfab.services.memcached_helper import control, usage
 from vfab.services.memcached_helper.helpermetrics import HelperCollector
 from vfab.services.memcached_helper.readmit import Readmit
 from vfab.vid.registry import members as etcd_members
@@ -242,11 +242,20 @@ class MemcachedAgent(Agent):
             s.close()
 
     def announced(self) -> None:
-        if not self.args.listen:
-            return
-        for rec, _ in self.reg.ranges(self.svc.name):
-            if not rec.owner:
-                self.server.listen(rec.lo, rec.hi)
+        if self.args.listen:
+            for rec, _ in self.reg.ranges(self.svc.name):
+                if not rec.owner:
+                    self.server.listen(rec.lo, rec.hi)
+
+    # -- memcached's load in etcd, for a balancer on any host (issue 45, 5; usage.py) ----------------------------
+    def tick(self) -> str | None:
+        if self.args.report_every > 0 and self.server is not None:
+            if getattr(self, "usage", None) is None:
+                self.usage = usage.UsageReporter(self.reg, self.svc.name, self.args.name,
+                                                 usage.Memcached(self.addr[0], self.addr[1], self.args.netns or ""),
+                                                 every=self.args.report_every, heartbeat=self.args.report_heartbeat)
+            self.usage.tick(self.server.lease)
+        return None
 
 
 STATS_MS = 100   # mc-helper's stats file period unless --stats-ms says (10 stats files per --stale second)
@@ -492,6 +501,11 @@ def main(argv: list[str] | None = None) -> int:
     add_common(m)
     m.add_argument("--threads", type=int, default=1, help="memcached worker threads (default 1)")
     m.add_argument("--listen", action="store_true", help="take every unassigned range of the service")
+    m.add_argument("--report-every", type=float, default=0.1, metavar="S",
+                   help="read memcached's stats this often for its usage report in etcd, which the balancer reads "
+                        "(default 0.1; 0: no report)")
+    m.add_argument("--report-heartbeat", type=float, default=0.5, metavar="S",
+                   help="write the report at least this often, else only when its numbers move (default 0.5)")
     h = sub.add_parser("helper", help="run and announce a helper (mc-helper on DPDK)")
     add_common(h)
     h.add_argument("--binary", default=DEFAULT_BINARY, help=f"mc-helper (default {DEFAULT_BINARY})")

@@ -6,8 +6,8 @@ DPDK.  Clients on vfh3, vfh4, vfh6 (each standing for 4 client machines) send me
 address and never change anything.  The demo prints, phase by phase:
 
 1. a burst straight at memcached, no balancer: its CPU per get, latency, losses;
-2. ``vfab balancer run mc`` starts (its own process: memcached's ``stats`` every 0.1 s, the helpers' stats
-   files); the same burst again: the balancer's decisions appear live, with their reasons and when they
+2. ``vfab balancer run mc`` starts (its own process, reading etcd only: memcached's usage report, which its
+   agent writes from ``stats`` every 0.1 s, and the helpers' status records); the same burst again: the balancer's decisions appear live, with their reasons and when they
    came after the burst began — helpers on (which, with what bucket weights), and off again after the calm
    window once the burst is over; memcached's CPU per get while the helpers carried the burst;
 3. a burst during which h1's mc-helper is killed (``kill -9``) once the balancer has switched the helpers on:

@@ -7,8 +7,8 @@
     mc.start_helper("h1", "vfh2")                     # the agent starts mc-helper and announces it
     mc.client("vfh3", "load", "--clients", "16", ...) # mcudp.py in a host: an unmodified memcached UDP client
     mc.helpers_on() / mc.helpers_off()                # what 'vfab helpers on|off' writes
-    mc.start_balancer({"period": 0.1, ...})           # 'vfab balancer run mc' with memcached's stats and the
-                                                      # helpers' stats files: it switches helpers by itself
+    mc.start_balancer({"period": 0.1, ...})           # 'vfab balancer run mc': from memcached's usage report and
+                                                      # the helpers' status in etcd it switches helpers by itself
 
 Every process is started through the testbed's supervisor or tracked by it (stopped by PID at its teardown);
 each helper's stats file, logs and DPDK runtime folder are under the testbed's work folder or removed by the
@@ -84,9 +84,14 @@ class McFabric:
         tb.track(pid, f"{role}:{name}")
         return Running(name, host, proc, pid, words.get("stats", ""), words.get("prefix", ""))
 
-    def start_memcached(self, name: str = "mc0", threads: int = 1, extra: tuple[str, ...] = ()) -> Running:
-        self.memcached = self._agent("memcached", name, self.host, ["--listen", "--threads", str(threads)],
-                                     list(extra))
+    def start_memcached(self, name: str = "mc0", threads: int = 1, extra: tuple[str, ...] = (),
+                        report_every: float | None = None) -> Running:
+        """``report_every``: s between the agent's reads of memcached's stats for its usage report in etcd (what
+        the balancer reads; the agent's default 0.1 s)."""
+        opts = ["--listen", "--threads", str(threads)]
+        if report_every is not None:
+            opts += ["--report-every", str(report_every)]
+        self.memcached = self._agent("memcached", name, self.host, opts, list(extra))
         self.tb.wait_revision(self.tb.registry.state_revision())
         return self.memcached
 
@@ -184,22 +189,25 @@ class McFabric:
 
     # -- the balancer ----------------------------------------------------------------------------------------------
     def balancer_args(self, settings: dict) -> list[str]:
-        """``vfab balancer run`` arguments for this service: memcached's ``stats`` inside its host's namespace,
-        every helper's stats file, and ``settings`` (BalancerConfig names) as ``--set``."""
-        args = ["balancer", "run", self.service,
-                "--memcached", f"{self.service}/{self.memcached.name}={self.addr}@{self.tb.netns(self.host)}"]
-        for name, run in sorted(self.helpers.items()):
-            args += ["--helper", f"{self.service}/{name}={run.stats_file}"]
+        """``vfab balancer run`` arguments for this service: ``settings`` (BalancerConfig names) as ``--set``.
+        It reads everything else from etcd (memcached's usage report, the helpers' status records)."""
+        args = ["balancer", "run", self.service]
         for k, v in settings.items():
             args += ["--set", f"{k}={v}"]
         return args
 
-    def start_balancer(self, settings: dict) -> Proc:
-        """``vfab balancer run`` as its own process (the testbed's supervisor stops it); its log in the workdir."""
-        out = open(os.path.join(self.tb.workdir, "balancer.out"), "wb")
-        proc = self.tb.sup.start("balancer", [sys.executable, "-m", "vfab.cli", "--etcd", self.tb.etcd_endpoint,
-                                              "-v", *self.balancer_args(settings)], stdout=out)
+    def start_balancer(self, settings: dict, name: str = "balancer", standby: bool = False,
+                       extra: tuple[str, ...] = ()) -> Proc:
+        """``vfab balancer run`` as its own process (the testbed's supervisor stops it); its log in the workdir.
+        Returns once it is the active one and has published a round; ``standby``: once it runs (another
+        runner is active)."""
+        out = open(os.path.join(self.tb.workdir, f"{name}.out"), "wb")
+        proc = self.tb.sup.start(name, [sys.executable, "-m", "vfab.cli", "--etcd", self.tb.etcd_endpoint,
+                                        "-v", *self.balancer_args(settings), *extra], stdout=out)
         out.close()
+        if standby:
+            wait_for(lambda: proc.alive() and "running for" in proc.tail(30), 15, f"{name} to run")
+            return proc
         # Up once it has published a round of its own (runner host:pid); a balancer that refused its settings
         # exits at once, and every measurement after that would silently be of no balancer at all.
         deadline = time.monotonic() + 15

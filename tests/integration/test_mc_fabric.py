@@ -637,6 +637,79 @@ def test_an_operators_hold_stands_against_the_balancer(testbed, mc):
     assert after and all(not r.helpers for r, _ in after) and not reg.holds(SVC)[0].holds, after
 
 
+# A standby takes over once the killed one's lease expires (TTL 1 s here; etcd checks expiry every 0.5 s) and
+# its next try comes (every 0.2 s); bound with room for a loaded 2-core machine.
+BALANCER_TTL = 1
+TAKEOVER_BOUND_S = BALANCER_TTL + 1.5
+
+
+def active_balancer(reg) -> str:
+    got = reg.get(schema.leader_key("balancer", SVC))
+    return schema.Leader.from_json(got[0]).who if got else ""
+
+
+def test_two_balancers_one_active_kill9_takeover_and_a_paused_one_is_refused(testbed, mc):
+    """Issue 45 (5): two 'vfab balancer run' processes for one service: one active, one standing by (writing
+    nothing).  kill -9 of the active one: the standby takes over within TAKEOVER_BOUND_S (measured) and switches
+    the helpers on in the next burst.  SIGSTOP of that one past its lease, a third takes over; SIGCONT: its
+    status write is refused by etcd (the election's fence) and it stands by; nothing it wrote lands."""
+    reg = testbed.registry
+    assert not reg.holds(SVC)[0].holds and all(not r.helpers for r, _ in reg.ranges(SVC))
+    ttl = ("--ttl", str(BALANCER_TTL))
+    a = mc.start_balancer(BALANCER, name="balancer-a", extra=ttl)
+    b = mc.start_balancer(BALANCER, name="balancer-b", extra=ttl, standby=True)
+    c = None
+    try:
+        assert active_balancer(reg).endswith(f":{a.pid}")
+        time.sleep(0.5)
+        st = schema.BalancerStatus.from_json(reg.get(schema.balancer_key(SVC))[0])
+        assert st.runner.endswith(f":{a.pid}"), st.runner          # the standby publishes nothing
+        t_kill = time.time()
+        testbed.sup.kill9(a)
+        wait_for(lambda: active_balancer(reg).endswith(f":{b.pid}"), 10, "the standby to win the election")
+        t_won = time.time()
+        wait_for(lambda: schema.BalancerStatus.from_json(reg.get(schema.balancer_key(SVC))[0]).runner
+                 .endswith(f":{b.pid}"), 5, "the new active balancer's first round")
+        t_round = time.time()
+        print(f"\nkill -9 of the active balancer: the standby won {t_won - t_kill:.2f} s after the kill, published "
+              f"its first round {t_round - t_kill:.2f} s after it (TTL {BALANCER_TTL} s)")
+        assert t_won - t_kill < TAKEOVER_BOUND_S
+        # the new active one decides: a burst turns the helpers on
+        n0 = len(mc.decisions())
+        burst = loads(mc, 3.0, 3000)
+        wait_for(lambda: any(d["action"] == "helpers_on" for d in mc.decisions()[n0:]), 4,
+                 "helpers on by the new active balancer")
+        assert sorted(next(r for r, _ in reg.ranges(SVC)).helpers) == ["h1", "h2"]
+        res = [topo.finish(p, 60) for p in burst]
+        assert all(r["wrong"] == 0 for r in res), res
+        # SIGSTOP of b past its lease; a third runner takes over; SIGCONT: b's writes are refused
+        c = mc.start_balancer(BALANCER, name="balancer-c", extra=ttl, standby=True)
+        os.kill(b.pid, signal.SIGSTOP)
+        t_stop = time.time()
+        try:
+            wait_for(lambda: active_balancer(reg).endswith(f":{c.pid}"), 10, "the third runner to win")
+            print(f"SIGSTOP of the active balancer: the standby won {time.time() - t_stop:.2f} s later")
+        finally:
+            os.kill(b.pid, signal.SIGCONT)
+        wait_for(lambda: "refused by etcd" in open(b.logpath, errors="replace").read(), 5,
+                 "the resumed old balancer's write to be refused")
+        log_b = open(b.logpath, errors="replace").read()
+        print("old balancer after SIGCONT: " + next(ln for ln in log_b.splitlines() if "refused by etcd" in ln))
+        time.sleep(0.5)
+        assert active_balancer(reg).endswith(f":{c.pid}")
+        st = schema.BalancerStatus.from_json(reg.get(schema.balancer_key(SVC))[0])
+        assert st.runner.endswith(f":{c.pid}"), st.runner        # b's status write did not land
+        assert b.alive() and "no longer the active one" in log_b, log_b[-2000:]
+    finally:
+        for p in (a, b, c):
+            if p is not None:
+                testbed.sup.stop(p)
+    for p in (b, c):
+        assert "Traceback" not in open(p.logpath, errors="replace").read()
+    mc.helpers_off()
+    cli_ok(testbed, "helpers", "auto", SVC)
+
+
 def test_helper_killed_under_load(testbed, mc):
     """kill -9 of a helper's mc-helper under load: its bucket leaves the group, its clients hash to the other
     helper without reconnecting, per-client order holds; the recovery is measured from the clients' side."""

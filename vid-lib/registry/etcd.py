@@ -457,6 +457,11 @@ class Registry:
             return {"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
         return {"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": str(mod_revision)}
 
+    @staticmethod
+    def cmp_created(key: str, create_revision: int) -> dict:
+        """Compare: key exists and was created at ``create_revision`` (an election key's holder: a fence)."""
+        return {"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": str(create_revision)}
+
     def watch_batches(self, prefix: str, start_revision: int,
                       idle: float | None = None) -> tuple[Iterator[list[Event]], Callable[[], None]]:
         """Events under prefix from start_revision on, one list per etcd watch response.
@@ -771,12 +776,13 @@ class Registry:
 
     def assign(self, service: str, rng: Range, owner: str, *, expect_epoch: int | None = None,
                mirrors: list | None = None, helpers: list | None = None, state: str = "active",
-               weights: dict | None = None) -> int:
+               weights: dict | None = None, fence: Sequence[dict] = ()) -> int:
         """Give ``rng`` of ``service`` to ``owner`` in one transaction; returns the etcd revision.
 
         Ranges that overlap ``rng`` are cut; the parts outside keep their owner.
         ``expect_epoch`` (optimistic concurrency between operators): the highest epoch
-        among the overlapped ranges must equal it, else Conflict.
+        among the overlapped ranges must equal it, else Conflict.  ``fence``: more compares for the same
+        transaction (an elected writer's ``cmp_created``): if one fails, Conflict and nothing is written.
         """
         if owner:
             schema.check_name("endpoint", owner)
@@ -803,11 +809,13 @@ class Registry:
                               state=state if owner else "unassigned", weights=dict(weights or {}))
         puts[schema.range_key(service, rng.lo)] = new.to_json()
         deletes = [k for k in deletes if k not in puts]
-        ok, rev = self.txn([self.cmp_mod(schema.range_key(service, r.lo), m) for r, m in hit], puts, deletes)
+        ok, rev = self.txn([*(self.cmp_mod(schema.range_key(service, r.lo), m) for r, m in hit), *fence], puts,
+                           deletes)
         if not ok:
             raise Conflict(
                 f"range {rng} of {service!r} changed while this reassignment was prepared "
-                "(another operator won); re-read it with 'vfab ranges' and retry"
+                "(another operator won" + (", or the writer's fence no longer holds" if fence else "") +
+                "); re-read it with 'vfab ranges' and retry"
             )
         log.info("service %s: range %s -> %s (epoch %d, revision %d)", service, rng, owner or "-", top + 1, rev)
         return rev

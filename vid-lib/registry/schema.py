@@ -28,6 +28,10 @@
     /vfab/v1/node-ips/<tunnel ip>          <name>    same lease: makes tunnel addresses unique
     /vfab/v1/route-agents/<node>           <pid@host> the node's active route agent, leased by it; its create
                                                      revision is the OpenFlow generation_id (the election)
+    /vfab/v1/usage/<service>/<endpoint>    Usage     {at, cpu, served, cores, window, every, source, error}  leased
+                                                     by a reporter beside the endpoint's process (its CPU and requests)
+    /vfab/v1/leaders/<role>/<scope>        Leader    {who, since, lease}  leased by the elected process (e.g.
+                                                     leaders/balancer/<service>): one active at a time
 
 ``hosts/`` holds where a MAC attaches (a port's record); a machine of the fabric is a *node* (``vfab node
 join``), kept in ``nodes/`` so the controller never recompiles on a node's changes (``PASSIVE``).
@@ -129,7 +133,8 @@ def node_ip_key(ip: str) -> str:
 
 MISS_KEY = f"{ROOT}config/miss"
 FOLDERS = ("services", "service-ids", "endpoints", "ranges", "hosts", "bindings", "switches", "links", "config",
-           "applied", "counters", "ops", "load", "balancer", "helpers", "holds", "nodes", "node-ips", "route-agents")
+           "applied", "counters", "ops", "load", "balancer", "helpers", "holds", "nodes", "node-ips", "route-agents",
+           "usage", "leaders")
 
 
 def op_key(service: str, op_id: str) -> str:
@@ -633,9 +638,85 @@ class Node(Record):
         _need("node", "refused", self.refused, int)
 
 
+# -- issue 45 (5): what the balancer reads instead of other hosts' sockets and files; its election ----------------
+def usage_prefix(service: str = "") -> str:
+    """``usage/`` (every service's reports) or ``usage/<service>/``."""
+    return f"{ROOT}usage/{service}/" if service else f"{ROOT}usage/"
+
+
+def usage_key(service: str, endpoint: str) -> str:
+    return f"{ROOT}usage/{check_name('service', service)}/{check_name('endpoint', endpoint)}"
+
+
+def leader_key(role: str, scope: str) -> str:
+    """Who is the active ``role`` (e.g. "balancer") for ``scope`` (e.g. a service): one key, one holder."""
+    return f"{ROOT}leaders/{check_name('role', role)}/{check_name('scope', scope)}"
+
+
+@dataclass
+class Usage(Record):
+    """An endpoint's own load, written by a reporter on its host (memcached: its agent polls ``stats`` locally):
+    ``cpu`` CPU seconds per second, ``served`` requests per second, both over the last ``window`` s before
+    ``at`` (the reporter's wall clock when it read the counters); ``cores`` the threads serving.  ``every``: the
+    reporter writes at least this often (more often when the numbers move), so a record older than that by
+    more than a margin means a reporter that stopped or a clock that differs.  ``error``: why the counters
+    could not be read (then the numbers mean nothing).  Leased by the reporter (with the endpoint's lease when
+    it is the endpoint's own agent)."""
+
+    KIND: ClassVar[str] = "usage"
+    at: float
+    cpu: float = 0.0
+    served: float = 0.0
+    cores: float = 1.0
+    window: float = 0.0
+    every: float = 0.0
+    source: str = ""
+    error: str = ""
+
+    def __post_init__(self) -> None:
+        for n in ("at", "cpu", "served", "cores", "window", "every"):
+            _need("usage", n, getattr(self, n), (int, float))
+        for n in ("cpu", "served", "window", "every"):
+            if getattr(self, n) < 0:
+                raise VidError(f"usage field {n!r} is negative: {getattr(self, n)!r}")
+        if not self.cores > 0:
+            raise VidError(f"usage field 'cores' must be above 0: {self.cores!r}")
+        _need("usage", "source", self.source, str)
+        _need("usage", "error", self.error, str)
+
+    def age(self, now: float) -> float:
+        """s since the counters were read (never below 0: a reporter's clock ahead of ours is not staleness)."""
+        return max(0.0, now - self.at)
+
+    def stale(self, now: float, limit: float) -> bool:
+        """Too old to decide on: older than ``limit`` s (the balancer's ``stale_after``)."""
+        return self.age(now) > limit
+
+
+@dataclass
+class Leader(Record):
+    """The holder of an election (``leader_key``): ``who`` (hostname:pid), ``since`` when it won (unix s),
+    ``lease`` the lease the key lives under.  Its key's create revision is the holder's fencing token: a write
+    it makes compares it in the same transaction, so a holder that lost the key (paused past its lease, cut
+    off) can no longer write."""
+
+    KIND: ClassVar[str] = "leader"
+    who: str
+    since: float
+    lease: int = 0
+
+    def __post_init__(self) -> None:
+        _need("leader", "who", self.who, str)
+        if not self.who:
+            raise VidError("leader field 'who' is empty: name the process (hostname:pid)")
+        _need("leader", "since", self.since, (int, float))
+        _need("leader", "lease", self.lease, int)
+
+
 # Folders that never change what the controller compiles (its own reports, endpoints' ops and load, the
 # balancer's status: its decisions reach the switches through the ranges it writes).
-PASSIVE = ("applied", "counters", "ops", "load", "balancer", "helpers", "holds", "nodes", "node-ips", "route-agents")
+PASSIVE = ("applied", "counters", "ops", "load", "balancer", "helpers", "holds", "nodes", "node-ips", "route-agents",
+           "usage", "leaders")
 
 
 def parse_key(key: str) -> tuple[str, list[str]] | None:
