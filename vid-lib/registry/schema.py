@@ -26,6 +26,11 @@
     /vfab/v1/nodes/<name>                  Node      {name, tunnel_ip, dpid, bridge, ports, peers, ...}  a fabric
                                                      host (its Open vSwitch), leased by its node agent
     /vfab/v1/node-ips/<tunnel ip>          <name>    same lease: makes tunnel addresses unique
+    /vfab/v1/sdhcp/<service>/blocks        block table {v, pool, blocks: [[a, b, anchor]]}  which addresses of
+                                                     an sdhcp pool are anchored away from their home keys
+                                                     (services/sdhcp/blocks.py owns the format)
+    /vfab/v1/sdhcp/<service>/wants/<shard> Want      {need, parked, anchor, at}  a shard asking for addresses,
+                                                     leased by it (services/sdhcp/agent.py)
 
 ``hosts/`` holds where a MAC attaches (a port's record); a machine of the fabric is a *node* (``vfab node
 join``), kept in ``nodes/`` so the controller never recompiles on a node's changes (``PASSIVE``).
@@ -119,9 +124,25 @@ def node_ip_key(ip: str) -> str:
     return f"{ROOT}node-ips/{ipaddress.IPv4Address(ip)}"
 
 
+def sdhcp_prefix(service: str) -> str:
+    return f"{ROOT}sdhcp/{service}/"
+
+
+def sdhcp_blocks_key(service: str) -> str:
+    return f"{ROOT}sdhcp/{service}/blocks"
+
+
+def sdhcp_want_prefix(service: str) -> str:
+    return f"{ROOT}sdhcp/{service}/wants/"
+
+
+def sdhcp_want_key(service: str, shard: str) -> str:
+    return f"{ROOT}sdhcp/{service}/wants/{check_name('endpoint', shard)}"
+
+
 MISS_KEY = f"{ROOT}config/miss"
 FOLDERS = ("services", "service-ids", "endpoints", "ranges", "hosts", "bindings", "switches", "links", "config",
-           "applied", "counters", "ops", "load", "balancer", "helpers", "holds", "nodes", "node-ips")
+           "applied", "counters", "ops", "load", "balancer", "helpers", "holds", "nodes", "node-ips", "sdhcp")
 
 
 def op_key(service: str, op_id: str) -> str:
@@ -627,7 +648,7 @@ class Node(Record):
 
 # Folders that never change what the controller compiles (its own reports, endpoints' ops and load, the
 # balancer's status: its decisions reach the switches through the ranges it writes).
-PASSIVE = ("applied", "counters", "ops", "load", "balancer", "helpers", "holds", "nodes", "node-ips")
+PASSIVE = ("applied", "counters", "ops", "load", "balancer", "helpers", "holds", "nodes", "node-ips", "sdhcp")
 
 
 def parse_key(key: str) -> tuple[str, list[str]] | None:
