@@ -321,8 +321,8 @@ class BlockAgent:
         with self._lock:
             posted = self.wants.get(self.name)
         fresh = posted is not None and (posted[0].need, posted[0].parked) == (want.need, want.parked)
-        if fresh and time.monotonic() - self.own_at < WANT_AGAIN:
-            return
+        if fresh and (not want.parked or time.monotonic() - self.own_at < WANT_AGAIN):
+            return   # asked already (again every WANT_AGAIN while clients wait, for lenders that missed it)
         self.own, self.own_at = want, time.monotonic()
         self.reg.put(key, want.to_json(), lease=self.loop.lease.id or None)
         self.counters["wants"] += 1

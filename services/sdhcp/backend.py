@@ -21,9 +21,11 @@ Requests (RFC 2131 §4.3):
   gets it back while nobody else needed it); DECLINE marks the address
   declined for ``DECLINE_HOLD``; INFORM is answered with the options only.
 
-Who may hand out what (``pool.py``): an address only by the shard owning its
-home key, with the ``addr`` row written in the same transaction as the
-client's ``lease`` row.  An address whose home key another shard owns (a split
+Who may hand out what (``blocks.py``): an address only by the shard owning its
+row key (its home key, ``pool.py``, unless the service's block table anchors it
+elsewhere), with the ``addr`` row written in the same transaction as the
+client's ``lease`` row; a DISCOVER that finds none is reported (``on_exhausted``)
+and parked by the server while its block agent borrows.  An address whose row key another shard owns (a split
 put the client's key and the address's home on two shards) stays the client's:
 the home shard keeps it reserved as long as it does not own the client's key
 (it cannot tell whether the lease is alive), so the client renews and re-binds

@@ -114,12 +114,12 @@ def running_out(e: dict) -> str | None:
     return None
 
 
-def _blocks(s: dict) -> str:
-    """The blocks column: the blocks anchored in the shard's ranges and their addresses (lent to it), beside
-    its home slice (blocks.py)."""
-    if "blocks" not in s:
-        return "-"
-    return f"{s['blocks']} (+{s.get('borrowed', 0)}), home {s.get('home', 0)}"
+def _slice(s: dict) -> str:
+    """The slice column: the addresses the shard may hand out, and the blocks lent to it (blocks.py, anchored
+    in its ranges) with (+) their addresses; the rest of its slice is its home slice."""
+    if not s.get("blocks"):
+        return f"{s.get('slice', 0)}"
+    return f"{s['slice']} ({s['blocks']} +{s['borrowed']})"
 
 
 def _rate(x) -> str:
@@ -160,9 +160,10 @@ def need_sdhcp(reg, service: str) -> None:
 @errors
 def status(c, service: str, interval: float, as_json: bool) -> None:
     """Per shard of SERVICE: owned (or mirrored) ranges; its slice of the pool (the addresses it may hand
-    out now); its blocks (address blocks other shards lent it, anchored in its ranges, "+" their addresses,
-    and "home" the rest of its slice: the addresses whose home keys it owns and did not lend; the last row
-    counts the blocks of the service's table) and pool use (addresses held in it); bound and offered leases; declined addresses; requests/s
+    out now) with, in brackets, its blocks (address blocks other shards lent it, anchored in its ranges)
+    and "+" their addresses (the rest of its slice is its home slice: the addresses whose home keys it owns
+    and did not lend; the last row counts the blocks of the service's table) and pool use (addresses held
+    in it); bound and offered leases; declined addresses; requests/s
     (its load report, what the balancer sees); offers, ACKs, NAKs and dropped input per second (over
     --interval); totals since start, "no address" being the DISCOVERs left unanswered because the shard's
     slice was full (the shard's log says when it fills); "native", the share of its OFFERs and ACKs that its
@@ -183,7 +184,7 @@ def status(c, service: str, interval: float, as_json: bool) -> None:
     for s in shards:
         owns = ",".join(s["owns"]) or ("mirror " + ",".join(s["mirrors"]) if s["mirrors"] else "-")
         if "error" in s:
-            rows.append([s["shard"], owns, *["?"] * 10, s["error"]])
+            rows.append([s["shard"], owns, *["?"] * 9, s["error"]])
             continue
         k = s.get("counters", {})
         r = s.get("rates")
@@ -193,22 +194,22 @@ def status(c, service: str, interval: float, as_json: bool) -> None:
         tot["dropped"] += dropped(k)
         for name in tot_rates:
             tot_rates[name] += (r or {}).get(name, 0.0)
-        rows.append([s["shard"], owns, s.get("slice", 0), _blocks(s), f"{s.get('held', 0)} ({s.get('pool_use', 0.0):g}%)",
+        rows.append([s["shard"], owns, _slice(s), f"{s.get('held', 0)} ({s.get('pool_use', 0.0):g}%)",
                      s.get("bound", 0), s.get("offered", 0), s.get("declined", 0), _rate(s["req_s"]),
                      "/".join(_rate(r[n]) for n in RATED) if r else "-", _rate(r["dropped"]) if r else "-",
                      native_share(s), f"{k.get('offers', 0)}/{k.get('acks', 0)}/{k.get('naks', 0)}/{k.get('releases', 0)}/"
                      f"{dropped(k)}/{k.get('pool_exhausted', 0)}"])
     if len(rows) > 1:
         use = round(100.0 * tot["held"] / tot["slice"], 1) if tot["slice"] else 0.0
-        tb = next((s.get("table_blocks") for s in shards if "table_blocks" in s), None)
-        rows.append(["all", "", tot["slice"], f"{tb} in the table" if tb is not None else "",
+        tb = next((s.get("table_blocks") for s in shards if "table_blocks" in s), 0)
+        rows.append(["all", "", f"{tot['slice']}" + (f" ({tb} blocks)" if tb else ""),
                      f"{tot['held']} ({use:g}%)", tot["bound"], tot["offered"],
                      tot["declined"], _rate(round(tot["req_s"], 1)),
                      "/".join(_rate(round(tot_rates[n], 1)) for n in RATED) if interval > 0 else "-",
                      _rate(round(tot_rates["dropped"], 1)) if interval > 0 else "-", "", ""])
     pool = next((s["pool"] for s in shards if "pool" in s), "")
     c.console.print(table(f"sdhcp {service}" + (f": {pool}" if pool else ""),
-                          ["shard", "owns", "slice", "blocks", "in use", "bound", "offered", "declined", "req/s",
+                          ["shard", "owns", "slice", "in use", "bound", "offered", "declined", "req/s",
                            "offers/acks/naks per s", "dropped/s", "native",
                            "offers/acks/naks/releases/dropped/no address"], rows))
     for s in shards:

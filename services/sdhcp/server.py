@@ -172,8 +172,9 @@ class SdhcpLoop(EndpointLoop):
             return []   # requests released from a hold or fenced go first: a client's are answered in order
         holes = [rng for rng, _ in self.paused.values()] + [r for rngs in self.targets.values() for r in rngs]
         own = [r for r in self.view.owned_by(self.name) if not r.mirrors and not any(r.range.overlaps(h) for h in holes)]
-        if self.agent is not None:
-            ok = self.agent.allowed([r.range for r in own])
+        agent = getattr(self, "agent", None)
+        if agent is not None:
+            ok = agent.allowed([r.range for r in own])
             own = [r for r in own if r.range in ok]
         return [(r.lo, r.hi) for r in own]
 

@@ -8,8 +8,10 @@ first assertion after the lend (and cannot import ``blocks``)."""
 
 from __future__ import annotations
 
+import os
 import random
 import time
+from ipaddress import IPv4Address
 
 import pytest
 
@@ -18,13 +20,12 @@ from vfab.services.sdhcp.backend import SdhcpBackend
 from vfab.services.sdhcp.blocks import HOME, Blocks, BlockError, runs
 from vfab.services.sdhcp.config import parse_opts
 from vfab.services.sdhcp.pool import Pool
-from vfab.services.sdhcp.store import Store, unpack
-from vfab.services.sdhcp.wire import MessageType
+from vfab.services.sdhcp.store import ADDR, HEAD, HELD, KIND_ADDR, Store, unpack
+from vfab.services.sdhcp.wire import MessageType, Opt
 from vfab.vid import mackey
 from vfab.vid.codec import KEY_MAX
 from vfab.vid.ranges import Range
 from tests.unit.test_sdhcp_lane import Pair, frame, lanemod, yiaddr
-import os
 
 OPTS = {"pool": "192.168.77.10-192.168.77.73", "mask": "24", "server": "192.168.77.1", "lease": "600"}  # 64
 HALF = KEY_MAX // 2
@@ -164,3 +165,36 @@ def test_a_lender_keeps_some_unless_a_client_waits_elsewhere():
     waiting = agent.Want(need=10, parked=4, anchor=5, at=time.time())
     assert agent.lend_count(waiting, 5, 10, mine) == 3       # past our own parked clients
     assert agent.Want.from_json(w.to_json()) == w and agent.Want.from_json(b"{}") is None
+
+
+def _request(be, mac, ip):
+    """A SELECTING REQUEST for ``ip``; the ACKed address or None."""
+    raw = frame(mac, MessageType.REQUEST, opts={Opt.SERVER_ID: IPv4Address(OPTS["server"]).packed,
+                                                Opt.REQUESTED_IP: IPv4Address(ip).packed})
+    reply = Pair.python(be, raw)
+    return None if reply is None else int(yiaddr(reply))
+
+
+def test_leases_made_under_the_home_key_rule_survive_the_first_lend(tmp_path):
+    """A store written before blocks (every row at its home key, address records without a row key): its
+    bound clients keep their addresses and renew them after the shard lends all it never handed out, and a
+    record of the old kind is still filed at its home key."""
+    a, _ = _shard(tmp_path, "a", [Range(0, HALF)])
+    macs = [bytes([2, 0, 0, 0x10, 0, i]) for i in range(20)]
+    before = {m: _discover(a, m) for m in macs}
+    assert all(_request(a, m, ip) == ip for m, ip in before.items())
+    homes = dict(a.store.db.execute("SELECT ip, vkey FROM addr").fetchall())
+    assert all(homes[ip] == a.pool.home_of(ip) for ip in before.values())
+    pool = a.pool
+    spare = [ip for ip in a.store.rowless(pool.first, pool.last, 64) if a.store.blocks.may(a.allocatable(), ip)]
+    assert len(spare) == 32 - 20
+    a.store.blocks = a.store.blocks.lent(runs(ip - pool.first for ip in spare), HALF + 7, revision=9)
+    assert all(_request(a, m, ip) == ip for m, ip in before.items())          # renewed, same addresses
+    assert {m: _discover(a, m) for m in macs} == before                       # a client starting over too
+    assert _discover(a, bytes([2, 0, 0, 0x10, 1, 0])) is None                  # nothing else is A's now
+    body = ADDR.pack(pool.first + 40, 0x0200001000AA, HELD, 0)
+    legacy = HEAD.pack(HEAD.size + len(body), KIND_ADDR, 1, a.store.fp, 5) + body
+    m, _ = _shard(tmp_path, "m", [])
+    m.store.apply([legacy])
+    assert m.store.db.execute("SELECT vkey FROM addr WHERE ip=?", (pool.first + 40,)).fetchone()[0] == \
+        pool.home_of(pool.first + 40)

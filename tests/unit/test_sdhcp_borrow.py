@@ -100,7 +100,8 @@ def test_a_dry_shard_borrows_and_every_address_is_used_once(with_agents, registr
     assert rows["s1"]["blocks"] >= 1 and rows["s1"]["borrowed"] == lent, rows["s1"]
     assert rows["s1"]["slice"] + rows["s2"]["slice"] == N
     text = status(registry, "--interval", "0")
-    assert "blocks" in text.output, text.output
+    row = next(ln for ln in text.output.splitlines() if "│ s1" in ln)
+    assert f"({rows['s1']['blocks']} +{lent})" in row and "blocks)" in text.output, text.output
 
 
 def test_without_blocks_half_the_clients_get_nothing(without_agents):
