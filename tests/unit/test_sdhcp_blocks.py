@@ -198,3 +198,75 @@ def test_leases_made_under_the_home_key_rule_survive_the_first_lend(tmp_path):
     m.store.apply([legacy])
     assert m.store.db.execute("SELECT vkey FROM addr WHERE ip=?", (pool.first + 40,)).fetchone()[0] == \
         pool.home_of(pool.first + 40)
+
+
+class _FakeLoop:
+    """What a BlockAgent uses of its shard's loop: the view from etcd, a store, calls run at once."""
+
+    def __init__(self, registry, store, name):
+        from types import SimpleNamespace
+        from vfab.vid.state.view import read_view
+        self.registry, self.name = registry, name
+        self.service = SimpleNamespace(name="dbk")
+        self.backend = SimpleNamespace(store=store, clock=lambda: 1_800_000_000.0)
+        self.lease = SimpleNamespace(id=0)
+        self.view = read_view(registry, "dbk")
+        self._thread = None
+        self.changed = 0
+
+    def call(self, fn, wait=True, timeout=10.0):
+        return fn()
+
+    def _authoritative(self):
+        return True
+
+    def allocatable(self):
+        return [r.range for r in self.view.owned_by(self.name)]
+
+    def blocks_changed(self):
+        self.changed += 1
+
+    def parked_count(self):
+        return 0
+
+
+def test_a_lend_is_one_fenced_transaction_and_a_lost_compare_lifts_the_fence(registry, tmp_path):
+    """Against real etcd: A lends to B's want (the table, the want's deletion, one transaction); a second
+    lend built on a table that changed meanwhile, or by a shard that no longer owns the range, writes
+    nothing and leaves A free to hand its addresses out again."""
+    from vfab.vid.registry import schema
+    registry.create_service("dbk", kind="sdhcp", frontdoors=[{"kind": "dhcp4"}])
+    registry.assign("dbk", Range(0, KEY_MAX), "a")
+    registry.assign("dbk", Range(HALF + 1, KEY_MAX), "b")
+    store = Store(str(tmp_path / "a.sqlite"), parse_opts(OPTS), mackey.LOW24)
+    try:
+        loop = _FakeLoop(registry, store, "a")
+        ag = agent.BlockAgent(loop, registry)
+        ag._read_table()
+        assert ag.confirmed is not None and ag.checked == (Range(0, HALF),)
+        wkey = schema.sdhcp_want_key("dbk", "b")
+        registry.put(wkey, agent.Want(10, 1, HALF + 5, time.time()).to_json())
+        want_rev = registry.get(wkey)[1]
+        ag._lend_to("b", agent.Want(10, 1, HALF + 5, time.time()), want_rev, 10)
+        raw, rev = registry.get(schema.sdhcp_blocks_key("dbk"))
+        table = Blocks.from_json(raw, store.pool, store.fp, rev)
+        assert sum(b - a + 1 for a, b, _ in table.blocks) == 10 and registry.get(wkey) is None
+        assert store.blocks.blocks == table.blocks and ag.lending is None and ag.counters["lent"] == 10
+        assert store.blocks.size([Range(0, HALF)]) == 32 - 10
+        # another lend whose compare fails: the table moved on (another lender) behind A's back
+        registry.put(wkey, agent.Want(5, 1, HALF + 5, time.time()).to_json())
+        want_rev = registry.get(wkey)[1]
+        registry.put(schema.sdhcp_blocks_key("dbk"), table.lent([(40, 41)], HALF + 9).to_json(store.fp))
+        ag._lend_to("b", agent.Want(5, 1, HALF + 5, time.time()), want_rev, 5)
+        assert ag.counters["lend_conflicts"] == 1 and ag.lending is None
+        assert store.blocks.size([Range(0, HALF)]) == 32 - 10          # the fence is lifted
+        assert registry.get(wkey) is not None                             # the want stays for another try
+        # A no longer owns its range (a move it has not seen): nothing written, fence lifted
+        ag._read_table()
+        registry.assign("dbk", Range(0, HALF), "c")
+        before = registry.get(schema.sdhcp_blocks_key("dbk"))
+        ag._lend_to("b", agent.Want(5, 1, HALF + 5, time.time()), registry.get(wkey)[1], 5)
+        assert registry.get(schema.sdhcp_blocks_key("dbk")) == before and ag.lending is None
+        assert store.blocks.size([Range(0, HALF)]) == 32 - 10
+    finally:
+        store.close()
