@@ -309,7 +309,8 @@ def stop_sdhcp(tb: Testbed, svc: str, procs: list) -> dict:
     for (name, _, _), p in zip(SHARDS[int(svc[7])], procs):
         try:
             body = statectl.command(tb.registry, svc, name, "STATS", {}).body["sdhcp"]
-            counters[name] = {**body["counters"], "native": body.get("native", {})}   # what the lane served
+            counters[name] = {**body["counters"], "native": body.get("native", {}),   # what the lane served
+                              "blocks": body.get("agent", {}), "parked": body.get("parked", 0)}
         except Exception as exc:  # noqa: BLE001 - a dead shard is reported, not fatal to the others' numbers
             counters[name] = {"error": str(exc)}
     for p in procs:

@@ -112,7 +112,9 @@ class BlockAgent:
         self.wants: dict[str, tuple[Want, int]] = {}   # shard -> (want, mod revision)
         self.own: Want | None = None
         self.own_at = 0.0
-        self.counters = {"lent": 0, "lends": 0, "lend_conflicts": 0, "borrowed": 0, "wants": 0, "tables": 0}
+        self.counters = {"lent": 0, "lends": 0, "lend_conflicts": 0, "borrows": 0, "wants": 0, "tables": 0,
+                         "borrow_ms_last": 0, "borrow_ms_max": 0}
+        self._asked_at = 0.0   # monotonic s of the first want not answered yet by a lend to this shard
         self._wake = threading.Event()
         self._refresh = threading.Event()
         self._stop = threading.Event()
@@ -202,9 +204,17 @@ class BlockAgent:
         """(loop thread) A table read from etcd: decide by it if it is newer."""
         if self.confirmed is not None and table.revision <= self.confirmed.revision:
             return
+        mine = self.loop.allocatable()
+        before = self.store.blocks.count_anchored(mine)[1]
         self.confirmed = table
         self.counters["tables"] += 1
         self._apply()
+        if self._asked_at and table.count_anchored(mine)[1] > before:   # a lend to us: how long we waited
+            ms = int((time.monotonic() - self._asked_at) * 1000)
+            self._asked_at = 0.0
+            self.counters["borrows"] += 1
+            self.counters["borrow_ms_last"] = ms
+            self.counters["borrow_ms_max"] = max(self.counters["borrow_ms_max"], ms)
 
     def _apply(self) -> None:
         table = self.confirmed or Blocks(self.store.pool)
@@ -315,6 +325,7 @@ class BlockAgent:
         if anchor < 0 or (free >= low and not parked):
             if self.own is not None and (free >= 2 * low or anchor < 0):
                 self.own = None
+                self._asked_at = 0.0
                 self.reg.delete(key)
             return
         want = Want(max(2 * low - free, parked), parked, anchor, time.time())
@@ -324,6 +335,8 @@ class BlockAgent:
         if fresh and (not want.parked or time.monotonic() - self.own_at < WANT_AGAIN):
             return   # asked already (again every WANT_AGAIN while clients wait, for lenders that missed it)
         self.own, self.own_at = want, time.monotonic()
+        if not self._asked_at:
+            self._asked_at = self.own_at
         self.reg.put(key, want.to_json(), lease=self.loop.lease.id or None)
         self.counters["wants"] += 1
 
