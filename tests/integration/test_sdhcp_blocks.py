@@ -53,10 +53,19 @@ def _start(testbed, workdir: str, name: str, pause: str | None, listen: bool):
             *[a for k, v in OPTS.items() for a in ("--opt", f"{k}={v}")],
             *(["--listen", f"{rng.lo:#x}-{rng.hi:#x}"] if listen else []), "--netns", testbed.netns(host)]
     env = {"VFAB_SDHCP_LEND_PAUSE": pause} if pause else {}
+    log = os.path.join(testbed.sup.logdir, f"sdhcp-{name}.log")
+    start = os.path.getsize(log) if os.path.exists(log) else 0   # the log is appended to: this run's part only
     proc = testbed.sup.start(f"sdhcp-{name}", [sys.executable, *args], env=env, stdout=open(out, "wb"))
+    proc.log_from = start
     wait_for(lambda: b"ready" in open(out, "rb").read() or not proc.alive(), 30, f"shard {name}")
     assert proc.alive(), proc.tail(40)
     return proc
+
+
+def _log(proc) -> str:
+    with open(proc.logpath) as fh:
+        fh.seek(proc.log_from)
+        return fh.read()
 
 
 @pytest.mark.parametrize("where", ["before", "after"])
@@ -74,7 +83,7 @@ def test_kill_9_of_the_lender_mid_lend_loses_no_block_and_duplicates_none(testbe
         mark = cap.mark()
         run = dc.perfdhcp(relays, 0, N, BASE, None, avalanche=True)
         # b fences addresses for a and sleeps in its lend: kill it there
-        wait_for(lambda: "lend paused" in open(procs["b"].logpath).read(), 30, "b to pause in a lend")
+        wait_for(lambda: "lend paused" in _log(procs["b"]), 30, "b to pause in a lend")
         table_before = reg.get(schema.sdhcp_blocks_key(SVC))
         testbed.sup.kill9(procs["b"])
         if where == "before":
@@ -110,7 +119,7 @@ def test_kill_9_of_the_lender_mid_lend_loses_no_block_and_duplicates_none(testbe
         store_b.close()
     for name, p in procs.items():
         assert p.alive(), f"shard {name} died:\n{p.tail(40)}"
-        assert "Traceback" not in open(p.logpath).read(), open(p.logpath).read()[-3000:]
+        assert "Traceback" not in _log(p), _log(p)[-3000:]
     for p in procs.values():
         testbed.sup.stop(p)
     reg.delete_service(SVC)
