@@ -275,7 +275,7 @@ class BlockAgent:
             self.lending = None
             self._apply()
             return None
-        return self.lending[0], sorted({r.lo for r in recs})
+        return self.lending[0], sorted({r.lo for r in recs}), self.loop.view.revision
 
     def _settle(self, table: Blocks | None) -> None:
         """(loop thread) The lend's transaction ended: with the table it wrote, or None (failed)."""
@@ -365,7 +365,7 @@ class BlockAgent:
         fenced = self.loop.call(lambda: self._fence(want.anchor, n), timeout=5.0)
         if not isinstance(fenced, tuple):
             return
-        lent_runs, range_los = fenced
+        lent_runs, range_los, view_rev = fenced
         ok, table = False, None
         try:
             _pause("before")
@@ -377,7 +377,8 @@ class BlockAgent:
             compares = [self.reg.cmp_mod(self.key, base.revision), self.reg.cmp_mod(wkey, want_rev)]
             for rk in rkeys:
                 got = items.get(rk)
-                if got is None or schema.RangeRec.from_json(got[0], rk).owner != self.name:
+                # the range as the fence saw it (not changed since the map it decided by), still ours
+                if got is None or got[1] > view_rev or schema.RangeRec.from_json(got[0], rk).owner != self.name:
                     return
                 compares.append(self.reg.cmp_mod(rk, got[1]))
             ok, rev = self.reg.txn(compares, {self.key: new.to_json(self.store.fp)}, deletes=[wkey])

@@ -261,8 +261,13 @@ def test_a_lend_is_one_fenced_transaction_and_a_lost_compare_lifts_the_fence(reg
         assert ag.counters["lend_conflicts"] == 1 and ag.lending is None
         assert store.blocks.size([Range(0, HALF)]) == 32 - 10          # the fence is lifted
         assert registry.get(wkey) is not None                             # the want stays for another try
-        # A no longer owns its range (a move it has not seen): nothing written, fence lifted
+        # A's range changed after the map A's fence decided by (a new epoch, still A's): nothing written
         ag._read_table()
+        registry.assign("dbk", Range(0, HALF), "a")
+        before = registry.get(schema.sdhcp_blocks_key("dbk"))
+        ag._lend_to("b", agent.Want(5, 1, HALF + 5, time.time()), registry.get(wkey)[1], 5)
+        assert registry.get(schema.sdhcp_blocks_key("dbk")) == before and ag.lending is None
+        # A no longer owns its range (a move it has not seen): nothing written, fence lifted
         registry.assign("dbk", Range(0, HALF), "c")
         before = registry.get(schema.sdhcp_blocks_key("dbk"))
         ag._lend_to("b", agent.Want(5, 1, HALF + 5, time.time()), registry.get(wkey)[1], 5)
