@@ -227,19 +227,6 @@ def socket_drops(pids: list[int]) -> int:
     return total
 
 
-def udp_rcvbuf_errors(netns_paths: list[str]) -> int:
-    """UDP datagrams dropped for a full receive buffer in these namespaces (``/proc/net/snmp`` Udp
-    RcvbufErrors, per namespace): perfdhcp's own sockets, in the relays' namespaces where nothing else runs."""
-    total = 0
-    for path in netns_paths:
-        out = subprocess.run(["nsenter", f"--net={path}", "cat", "/proc/net/snmp"], capture_output=True,
-                             text=True).stdout
-        rows = [ln.split() for ln in out.splitlines() if ln.startswith("Udp:")]
-        if len(rows) >= 2 and "RcvbufErrors" in rows[0]:
-            total += int(rows[1][rows[0].index("RcvbufErrors")])
-    return total
-
-
 OVS_PIDFILE = "/run/openvswitch/ovs-vswitchd.pid"
 
 
@@ -392,8 +379,6 @@ def perf_phase(tb: Testbed, relays: dc.ClientFarm, cap: dc.Capture, n: int, rate
     function giving each shard's ACKs so far (sdhcp), for the load per shard."""
     per = n // 4
     drops0 = socket_drops(pids)
-    spaces = [relays.ns(q) for q in range(4)]
-    client_drops0 = udp_rcvbuf_errors(spaces)
     cpu0 = cpu_seconds(pids)
     acks0 = shard_acks() if shard_acks else None
     machine = MachineCpu(tb)
@@ -403,9 +388,6 @@ def perf_phase(tb: Testbed, relays: dc.ClientFarm, cap: dc.Capture, n: int, rate
     reps = [dc.finish_perfdhcp(relays, r, timeout=per / max(1, (rate or 4 * per) // 4) + 30) for r in runs]
     used = machine.used()
     used["server_socket_drops"] = socket_drops(pids) - drops0
-    # what perfdhcp's own sockets dropped (a full receive buffer while it waited for a core): at 4,000/s on this
-    # machine's 2 cores, a burst of replies may arrive while perfdhcp is descheduled (issue 44's 4,000/s case)
-    used["client_socket_drops"] = udp_rcvbuf_errors(spaces) - client_drops0
     if shard_acks:
         got = shard_acks()
         load = {k: got.get(k, 0) - acks0.get(k, 0) for k in got}
@@ -437,8 +419,6 @@ def line(name: str, what: str, r: dict) -> str:
     extra += f"; machine busy {r.get('machine_busy_cpu_s')} CPU-s (fabric daemons: {fabric or 'none'})"
     if r.get("server_socket_drops"):
         extra += f"; the server's sockets dropped {r['server_socket_drops']} frames (receive buffer full)"
-    if r.get("client_socket_drops"):
-        extra += f"; perfdhcp's sockets dropped {r['client_socket_drops']} replies (receive buffer full)"
     return (f"{name:>9} {what:<18} {r['leased']:>4}/{r['clients']} leased in {r['time_s']} s "
             f"({r['leases_per_s']}/s), DORA median {d.get('median_ms')} ms p99 {d.get('p99_ms')} ms, "
             f"server turnaround median OFFER {r['offer_turnaround'].get('median_ms')} ms "
