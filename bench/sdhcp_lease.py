@@ -54,6 +54,12 @@ Kea; docs/measurements.md, 2026-11-29, sixth session).
   relays: every server fills its pool and then answers nothing; what it costs
   is the CPU per flood client (``--no-flood`` skips it).
 
+* **A pool exactly as large as the clients** (``--exact``, since 2026-12-07, issue 44's address blocks): no
+  udhcpc or flood phase; each perfdhcp phase (every rate and the avalanche) on a fresh server whose pool has
+  exactly ``--perf`` addresses. A phase fails the bench unless every client is leased and every address used
+  once; with 4 shards, a shard whose home slice is short borrows addresses from the others (blocks through
+  etcd), and each shard's lends and ``borrow_ms_max`` are kept in the results (``shards_<phase>``).
+
 Each server runs 3 times from scratch (no leases), in rounds (every server
 once per round, the order reversed every other round, so a slow spell of the
 shared machine weighs on all of them); the medians are printed last, and the
@@ -117,7 +123,7 @@ longer slows the process starting the clients.  The clients then share one core,
 comparable with an unpinned run's, only the servers within the run.
 
 Run: ``/opt/vfab-venv/bin/python bench/sdhcp_lease.py [--smoke] [--pin] [--rates 1000,2000] [--repeat N]
-[--servers sdhcp4,kea] [--topo single,6] [--profile DIR]`` (root; ``--smoke``: 20 udhcpc, 100 perfdhcp at 1,000/s, sdhcp with 1
+[--servers sdhcp4,kea] [--topo single,6] [--profile DIR] [--exact]`` (root; ``--smoke``: 20 udhcpc, 100 perfdhcp at 1,000/s, sdhcp with 1
 and 2 shards, Kea, dnsmasq, one run each, ~35 s).
 """
 
