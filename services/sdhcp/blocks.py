@@ -59,8 +59,9 @@ class Blocks:
         for a, b, k in self.blocks:
             if not (prev < a <= b < pool.size) or not 0 <= k <= KEY_MAX:
                 raise BlockError(f"block [{a}, {b}] -> {k:#x} overlaps another, is out of order, or lies outside "
-                                 f"the pool of {pool.size} addresses: the table is corrupt; delete it "
-                                 "('vfab sdhcp blocks --reset' is not offered: restore the record from a shard's log)")
+                                 f"the pool of {pool.size} addresses: the block table is corrupt (edited by hand?); "
+                                 "every lend is in its lender's log ('lent N addresses ... anchored at KEY'): "
+                                 "rebuild the record from those")
             prev = b
         if len(self.blocks) > MAX_BLOCKS:
             raise BlockError(f"{len(self.blocks)} blocks, more than {MAX_BLOCKS}")
