@@ -387,8 +387,10 @@ class BlockAgent:
                 lent = sum(b - a + 1 for a, b in lent_runs)
                 self.counters["lends"] += 1
                 self.counters["lent"] += lent
-                log.info("%s: lent %d addresses (%d blocks) to %s, anchored at %#x (table revision %d)", self.name,
-                         lent, len(lent_runs), shard, want.anchor, rev)
+                log.info("%s: lent %d addresses (%d blocks: pool indexes %s) to %s, anchored at %#x (table revision "
+                         "%d)", self.name, lent, len(lent_runs),
+                         ",".join(f"{x}-{y}" for x, y in lent_runs[:32]) + ("..." if len(lent_runs) > 32 else ""),
+                         shard, want.anchor, rev)
                 _pause("after")
             else:
                 self.counters["lend_conflicts"] += 1
