@@ -54,6 +54,12 @@ Kea; docs/measurements.md, 2026-11-29, sixth session).
   relays: every server fills its pool and then answers nothing; what it costs
   is the CPU per flood client (``--no-flood`` skips it).
 
+* **A pool exactly as large as the clients** (``--exact``, since 2026-12-07, issue 44's address blocks): no
+  udhcpc or flood phase; each perfdhcp phase (every rate and the avalanche) on a fresh server whose pool has
+  exactly ``--perf`` addresses. A phase fails the bench unless every client is leased and every address used
+  once; with 4 shards, a shard whose home slice is short borrows addresses from the others (blocks through
+  etcd), and each shard's lends and ``borrow_ms_max`` are kept in the results (``shards_<phase>``).
+
 Each server runs 3 times from scratch (no leases), in rounds (every server
 once per round, the order reversed every other round, so a slow spell of the
 shared machine weighs on all of them); the medians are printed last, and the
@@ -117,7 +123,7 @@ longer slows the process starting the clients.  The clients then share one core,
 comparable with an unpinned run's, only the servers within the run.
 
 Run: ``/opt/vfab-venv/bin/python bench/sdhcp_lease.py [--smoke] [--pin] [--rates 1000,2000] [--repeat N]
-[--servers sdhcp4,kea] [--topo single,6] [--profile DIR]`` (root; ``--smoke``: 20 udhcpc, 100 perfdhcp at 1,000/s, sdhcp with 1
+[--servers sdhcp4,kea] [--topo single,6] [--profile DIR] [--exact]`` (root; ``--smoke``: 20 udhcpc, 100 perfdhcp at 1,000/s, sdhcp with 1
 and 2 shards, Kea, dnsmasq, one run each, ~35 s).
 """
 
@@ -168,6 +174,12 @@ FLOOD_RATE = 2000      # new clients per second in the flood phase
 FLOOD_BEYOND = 1000    # flood clients beyond what is left of the pool
 AVALANCHE = "avalanche"
 KEY_FN = mackey.HASH   # the sdhcp services' key function (--keys)
+EXACT = 0              # --exact: the pool has exactly this many addresses (each perfdhcp phase on a fresh server)
+
+
+def pool_last() -> str:
+    """The pool's last address: LAST, or with --exact the EXACT-th address from FIRST."""
+    return str(ipaddress.IPv4Address(FIRST) + EXACT - 1) if EXACT else LAST
 
 
 DURABILITY = {
@@ -280,7 +292,7 @@ def start_sdhcp(tb: Testbed, shards: int, profile: str | None = None, key_fn: st
     data = os.path.join(tb.workdir, f"data-{svc}")
     shutil.rmtree(data, ignore_errors=True)
     reg.create_service(svc, kind="sdhcp", frontdoors=[{"kind": "dhcp4", "key": key_fn}])
-    opts = [a for k, v in OPTS.items() for a in ("--opt", f"{k}={v}")]
+    opts = [a for k, v in {**OPTS, "pool": f"{FIRST}-{pool_last()}"}.items() for a in ("--opt", f"{k}={v}")]
     procs = []
     for name, host, (lo, hi) in SHARDS[shards]:
         out = os.path.join(tb.workdir, f"{svc}-{name}.out")
@@ -303,7 +315,8 @@ def stop_sdhcp(tb: Testbed, svc: str, procs: list) -> dict:
     for (name, _, _), p in zip(SHARDS[int(svc[7])], procs):
         try:
             body = statectl.command(tb.registry, svc, name, "STATS", {}).body["sdhcp"]
-            counters[name] = {**body["counters"], "native": body.get("native", {})}   # what the lane served
+            counters[name] = {**body["counters"], "native": body.get("native", {}),   # what the lane served
+                              "blocks": body.get("agent", {}), "parked": body.get("parked", 0)}
         except Exception as exc:  # noqa: BLE001 - a dead shard is reported, not fatal to the others' numbers
             counters[name] = {"error": str(exc)}
     for p in procs:
@@ -318,9 +331,9 @@ def start_peer(tb: Testbed, kind: str):
     workdir = os.path.join(tb.workdir, f"peer-{kind}")
     shutil.rmtree(workdir, ignore_errors=True)
     if kind == "kea":
-        proc = dc.start_kea(tb, PEER_HOST, workdir, SERVER, PREFIX, FIRST, LAST, LEASE)
+        proc = dc.start_kea(tb, PEER_HOST, workdir, SERVER, PREFIX, FIRST, pool_last(), LEASE)
     else:
-        proc = dc.start_dnsmasq(tb, PEER_HOST, workdir, FIRST, LAST, PREFIX, LEASE)
+        proc = dc.start_dnsmasq(tb, PEER_HOST, workdir, FIRST, pool_last(), PREFIX, LEASE)
     time.sleep(1.0)  # neither says when its sockets are open; both open them within ~0.2 s here
     if not proc.alive():
         raise RuntimeError(f"{kind} exited at start:\n{proc.tail()}")
@@ -422,8 +435,8 @@ def line(name: str, what: str, r: dict) -> str:
 
 
 def run_server(tb: Testbed, server: str, farms: dict[str, dc.ClientFarm], relays: dc.ClientFarm,
-               cap_u: dc.Capture, cap_p: dc.Capture, n_p: int, rates: list[int], n_flood: int,
-               profile: str | None, pin: bool = False) -> dict:
+               cap_u: dc.Capture, cap_p: dc.Capture, n_p: int, rates: list, n_flood: int,
+               profile: str | None, pin: bool = False, first_run: int = 0) -> dict:
     """One fresh server (no leases): the udhcpc clients started one by one, the other udhcpc clients released
     together, perfdhcp at each rate, then the flood that fills the pool (``n_flood`` new clients, 0: none).
     ``pin``: the server's and the fabric's threads on SERVER_CPUS before each phase (threads they start
@@ -456,7 +469,7 @@ def run_server(tb: Testbed, server: str, farms: dict[str, dc.ClientFarm], relays
             res[phase] = udhcpc_phase(tb, farm, cap_u, pids, together=phase == TOGETHER)
             print(line(server, f"{len(farm.macs)} udhcpc" + (" together" if phase == TOGETHER else ""), res[phase]),
                   flush=True)
-        for run, rate in enumerate(rates + [None]):
+        for run, rate in enumerate(rates, first_run):
             pin_servers()
             r = perf_phase(tb, relays, cap_p, n_p, rate, run, pids, acks)
             res[f"perfdhcp_{rate or AVALANCHE}"] = r
@@ -465,7 +478,7 @@ def run_server(tb: Testbed, server: str, farms: dict[str, dc.ClientFarm], relays
                    if "shard_acks" in r else ""), flush=True)
         if n_flood:
             pin_servers()
-            r = perf_phase(tb, relays, cap_p, n_flood, FLOOD_RATE, len(rates) + 1, pids)
+            r = perf_phase(tb, relays, cap_p, n_flood, FLOOD_RATE, len(rates), pids)
             res["flood"] = r
             print(line(server, f"{n_flood} flood@{FLOOD_RATE}/s", r) + f", {r['cpu_ms_per_client']} CPU-ms per client",
                   flush=True)
@@ -481,11 +494,15 @@ def run_server(tb: Testbed, server: str, farms: dict[str, dc.ClientFarm], relays
 def check(name: str, res: dict) -> list[str]:
     bad = []
     for phase, r in res.items():
-        if phase in NOT_PHASES:
+        if phase in NOT_PHASES or phase.startswith("shards_"):
             continue
         if r.get("held_twice") or r.get("hook_held_twice") or r["distinct_addresses"] != r["leased"] or \
                 ("hook_distinct" in r and r["hook_distinct"] != r["hook_leased"]):
             bad.append(f"{name}/{phase}: an address was given to two clients")
+        if EXACT and phase.startswith("perfdhcp_") and (r["leased"] != r["clients"] or
+                                                          r["distinct_addresses"] != EXACT):
+            bad.append(f"{name}/{phase}: a pool of exactly {EXACT} addresses for {r['clients']} clients: "
+                       f"{r['leased']} leased, {r['distinct_addresses']} distinct addresses")
         if phase in UDHCPC_PHASES and r["leased"] != r["clients"]:
             bad.append(f"{name}/{phase}: {r['clients'] - r['leased']} client(s) got no lease "
                        f"(what crossed vfh3's port for them: {r.get('unleased')})")
@@ -501,7 +518,7 @@ def medians(runs: list[dict]) -> dict:
     out: dict = {"idle_cpu_per_s": statistics.median(r["idle_cpu_per_s"] for r in runs),
                  "idle_etcd_cpu_per_s": statistics.median(r.get("idle_etcd_cpu_per_s", 0.0) for r in runs)}
     for phase in runs[0]:
-        if phase in NOT_PHASES:
+        if phase in NOT_PHASES or phase.startswith("shards_"):
             continue
         rs = [r[phase] for r in runs]
         out[phase] = {"time_s": statistics.median(r["time_s"] or 0 for r in rs),
@@ -578,6 +595,10 @@ def main() -> int:
                                                        "fabric's daemons on CPU 1 (servers with a core of their own)")
     ap.add_argument("--servers", default=None, help="comma-separated subset of sdhcp1,sdhcp2,sdhcp4,kea,dnsmasq, "
                                                     "and sdhcp4low24 (4 shards keyed by the MAC's low 24 bits)")
+    ap.add_argument("--exact", action="store_true",
+                    help="a pool exactly as large as the perfdhcp clients: each perfdhcp phase on a fresh server "
+                         "whose pool has --perf addresses (no udhcpc or flood phases); every client must lease and "
+                         "every address be used once (sdhcp: shards borrow address blocks from each other)")
     ap.add_argument("--keys", default=mackey.HASH, choices=mackey.FUNCTIONS,
                     help="the sdhcp services' key function (default mac-hash; sdhcp4low24 is always mac-low24)")
     args = ap.parse_args()
@@ -594,14 +615,16 @@ def main() -> int:
             ap.error(f"--pin needs CPUs {sorted(CLIENT_CPUS | SERVER_CPUS)}; this process may run on "
                      f"{sorted(os.sched_getaffinity(0))} only (run it without --pin)")
         os.sched_setaffinity(0, CLIENT_CPUS)   # before the testbed: its threads and every client inherit it
-    n_u = args.udhcpc or (20 if args.smoke else 245)
+    n_u = 0 if args.exact else args.udhcpc or (20 if args.smoke else 245)
     n_p = (args.perf or (100 if args.smoke else 1000)) // 4 * 4
+    global EXACT
+    EXACT = n_p if args.exact else 0
     rates = [int(x) for x in (args.rates or ("1000" if args.smoke else "500,2000,4000")).split(",")]
     global KEY_FN
     KEY_FN = args.keys
     repeat = args.repeat or (1 if args.smoke else 3)
     left = POOL_SIZE - 2 * n_u - n_p * (len(rates) + 1)
-    n_flood = 0 if args.no_flood or left < 0 else (left + FLOOD_BEYOND) // 4 * 4
+    n_flood = 0 if args.no_flood or args.exact or left < 0 else (left + FLOOD_BEYOND) // 4 * 4
     servers = (args.servers or ("sdhcp1,sdhcp2,kea,dnsmasq" if args.smoke else
                                 "sdhcp1,sdhcp2,sdhcp4,kea,dnsmasq")).split(",")
     rnd = random.Random(9)
@@ -609,8 +632,8 @@ def main() -> int:
     results: dict = {}
     bad: list[str] = []
     with Testbed(args.topo, poll=1.0) as tb:
-        farms = {"udhcpc": dc.ClientFarm(tb, UDHCPC_HOST, "u", macs[:n_u], tb.workdir),
-                 TOGETHER: dc.ClientFarm(tb, UDHCPC_HOST, "g", macs[n_u:], tb.workdir)}
+        farms = {} if args.exact else {"udhcpc": dc.ClientFarm(tb, UDHCPC_HOST, "u", macs[:n_u], tb.workdir),
+                                       TOGETHER: dc.ClientFarm(tb, UDHCPC_HOST, "g", macs[n_u:], tb.workdir)}
         relays = dc.ClientFarm(tb, RELAY_HOST, "r", [dc.relay_mac(q, KEY_FN) for q in range(4)], tb.workdir)
         caps = []
         try:
@@ -628,8 +651,18 @@ def main() -> int:
             runs: dict[str, list] = {server: [] for server in servers}
             for rep in range(repeat):   # rounds: every server once, the order reversed every other round
                 for server in (servers if rep % 2 == 0 else servers[::-1]):
-                    res = run_server(tb, server, farms, relays, cap_u, cap_p, n_p, rates, n_flood, args.profile,
-                                     args.pin)
+                    if args.exact:   # a fresh server (an empty pool of n_p addresses) for each phase
+                        res = {}
+                        for i, rate in enumerate(rates + [None]):
+                            got = run_server(tb, server, farms, relays, cap_u, cap_p, n_p, [rate], 0, args.profile,
+                                             args.pin, first_run=i)
+                            res.update({k: v for k, v in got.items() if k.startswith("perfdhcp_")})
+                            res[f"shards_{rate or AVALANCHE}"] = got.get("shards")
+                            for k in NOT_PHASES[1:]:
+                                res.setdefault(k, got[k])
+                    else:
+                        res = run_server(tb, server, farms, relays, cap_u, cap_p, n_p, rates + [None], n_flood,
+                                         args.profile, args.pin)
                     runs[server].append(res)
                     bad += check(f"{server}#{rep + 1}", res)
             results = {server: {"runs": runs[server], "median": medians(runs[server])} for server in servers}
@@ -639,9 +672,10 @@ def main() -> int:
             for farm in farms.values():
                 farm.remove()
             relays.remove()
-    phases = [*UDHCPC_PHASES] + [f"perfdhcp_{r}" for r in rates] + [f"perfdhcp_{AVALANCHE}"] + \
-        (["flood"] if n_flood else [])
-    heads = [f"{n_u} udhcpc", f"{n_u} udhcpc together"] + [f"{n_p} perfdhcp@{r}/s" for r in rates] + \
+    phases = ([] if args.exact else [*UDHCPC_PHASES]) + [f"perfdhcp_{r}" for r in rates] + \
+        [f"perfdhcp_{AVALANCHE}"] + (["flood"] if n_flood else [])
+    heads = ([] if args.exact else [f"{n_u} udhcpc", f"{n_u} udhcpc together"]) + \
+        [f"{n_p} perfdhcp@{r}/s" for r in rates] + \
         [f"{n_p} perfdhcp avalanche"] + \
         ([f"{n_flood} flood@{FLOOD_RATE}/s"] if n_flood else [])
     per = {k: "cpu_ms_per_client" if k == "flood" else "cpu_ms_per_lease" for k in phases}
@@ -687,7 +721,7 @@ def main() -> int:
                           "flood_clients": n_flood, "flood_rate": FLOOD_RATE, "topo": args.topo, "pool_left_for_flood": max(left, 0),
                           "smoke": args.smoke, "pinned": {"clients": sorted(CLIENT_CPUS), "servers": sorted(SERVER_CPUS)}
                           if args.pin else None,
-                          "pool": OPTS["pool"], "servers": servers, "durability": DURABILITY,
+                          "pool": f"{FIRST}-{pool_last()}", "exact": bool(EXACT), "servers": servers, "durability": DURABILITY,
                           "clients": "busybox udhcpc, one process and namespace each (macvlan behind vfh3); "
                                      "perfdhcp as 4 relays behind vfh2"}, results, args.out)
     if bad:

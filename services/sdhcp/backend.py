@@ -21,9 +21,11 @@ Requests (RFC 2131 §4.3):
   gets it back while nobody else needed it); DECLINE marks the address
   declined for ``DECLINE_HOLD``; INFORM is answered with the options only.
 
-Who may hand out what (``pool.py``): an address only by the shard owning its
-home key, with the ``addr`` row written in the same transaction as the
-client's ``lease`` row.  An address whose home key another shard owns (a split
+Who may hand out what (``blocks.py``): an address only by the shard owning its
+row key (its home key, ``pool.py``, unless the service's block table anchors it
+elsewhere), with the ``addr`` row written in the same transaction as the
+client's ``lease`` row; a DISCOVER that finds none is reported (``on_exhausted``)
+and parked by the server while its block agent borrows.  An address whose row key another shard owns (a split
 put the client's key and the address's home on two shards) stays the client's:
 the home shard keeps it reserved as long as it does not own the client's key
 (it cannot tell whether the lease is alive), so the client renews and re-binds
@@ -52,6 +54,7 @@ from ipaddress import IPv4Address
 from typing import Callable
 
 from vfab.services.sdhcp import frames, ipudp, wire
+from vfab.services.sdhcp.blocks import Blocks
 from vfab.services.sdhcp.config import Config
 from vfab.services.sdhcp.errors import DhcpError
 from vfab.services.sdhcp.pool import Pool
@@ -83,16 +86,22 @@ def open_backend(datadir: str, name: str, config: Config | None = None, key_fn: 
 class _Batch:
     ranges: list          # where this shard may hand out addresses now (owned, not pausing)
     now: int              # ms since the epoch
+    blocks: Blocks        # the block table the batch decides by (one per batch)
     bindings: list = field(default_factory=list)   # (chaddr, address or None: ended, until ms), in order
+    exhausted: list = field(default_factory=list)  # payloads of DISCOVERs that found no address
     _slots: tuple | None = None
 
     def owns(self, key: int) -> bool:
         return any(key in r for r in self.ranges)
 
-    def slots(self, pool: Pool) -> tuple:
-        """``pool.slots(ranges)``, worked out once per batch (not per DISCOVER)."""
+    def may(self, ip: int) -> bool:
+        """Whether this shard may hand out ``ip`` now (its row key is in an allocatable range)."""
+        return self.owns(self.blocks.rowkey(ip))
+
+    def slots(self) -> tuple:
+        """The owned index intervals (``Blocks.owned``), worked out once per batch (not per DISCOVER)."""
         if self._slots is None:
-            self._slots = tuple(pool.slots(self.ranges))
+            self._slots = self.blocks.owned(self.ranges)
         return self._slots
 
 
@@ -125,6 +134,9 @@ class SdhcpBackend(StoreBackend):
         # Set by the server to its Binder's ``offer``: after each committed batch, the leases it acknowledged to
         # clients on the fabric's ports (not relayed) and the ones they released or declined.
         self.on_bindings: Callable[[list], None] = lambda events: None
+        # Set by the server: after a batch, the payloads of DISCOVERs that found no address (it parks them
+        # while its block agent asks other shards for addresses: agent.py)
+        self.on_exhausted: Callable[[list], None] = lambda payloads: None
         # encoded and checked once, not per reply: for OFFERs and ACKs to REQUESTs, and for ACKs to INFORMs
         self._options: Options = prepare(self._make_options())
         self._inform_options: Options = prepare({k: v for k, v in self._options.encoded.items()
@@ -190,7 +202,7 @@ class SdhcpBackend(StoreBackend):
         return None
 
     def handle_batch(self, requests: list[Request]) -> tuple[list[bytes | None], list[tuple[int, bytes]]]:
-        ctx = _Batch(list(self.allocatable()), int(self.clock() * 1000))
+        ctx = _Batch(list(self.allocatable()), int(self.clock() * 1000), self.store.blocks)
         replies: list[bytes | None] = []
         records: list[tuple[int, bytes]] = []
         parsed = []
@@ -216,6 +228,8 @@ class SdhcpBackend(StoreBackend):
             raise
         if ctx.bindings:
             self.on_bindings(ctx.bindings)
+        if ctx.exhausted:
+            self.on_exhausted(ctx.exhausted)
         self.counters["batches_synced" if durable else "batches_unsynced"] += 1
         self.batch_unsynced = durable and self.defer_sync
         return replies, records
@@ -228,7 +242,7 @@ class SdhcpBackend(StoreBackend):
         lease = self.store.lease(c)
         t = msg.msg_type
         if t is MessageType.DISCOVER:
-            out = self._discover(msg, c, r.key, lease, ctx, records)
+            out = self._discover(msg, c, r, lease, ctx, records)
         elif t is MessageType.REQUEST:
             out = self._request(msg, c, r.key, lease, ctx, records, bcast)
         elif t is MessageType.RELEASE:
@@ -257,7 +271,7 @@ class SdhcpBackend(StoreBackend):
         """May client ``c`` have ``ip`` now?  (yes/no, the address row, a stale holder's lease to clear)."""
         if ip not in self.pool:
             return False, None, None
-        if not ctx.owns(self.pool.home_of(ip)):
+        if not ctx.may(ip):
             # Another shard (or nobody now) may hand it out; it stays ours only if this client holds it.
             return lease is not None and lease.ip == ip, None, None
         a = self.store.addr(ip)
@@ -284,15 +298,15 @@ class SdhcpBackend(StoreBackend):
         applied or dropped, a batch rolled back), the shard's ranges change, or ``FULL_MS`` passed (a lease
         that merely expired meanwhile is found then).  Without it, each DISCOVER of a flood on a full pool of
         4,000 addresses walked the whole slice: ~20 ms each, every renewal queued behind them."""
-        slots = ctx.slots(self.pool)
+        slots = ctx.slots()
         full = self._full
         if full is not None and full[0] == slots and full[1] == self.store.freed and 0 <= ctx.now - full[2] < FULL_MS:
             return None, None, None
-        for a, b in self.pool.segments(key, ctx.ranges):
+        for a, b in ctx.blocks.segments(key, ctx.ranges):
             ip = self.store.first_free(self.pool.first + a, self.pool.first + b, c, ctx.now)
             if ip is not None:
                 return ip, self.store.addr(ip), None
-        for a, b in self.pool.segments(key, ctx.ranges):
+        for a, b in ctx.blocks.segments(key, ctx.ranges):
             for row, other in self.store.reclaimable(self.pool.first + a, self.pool.first + b, ctx.now):
                 if ctx.owns(self.store.key(row.holder)):
                     return row.ip, row, other
@@ -300,7 +314,8 @@ class SdhcpBackend(StoreBackend):
             self._last_full_log = ctx.now
             log.warning("slice full: every one of the %d addresses this shard may hand out is taken; new clients get "
                         "no OFFER (counter pool_exhausted, %d so far) until a lease ends or is released, or the pool "
-                        "grows", sum(b - a + 1 for a, b in slots), self.counters["pool_exhausted"] + 1)
+                        "grows or another shard lends some (blocks)", sum(b - a + 1 for a, b, _ in slots),
+                    self.counters["pool_exhausted"] + 1)
         self._full = (slots, self.store.freed, ctx.now)
         return None, None, None
 
@@ -309,12 +324,12 @@ class SdhcpBackend(StoreBackend):
         """Give ``ip`` to client ``c`` (one transaction with the batch): its lease row, the address row when
         its home is ours, the old address freed, a stale holder's claim cleared."""
         st = self.store
-        if lease is not None and lease.ip and lease.ip != ip and ctx.owns(self.pool.home_of(lease.ip)):
+        if lease is not None and lease.ip and lease.ip != ip and ctx.may(lease.ip):
             old = st.addr(lease.ip)
             if old is not None and old.holder == c and old.state == HELD:
                 _, rec = st.put_addr(replace(old, holder=0, state=FREE, until=0))
-                records.append((self.pool.home_of(old.ip), rec))
-        home = self.pool.home_of(ip)
+                records.append((ctx.blocks.rowkey(old.ip), rec))
+        home = ctx.blocks.rowkey(ip)
         if ctx.owns(home):
             if a is None:
                 a = st.addr(ip)
@@ -330,8 +345,9 @@ class SdhcpBackend(StoreBackend):
         records.append((key, rec))
 
     # -- messages --------------------------------------------------------------------------------------
-    def _discover(self, msg: Message, c: int, key: int, lease: Lease | None, ctx: _Batch,
+    def _discover(self, msg: Message, c: int, r: Request, lease: Lease | None, ctx: _Batch,
                   records: list) -> Message | None:
+        key = r.key
         ip = None
         a = stale = None
         tries = [lease.ip] if lease is not None and lease.ip else []
@@ -346,6 +362,7 @@ class SdhcpBackend(StoreBackend):
             ip, a, stale = self._allocate(c, key, ctx)
         if ip is None:
             self.counters["pool_exhausted"] += 1
+            ctx.exhausted.append(r.payload)
             return None
         if lease is not None and lease.ip == ip and lease.state == BOUND and lease.expires > ctx.now:
             state, expires = BOUND, lease.expires  # a bound client starting over keeps its lease meanwhile
@@ -419,7 +436,7 @@ class SdhcpBackend(StoreBackend):
             _, rec = self.store.put_lease(replace(lease, ip=0, state=NONE, expires=ctx.now))
             records.append((self.store.key(lease.chaddr), rec))
             ctx.bindings.append((c, None, ctx.now))
-        home = self.pool.home_of(ip)
+        home = ctx.blocks.rowkey(ip)
         a = self.store.addr(ip) if ctx.owns(home) else None
         if a is not None and a.holder == c:  # only the holder can say its address is taken
             _, rec = self.store.put_addr(replace(a, holder=0, state=DECLINED, until=ctx.now + DECLINE_HOLD))
@@ -443,8 +460,12 @@ class SdhcpBackend(StoreBackend):
         """Counters, and for ``ranges`` (what this shard owns): its slice of the pool and what is in use."""
         now = int(self.clock() * 1000)
         use = self.store.usage(ranges, now)
-        slice_size = sum(b - a + 1 for a, b in self.pool.slots(ranges))
-        return {"counters": dict(self.counters), "pool": self.config.describe(), "slice": slice_size, **use}
+        blocks = self.store.blocks
+        slice_size = blocks.size(ranges)
+        nblocks, anchored = blocks.count_anchored(ranges)
+        return {"counters": dict(self.counters), "pool": self.config.describe(), "slice": slice_size,
+                "home": slice_size - anchored, "blocks": nblocks, "borrowed": anchored,
+                "table_blocks": len(blocks.blocks), "table_revision": blocks.revision, **use}
 
 
 __all__ = ["SdhcpBackend", "open_backend", "OFFER_HOLD", "DECLINE_HOLD", "FULL_MS"]

@@ -106,12 +106,20 @@ def running_out(e: dict) -> str | None:
         return "owns keys but no address of the pool (its ranges are narrower than the pool's spacing): " \
                "its new clients get no OFFER; merge its ranges into a neighbour's"
     if refused:
-        return (f"refused {refused} DISCOVERs: its slice of {size} addresses was full ({free} free now); split "
-                f"its range ('vfab split', the balancer's split_keys) or grow the pool")
+        return (f"refused {refused} DISCOVERs: its slice of {size} addresses was full ({free} free now) and no "
+                f"other shard had addresses to lend it then; grow the pool")
     if free <= max(WARN_MIN, WARN_FREE * size):
-        return (f"{free} of its {size} addresses free ({e['pool_use']:g}% in use): it refuses new clients once "
-                f"they are gone; split its range ('vfab split', the balancer's split_keys) or grow the pool")
+        return (f"{free} of its {size} addresses free ({e['pool_use']:g}% in use): it asks the other shards for "
+                f"addresses (blocks); once the whole pool is in use new clients are refused: grow the pool")
     return None
+
+
+def _slice(s: dict) -> str:
+    """The slice column: the addresses the shard may hand out, and the blocks lent to it (blocks.py, anchored
+    in its ranges) with (+) their addresses; the rest of its slice is its home slice."""
+    if not s.get("blocks"):
+        return f"{s.get('slice', 0)}"
+    return f"{s['slice']} ({s['blocks']} +{s['borrowed']})"
 
 
 def _rate(x) -> str:
@@ -152,7 +160,10 @@ def need_sdhcp(reg, service: str) -> None:
 @errors
 def status(c, service: str, interval: float, as_json: bool) -> None:
     """Per shard of SERVICE: owned (or mirrored) ranges; its slice of the pool (the addresses it may hand
-    out) and pool use (addresses held in it); bound and offered leases; declined addresses; requests/s
+    out now) with, in brackets, its blocks (address blocks other shards lent it, anchored in its ranges)
+    and "+" their addresses (the rest of its slice is its home slice: the addresses whose home keys it owns
+    and did not lend; the last row counts the blocks of the service's table) and pool use (addresses held
+    in it); bound and offered leases; declined addresses; requests/s
     (its load report, what the balancer sees); offers, ACKs, NAKs and dropped input per second (over
     --interval); totals since start, "no address" being the DISCOVERs left unanswered because the shard's
     slice was full (the shard's log says when it fills); "native", the share of its OFFERs and ACKs that its
@@ -183,14 +194,16 @@ def status(c, service: str, interval: float, as_json: bool) -> None:
         tot["dropped"] += dropped(k)
         for name in tot_rates:
             tot_rates[name] += (r or {}).get(name, 0.0)
-        rows.append([s["shard"], owns, s.get("slice", 0), f"{s.get('held', 0)} ({s.get('pool_use', 0.0):g}%)",
+        rows.append([s["shard"], owns, _slice(s), f"{s.get('held', 0)} ({s.get('pool_use', 0.0):g}%)",
                      s.get("bound", 0), s.get("offered", 0), s.get("declined", 0), _rate(s["req_s"]),
                      "/".join(_rate(r[n]) for n in RATED) if r else "-", _rate(r["dropped"]) if r else "-",
                      native_share(s), f"{k.get('offers', 0)}/{k.get('acks', 0)}/{k.get('naks', 0)}/{k.get('releases', 0)}/"
                      f"{dropped(k)}/{k.get('pool_exhausted', 0)}"])
     if len(rows) > 1:
         use = round(100.0 * tot["held"] / tot["slice"], 1) if tot["slice"] else 0.0
-        rows.append(["all", "", tot["slice"], f"{tot['held']} ({use:g}%)", tot["bound"], tot["offered"],
+        tb = next((s.get("table_blocks") for s in shards if "table_blocks" in s), 0)
+        rows.append(["all", "", f"{tot['slice']}" + (f" ({tb} blocks)" if tb else ""),
+                     f"{tot['held']} ({use:g}%)", tot["bound"], tot["offered"],
                      tot["declined"], _rate(round(tot["req_s"], 1)),
                      "/".join(_rate(round(tot_rates[n], 1)) for n in RATED) if interval > 0 else "-",
                      _rate(round(tot_rates["dropped"], 1)) if interval > 0 else "-", "", ""])

@@ -38,10 +38,12 @@ from ipaddress import IPv4Address
 
 from vfab.services.sdhcp import wire
 from vfab.services.sdhcp.backend import OFFER_HOLD
+from vfab.services.sdhcp.blocks import HOME
 from vfab.services.sdhcp.store import LANE_SQL
 from vfab.vid import codec, mackey
 from vfab.vid.codec import KEY_MAX
 from vfab.vid.errors import TransportError
+from vfab.vid.ranges import Range
 
 log = logging.getLogger("vfab.sdhcp.lane")
 
@@ -53,6 +55,8 @@ COUNTERS = ("rx", "offers", "acks", "selecting", "init_reboot", "renewing", "reb
 # the backend's counters the lane also counts (summed in STATS, so `vfab sdhcp status` shows every request)
 SHARED = ("offers", "acks", "selecting", "init_reboot", "renewing", "rebinding", "arp_replies")
 MAX_RANGES = 64
+MAX_SEGS = 16384          # address intervals of one grant (sdhcp_lane.c)
+ANCHOR_HOME = 0xFFFFFFFF  # an interval at its home keys, in C
 FRAME_MAX = 2048
 
 _libs: dict[str, ctypes.CDLL] = {}
@@ -94,7 +98,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lane_run.restype = c.c_int
     lib.lane_run.argtypes = [p]
     lib.lane_set.restype = c.c_int
-    lib.lane_set.argtypes = [p, u32p, u32p, c.c_int, c.c_double, c.c_int64]
+    lib.lane_set.argtypes = [p, u32p, u32p, c.c_int, u32p, c.c_int, c.c_double, c.c_int64]
     lib.lane_extend.restype = None
     lib.lane_extend.argtypes = [p, c.c_double, c.c_int64]
     lib.lane_pop.restype = c.c_int
@@ -216,11 +220,16 @@ class NativeLane:
     @_live()
     def grant(self, ranges: list[tuple[int, int]], valid_until: float, generation: int) -> None:
         """Serve keys of ``ranges`` until ``valid_until`` (time.monotonic) of lease ``generation``; [] revokes.
-        Returns once no pass under the old grant is still running."""
+        The addresses it may hand out are those the store's block table gives the ranges (``Blocks.owned``, read
+        now: grant again whenever the table changes).  Returns once no pass under the old grant is still running."""
         ranges = sorted(ranges) if len(ranges) <= MAX_RANGES else []   # more than the lane holds: none
+        segs = self.backend.store.blocks.owned([Range(lo, hi) for lo, hi in ranges]) if ranges else ()
         los = (ctypes.c_uint32 * max(1, len(ranges)))(*[lo for lo, _ in ranges])
         his = (ctypes.c_uint32 * max(1, len(ranges)))(*[hi for _, hi in ranges])
-        self.lib.lane_set(self.h, los, his, len(ranges), valid_until, generation)
+        flat = (ctypes.c_uint32 * max(1, 3 * len(segs)))(*[ANCHOR_HOME if v == HOME else v for g in segs for v in g])
+        if self.lib.lane_set(self.h, los, his, len(ranges), flat, len(segs), valid_until, generation) != 0:
+            log.warning("native lane: %d ranges and %d address intervals are beyond its limits (%d, %d): the loop "
+                        "serves every request", len(ranges), len(segs), MAX_RANGES, MAX_SEGS)
         self.granted = tuple(ranges)
 
     @_live()

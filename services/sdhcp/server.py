@@ -23,6 +23,7 @@ without changing it:
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import os
 import signal
@@ -30,6 +31,7 @@ import threading
 import time
 
 from vfab.services.sdhcp import frames
+from vfab.services.sdhcp.agent import PARK_S, BlockAgent
 from vfab.services.sdhcp.backend import SdhcpBackend, open_backend
 from vfab.services.sdhcp.bindings import Binder
 from vfab.services.sdhcp.config import OPTIONS, Config, parse_opts, shard_config
@@ -39,6 +41,8 @@ from vfab.services.sdhcp.pool import subtract
 from vfab.services.sdhcp.port import DhcpPort
 from vfab.vid import codec, mackey
 from vfab.vid.envelope import Envelope
+from vfab.vid.errors import VfabError
+from vfab.vid.frame import parse as parse_frame
 from vfab.vid.frame import ETH_TYPE
 from vfab.vid.ranges import Range
 from vfab.vid import metrics
@@ -51,6 +55,7 @@ log = logging.getLogger("vfab.sdhcp.server")
 
 VFAB = ETH_TYPE.to_bytes(2, "big")
 LANE_LOG_S = 10.0     # s between two warnings of the native lane's faults
+UNPARK_S = 0.25       # s between two retries of parked DISCOVERs without a table change
 LANE_FAULTS = ("store_failed", "sync_failed", "to_loop_dropped", "tx_dropped", "events_dropped")
 IPV4 = b"\x08\x00"
 ARP = frames.ETH_P_ARP.to_bytes(2, "big")
@@ -60,6 +65,7 @@ class SdhcpLoop(EndpointLoop):
     backend: SdhcpBackend
     binder: Binder | None = None   # publishes the DHCP hosts' leases (set by ``run``)
     lane: NativeLane | None = None  # serves the common requests in C (lane.py); None: all in Python
+    agent: BlockAgent | None = None  # the block table, wants and lends (agent.py; ``start_blocks``); None: home keys
 
     def __init__(self, registry: Registry, service: str, name: str, iface: str, backend: SdhcpBackend,
                  netns: str | None = None, ttl: int = 3, native: bool = True):
@@ -85,6 +91,13 @@ class SdhcpLoop(EndpointLoop):
             self.lease.on_extend.append(self.lane.extend)
             self.lane.on_events = lambda events: self.backend.on_bindings(events)
         self.server_ip = backend.config.server.packed
+        # DISCOVERs that found no address, (first parked monotonic s, frame), served again when the block
+        # table changes or an address may have been freed, for up to PARK_S
+        self.parked: collections.deque = collections.deque()
+        self._park_t: dict[bytes, float] = {}
+        self._exhausted: list[bytes] = []
+        self._unpark_at = 0.0
+        backend.on_exhausted = self._exhausted.extend
         backend.allocatable = self.allocatable
         backend.vid_mac = self.vid_mac
         if not any(d.get("kind") == "dhcp4" for d in self.service.frontdoors):
@@ -100,9 +113,56 @@ class SdhcpLoop(EndpointLoop):
                                         int(self.backend.clock() * 1000))
 
     def allocatable(self) -> list[Range]:
-        """(loop thread) Ranges whose addresses this shard may hand out now: owned, not paused."""
+        """(loop thread) Ranges whose addresses this shard may hand out now: owned, not paused, and (with a block
+        agent) the block table read for them (``BlockAgent.allowed``)."""
         own = [r.range for r in self.view.owned_by(self.name)]
+        if self.agent is not None:
+            own = self.agent.allowed(own)
         return subtract(own, [rng for rng, _ in self.paused.values()])
+
+    # -- blocks (agent.py) -------------------------------------------------------------------------
+    def start_blocks(self, registry: Registry) -> BlockAgent:
+        """Follow the service's block table, ask for addresses and lend them (before ``serve``)."""
+        self.agent = BlockAgent(self, registry)
+        self.agent.start()
+        return self.agent
+
+    def blocks_changed(self) -> None:
+        """(loop thread) The store's block table changed: the lane gets its new intervals, parked DISCOVERs
+        are served again."""
+        self._lane_key = None
+        self._lane_sync()
+        self._unpark()
+
+    def parked_count(self) -> int:
+        return len(self.parked)
+
+    def _park(self, frames_in: list) -> None:
+        want = set(self._exhausted)
+        self._exhausted.clear()
+        now = time.monotonic()
+        for raw, _ in frames_in:
+            try:
+                payload = parse_frame(raw).payload
+            except VfabError:
+                continue
+            if payload in want:
+                t = self._park_t.get(raw, now)
+                if now - t < PARK_S:
+                    self._park_t[raw] = t
+                    self.parked.append((t, raw))
+                    self.counters["parked"] += 1
+        if self.agent is not None and self.parked:
+            self.agent.nudge()
+
+    def _unpark(self) -> None:
+        if not self.parked:
+            return
+        self._unpark_at = time.monotonic()
+        again = list(self.parked)
+        self.parked.clear()
+        self._park_t = {raw: t for t, raw in again}
+        self.pending.extend((raw, 0) for _, raw in again)
 
     # -- the native lane ---------------------------------------------------------------------------
     def _lane_ranges(self) -> list[tuple[int, int]]:
@@ -112,14 +172,18 @@ class SdhcpLoop(EndpointLoop):
         if not self._authoritative() or self.pending:
             return []   # requests released from a hold or fenced go first: a client's are answered in order
         holes = [rng for rng, _ in self.paused.values()] + [r for rngs in self.targets.values() for r in rngs]
-        return [(r.lo, r.hi) for r in self.view.owned_by(self.name)
-                if not r.mirrors and not any(r.range.overlaps(h) for h in holes)]
+        own = [r for r in self.view.owned_by(self.name) if not r.mirrors and not any(r.range.overlaps(h) for h in holes)]
+        agent = getattr(self, "agent", None)
+        if agent is not None:
+            ok = agent.allowed([r.range for r in own])
+            own = [r for r in own if r.range in ok]
+        return [(r.lo, r.hi) for r in own]
 
     def _lane_sync(self) -> None:
         if self.lane is None:
             return
         ranges = self._lane_ranges()
-        key = (tuple(ranges), self.lease.generation)
+        key = (tuple(ranges), self.lease.generation, id(self.backend.store.blocks))
         if key != self._lane_key:
             self._lane_key = key
             self.lane.grant(ranges, self.lease.valid_until, self.lease.generation)
@@ -139,6 +203,13 @@ class SdhcpLoop(EndpointLoop):
         super()._timers()
         self._lane_sync()
         self._lane_faults()
+        if self.parked:
+            now = time.monotonic()
+            while self.parked and now - self.parked[0][0] >= PARK_S:
+                self._park_t.pop(self.parked.popleft()[1], None)
+                self.counters["parked_expired"] += 1
+            if now - self._unpark_at >= UNPARK_S:
+                self._unpark()   # an address of its own may have been freed meanwhile
 
     def _lane_faults(self) -> None:
         """Say in the log what the lane could not do since the last look (at most every LANE_LOG_S): requests
@@ -210,6 +281,8 @@ class SdhcpLoop(EndpointLoop):
         return rates
 
     def close(self) -> None:
+        if self.agent is not None:
+            self.agent.stop()
         self.leave_serve()   # the loop's thread out of its pass before the lane it reads goes
         lane = self.lane
         if lane is not None:
@@ -244,6 +317,8 @@ class SdhcpLoop(EndpointLoop):
                 self.backend.counters["bad_frames"] += 1
         if out:
             super()._handle(out)
+            if self._exhausted:
+                self._park(out)
 
     def _reply(self, frame, vk, payload) -> None:
         if payload is not None:
@@ -269,6 +344,9 @@ class SdhcpLoop(EndpointLoop):
             stats["mirrored"] = self.backend.store.usage(mirrored, int(self.backend.clock() * 1000))
             if self.binder is not None:
                 stats["bindings"] = dict(self.binder.counters)
+            if self.agent is not None:
+                stats["agent"] = dict(self.agent.counters)
+            stats["parked"] = len(self.parked)
             if self.lane is not None:
                 native = self.lane.counters()
                 stats["native"] = {**native, "granted": [f"{lo:#x}-{hi:#x}" for lo, hi in self.lane.granted],
@@ -393,6 +471,7 @@ def run(args: argparse.Namespace) -> int:
             loop.binder.on_hosts = loop.lane.watch
         loop.binder.start()
         loop.backend.on_bindings = loop.binder.offer
+        loop.start_blocks(Registry(args.etcd))
         for text in args.listen:
             registry.assign(args.service, Range.parse(text), args.name)
         if args.listen:

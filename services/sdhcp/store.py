@@ -8,11 +8,12 @@ state layer copies, replicates and drops records by that key):
            door's key function, ``vfab.vid.mackey``: the store records which, and
            ``rekey`` moves every row to another): the address the client holds or
            last held, state (offered, bound, released, none), expiry, client id.
-``addr``   one per address ever handed out, under the address's **home key**
-           (``pool.py``): the MAC holding it, state (held, declined, free) and,
-           for a declined address, until when.
+``addr``   one per address ever handed out, under the address's **row key**
+           (``blocks.py``: its home key, ``pool.py``, unless the service's block table
+           anchors it elsewhere): the MAC holding it, state (held, declined, free)
+           and, for a declined address, until when.
 
-An address is handed out only by the shard owning its home key, and only with
+An address is handed out only by the shard owning its row key, and only with
 its ``addr`` row written in the same transaction as the client's ``lease``
 row; so ``lease(c).ip == a`` implies ``addr(a).holder == c`` and no two
 clients ever hold one address (the backend keeps this, see ``backend.py``).
@@ -22,7 +23,11 @@ State record (what a split, mirror or replication ships; this module owns it)::
     common  length u16 (whole record) | kind u8 (1 lease, 2 addr) | format u8 (1)
             | pool fingerprint u32 (config.py) | version u64
     lease   chaddr u64 | ip u32 (0: none) | state u8 | expires ms u64 | client id length u8 | client id
-    addr    ip u32 | holder chaddr u64 (0: none) | state u8 | until ms u64
+    addr    ip u32 | holder chaddr u64 (0: none) | state u8 | until ms u64 [| row key u32]
+
+An address record of kind 3 carries the row key it was written under (a mirror or a copy that has not seen
+the newest block table yet still files it where its owner did); kind 2, without it, is read as before (the
+row key the receiver's table gives).
 
 Applying a record is version-gated per row (a newer version wins; with a copy's
 generation it also wins over any row of an earlier generation), so snapshot
@@ -39,10 +44,12 @@ import struct
 from dataclasses import dataclass
 from typing import Iterator
 
+from vfab.services.sdhcp.blocks import Blocks
 from vfab.services.sdhcp.config import Config, parse_opts
 from vfab.services.sdhcp.errors import DhcpError
 from vfab.services.sdhcp.pool import Pool
 from vfab.vid import mackey
+from vfab.vid.codec import KEY_MAX
 from vfab.vid.ranges import Range
 from vfab.vid.state.backend import BackendError
 from vfab.vid.state.sqlstore import SqliteStore
@@ -51,7 +58,8 @@ from vfab.vid.state.sqlstore import SqliteStore
 HEAD = struct.Struct("!HBBIQ")
 LEASE = struct.Struct("!QIBQB")
 ADDR = struct.Struct("!IQBQ")
-KIND_LEASE, KIND_ADDR = 1, 2
+ROWKEY = struct.Struct("!I")
+KIND_LEASE, KIND_ADDR, KIND_ADDR_KEYED = 1, 2, 3
 FORMAT = 1
 MAX_CLIENT_ID = 255
 
@@ -131,13 +139,13 @@ def pack_lease(fp: int, row: Lease) -> bytes:
     return HEAD.pack(HEAD.size + len(body), KIND_LEASE, FORMAT, fp, row.version) + body
 
 
-def pack_addr(fp: int, row: Addr) -> bytes:
-    body = ADDR.pack(row.ip, row.holder, row.state, row.until)
-    return HEAD.pack(HEAD.size + len(body), KIND_ADDR, FORMAT, fp, row.version) + body
+def pack_addr(fp: int, row: Addr, rowkey: int) -> bytes:
+    body = ADDR.pack(row.ip, row.holder, row.state, row.until) + ROWKEY.pack(rowkey)
+    return HEAD.pack(HEAD.size + len(body), KIND_ADDR_KEYED, FORMAT, fp, row.version) + body
 
 
-def unpack(blob: bytes) -> Iterator[tuple[int, Lease | Addr]]:
-    """(fingerprint, row) of every record in a blob; StoreError on anything malformed."""
+def unpack(blob: bytes) -> Iterator[tuple[int, Lease | Addr, int | None]]:
+    """(fingerprint, row, row key or None) of every record in a blob; StoreError on anything malformed."""
     off, end = 0, len(blob)
     while off < end:
         if off + HEAD.size > end:
@@ -154,14 +162,17 @@ def unpack(blob: bytes) -> Iterator[tuple[int, Lease | Addr]]:
             if len(body) != LEASE.size + clen or state not in LEASE_STATES or chaddr >> 48:
                 raise StoreError(f"malformed lease record at byte {off}")
             row: Lease | Addr = Lease(chaddr, ip, state, expires, bytes(body[LEASE.size:]), version)
-        elif kind == KIND_ADDR and len(body) == ADDR.size:
+            rowkey = None
+        elif (kind == KIND_ADDR and len(body) == ADDR.size) or \
+                (kind == KIND_ADDR_KEYED and len(body) == ADDR.size + ROWKEY.size):
             ip, holder, state, until = ADDR.unpack_from(body)
-            if state not in ADDR_STATES or holder >> 48:
+            rowkey = ROWKEY.unpack_from(body, ADDR.size)[0] if kind == KIND_ADDR_KEYED else None
+            if state not in ADDR_STATES or holder >> 48 or (rowkey is not None and rowkey > KEY_MAX):
                 raise StoreError(f"malformed address record at byte {off}")
             row = Addr(ip, holder, state, until, version)
         else:
             raise StoreError(f"unknown or malformed sdhcp state record (kind {kind}, {len(body)} B) at byte {off}")
-        yield fp, row
+        yield fp, row, rowkey
         off += length
 
 
@@ -198,6 +209,8 @@ class Store(SqliteStore):
             self._exec("INSERT INTO meta (name, value) VALUES ('config', ?) ON CONFLICT(name) DO UPDATE "
                        "SET value=excluded.value", (json.dumps(self.config.to_opts(), sort_keys=True),))
         self.pool = Pool(int(self.config.first), self.config.size)
+        # The service's block table (blocks.py), set by the shard's block agent; empty: every address at its home key
+        self.blocks = Blocks(self.pool)
         row = self._exec("SELECT value FROM meta WHERE name='key_fn'").fetchone()
         if row is None:
             empty = self._exec("SELECT 1 FROM lease LIMIT 1").fetchone() is None
@@ -322,8 +335,33 @@ class Store(SqliteStore):
         new = Addr(row.ip, row.holder, row.state, row.until, row.version + 1)
         if new.state != HELD:
             self._may_free()  # an address may have become free below a hint
-        self._exec(SQL_PUT_ADDR, (new.ip, self.pool.home_of(new.ip), new.holder, new.state, new.until, new.version))
-        return new, pack_addr(self.fp, new)
+        k = self.blocks.rowkey(new.ip)
+        self._exec(SQL_PUT_ADDR, (new.ip, k, new.holder, new.state, new.until, new.version))
+        return new, pack_addr(self.fp, new, k)
+
+    # -- blocks (blocks.py, agent.py) ----------------------------------------------------------
+    def rowless(self, lo: int, hi: int, limit: int) -> list[int]:
+        """Up to ``limit`` addresses of [lo, hi] with no row here (never handed out by this shard), highest
+        first: the ones a shard may lend (no copy of a row of them exists anywhere)."""
+        out: list[int] = []
+        nxt = hi
+        for (ip,) in self._exec("SELECT ip FROM addr WHERE ip BETWEEN ? AND ? ORDER BY ip DESC", (lo, hi)):
+            while nxt > ip and len(out) < limit:
+                out.append(nxt)
+                nxt -= 1
+            nxt = ip - 1
+            if len(out) >= limit:
+                return out
+        while nxt >= lo and len(out) < limit:
+            out.append(nxt)
+            nxt -= 1
+        return out
+
+    def taken(self, lo: int, hi: int, now: int) -> int:
+        """Addresses of [lo, hi] not free at ``now``: held (offered, bound, or kept for a client whose lease
+        ended: reclaimable only by this shard) or declined until after ``now``."""
+        return self._exec("SELECT count(*) FROM addr WHERE ip BETWEEN ? AND ? AND (state=? OR (state=? AND until>?))",
+                          (lo, hi, HELD, DECLINED, now)).fetchone()[0]
 
     # -- what the shard holds (status) -----------------------------------------------------
     def usage(self, ranges: list[Range], now: int) -> dict[str, int]:
@@ -375,8 +413,8 @@ class Store(SqliteStore):
             queries = (
                 ("SELECT chaddr, ip, state, expires, client_id, version FROM lease WHERE vkey BETWEEN ? AND ?",
                  lambda r: pack_lease(self.fp, Lease(r[0], r[1], r[2], r[3], bytes(r[4]), r[5])), 1),
-                ("SELECT ip, holder, state, until, version FROM addr WHERE vkey BETWEEN ? AND ?",
-                 lambda r: pack_addr(self.fp, Addr(*r)), 0),
+                ("SELECT ip, holder, state, until, version, vkey FROM addr WHERE vkey BETWEEN ? AND ?",
+                 lambda r: pack_addr(self.fp, Addr(*r[:5]), r[5]), 0),
             )
             for sql, pack, weight in queries:
                 for r in db.execute(sql, (rng.lo, rng.hi)):
@@ -396,7 +434,7 @@ class Store(SqliteStore):
         """Apply record blobs in one transaction (fsync'd unless ``durable=False``); how many rows won."""
         leases, addrs = [], []
         for blob in blobs:
-            for fp, row in unpack(blob):
+            for fp, row, rowkey in unpack(blob):
                 if fp != self.fp:
                     raise StoreError(f"records of another pool (fingerprint {fp:08x}) reached a shard of "
                                      f"{self.config.describe()} (fingerprint {self.fp:08x}): start every shard of "
@@ -407,7 +445,7 @@ class Store(SqliteStore):
                     if row.ip not in self.pool:
                         raise StoreError(f"address record for {row.ip:#x} outside the pool of "
                                          f"{self.config.describe()}")
-                    addrs.append(row)
+                    addrs.append((row, self.blocks.rowkey(row.ip) if rowkey is None else rowkey))
         g = gen or 0
         self._may_free()  # rows arrive from another shard: any address may have changed
         newer = "excluded.version > {t}.version" + (" OR {t}.gen < excluded.gen" if gen else "")
@@ -422,9 +460,9 @@ class Store(SqliteStore):
                 [(r.chaddr, self.key(r.chaddr), r.ip, r.state, r.expires, r.client_id, r.version, g) for r in leases])
             db.executemany(
                 "INSERT INTO addr (ip, vkey, holder, state, until, version, gen) VALUES (?,?,?,?,?,?,?) "
-                "ON CONFLICT(ip) DO UPDATE SET holder=excluded.holder, state=excluded.state, until=excluded.until, "
-                "version=excluded.version, gen=excluded.gen WHERE " + newer.format(t="addr"),
-                [(r.ip, self.pool.home_of(r.ip), r.holder, r.state, r.until, r.version, g) for r in addrs])
+                "ON CONFLICT(ip) DO UPDATE SET vkey=excluded.vkey, holder=excluded.holder, state=excluded.state, "
+                "until=excluded.until, version=excluded.version, gen=excluded.gen WHERE " + newer.format(t="addr"),
+                [(r.ip, k, r.holder, r.state, r.until, r.version, g) for r, k in addrs])
             return db.total_changes - before
 
         return self._txn(run, durable)

@@ -87,7 +87,7 @@ def test_status_warns_before_a_shard_runs_out():
     base = {"owns": ["0x000000-0x3fffff"], "slice": 250, "declined": 0, "counters": {}}
     assert running_out({**base, "held": 100, "pool_use": 40.0}) is None
     warn = running_out({**base, "held": 230, "pool_use": 92.0})
-    assert warn.startswith("20 of its 250 addresses free (92% in use)") and "split its range" in warn
+    assert warn.startswith("20 of its 250 addresses free (92% in use)") and "asks the other shards" in warn
     assert running_out({**base, "held": 250, "pool_use": 100.0, "counters": {"pool_exhausted": 7}}) \
         .startswith("refused 7 DISCOVERs")
     assert "no address of the pool" in running_out({**base, "slice": 0, "held": 0, "pool_use": 0.0})

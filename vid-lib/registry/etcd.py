@@ -724,6 +724,7 @@ class Registry:
         self.delete_prefix(schema.range_prefix(name))
         self.delete_prefix(schema.endpoint_prefix(name))
         self.delete(schema.holds_key(name))
+        self.delete_prefix(schema.sdhcp_prefix(name))   # an sdhcp pool's block table and wants
         self.delete(schema.service_id_key(svc.id))
         self.delete(schema.service_key(name))
 

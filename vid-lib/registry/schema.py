@@ -32,6 +32,11 @@
                                                      by a reporter beside the endpoint's process (its CPU and requests)
     /vfab/v1/leaders/<role>/<scope>        Leader    {who, since, lease}  leased by the elected process (e.g.
                                                      leaders/balancer/<service>): one active at a time
+    /vfab/v1/sdhcp/<service>/blocks        block table {v, pool, blocks: [[a, b, anchor]]}  which addresses of
+                                                     an sdhcp pool are anchored away from their home keys
+                                                     (services/sdhcp/blocks.py owns the format)
+    /vfab/v1/sdhcp/<service>/wants/<shard> Want      {need, parked, anchor, at}  a shard asking for addresses,
+                                                     leased by it (services/sdhcp/agent.py)
 
 ``hosts/`` holds where a MAC attaches (a port's record); a machine of the fabric is a *node* (``vfab node
 join``), kept in ``nodes/`` so the controller never recompiles on a node's changes (``PASSIVE``).
@@ -131,10 +136,26 @@ def node_ip_key(ip: str) -> str:
     return f"{ROOT}node-ips/{ipaddress.IPv4Address(ip)}"
 
 
+def sdhcp_prefix(service: str) -> str:
+    return f"{ROOT}sdhcp/{service}/"
+
+
+def sdhcp_blocks_key(service: str) -> str:
+    return f"{ROOT}sdhcp/{service}/blocks"
+
+
+def sdhcp_want_prefix(service: str) -> str:
+    return f"{ROOT}sdhcp/{service}/wants/"
+
+
+def sdhcp_want_key(service: str, shard: str) -> str:
+    return f"{ROOT}sdhcp/{service}/wants/{check_name('endpoint', shard)}"
+
+
 MISS_KEY = f"{ROOT}config/miss"
 FOLDERS = ("services", "service-ids", "endpoints", "ranges", "hosts", "bindings", "switches", "links", "config",
            "applied", "counters", "ops", "load", "balancer", "helpers", "holds", "nodes", "node-ips", "route-agents",
-           "usage", "leaders")
+           "usage", "leaders", "sdhcp")
 
 
 def op_key(service: str, op_id: str) -> str:
@@ -716,7 +737,7 @@ class Leader(Record):
 # Folders that never change what the controller compiles (its own reports, endpoints' ops and load, the
 # balancer's status: its decisions reach the switches through the ranges it writes).
 PASSIVE = ("applied", "counters", "ops", "load", "balancer", "helpers", "holds", "nodes", "node-ips", "route-agents",
-           "usage", "leaders")
+           "usage", "leaders", "sdhcp")
 
 
 def parse_key(key: str) -> tuple[str, list[str]] | None:

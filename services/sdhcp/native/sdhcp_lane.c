@@ -9,7 +9,8 @@
  *
  * What the lane serves (anything else, or any doubt, goes to the loop unchanged):
  *   - DISCOVER of a client with no address and no requested address: the first free address of its probe
- *     order (pool.py's segments over the granted ranges), held for OFFER_HOLD, answered with an OFFER; of a
+ *     order (blocks.py's segments: the address intervals the loop granted with the ranges, each with the key
+ *     its rows live under), held for OFFER_HOLD, answered with an OFFER; of a
  *     known client that still holds its address here: that address again (a bound lease stays bound);
  *   - REQUEST (selecting with our server id, init-reboot, renewing, rebinding) for the address the client's
  *     lease row names, whose address row this shard owns and holds for that client: the lease is bound and an
@@ -49,6 +50,8 @@
 
 #define KEY_MAX 0xFFFFFFu
 #define MAX_RANGES 64
+#define MAX_SEGS 16384        /* address intervals of a grant (blocks.py's Blocks.owned); more: nothing served */
+#define ANCHOR_HOME 0xFFFFFFFFu   /* an interval whose rows live under each address's home key */
 #define MAX_RELAYS 16
 #define FRAME_MAX 2048
 #define REPLY_MAX 1536
@@ -74,7 +77,7 @@ enum { C_RX, C_OFFERS, C_ACKS, C_SELECTING, C_INIT_REBOOT, C_RENEWING, C_REBINDI
        C_TX, C_TX_DROPPED, C_SYNCS, C_SYNC_FAILED, C_STORE_FAILED, C_EVENTS_DROPPED, C_PASSES, C_ARP_REPLIES, C_N };
 
 struct range { uint32_t lo, hi; };
-struct seg { uint32_t a, b; };
+struct seg { uint32_t a, b, anchor; };
 struct hint { uint32_t lo, hi, ip; uint64_t since; int used; };
 struct slow { uint32_t len; uint8_t pkttype; uint8_t data[FRAME_MAX]; };
 struct event { uint64_t chaddr; uint32_t ip; uint64_t until; };
@@ -101,8 +104,9 @@ struct lane {
     pthread_mutex_t mu;
     struct range ranges[MAX_RANGES];
     int nranges;
-    struct seg slots[MAX_RANGES];
+    struct seg *slots;    /* MAX_SEGS: the granted address intervals, sorted (Blocks.owned) */
     int nslots;
+    struct seg *probe;    /* MAX_SEGS + 1: one request's probe order (serve, under mu) */
     double valid_until;
     int64_t gen;
     struct rate rates[2 * MAX_RANGES];
@@ -216,44 +220,44 @@ static int in_ranges(const struct lane *l, uint32_t key, uint32_t *lo)
         }
     return 0;
 }
-/* Pool.slots: sorted, merged index intervals whose home keys lie in the ranges (ranges sorted by lo) */
-static void make_slots(struct lane *l)
+/* The granted interval holding pool index i, or NULL (Blocks.may: this shard may hand the address out) */
+static const struct seg *seg_of(const struct lane *l, uint32_t i)
 {
-    l->nslots = 0;
-    for (int i = 0; i < l->nranges; i++) {
-        uint32_t a = l->ranges[i].lo == 0 ? 0 : slot_of(l, l->ranges[i].lo - 1) + 1;
-        uint32_t b = slot_of(l, l->ranges[i].hi);
-        if (a > b)
-            continue;
-        if (l->nslots && l->slots[l->nslots - 1].b + 1 >= a) {
-            if (b > l->slots[l->nslots - 1].b)
-                l->slots[l->nslots - 1].b = b;
-        } else {
-            l->slots[l->nslots].a = a;
-            l->slots[l->nslots].b = b;
-            l->nslots++;
-        }
+    int lo = 0, hi = l->nslots - 1;
+    while (lo <= hi) {
+        int mid = (lo + hi) / 2;
+        if (l->slots[mid].b < i)
+            lo = mid + 1;
+        else if (l->slots[mid].a > i)
+            hi = mid - 1;
+        else
+            return &l->slots[mid];
     }
+    return NULL;
 }
-/* Pool.segments: the owned intervals in probe order for key, from slot(key) upward, then wrapping */
+static const struct seg *seg_of_ip(const struct lane *l, uint32_t ip)
+{
+    return ip < l->first || ip - l->first >= l->size ? NULL : seg_of(l, ip - l->first);
+}
+/* the key an address's row lives under (Blocks.rowkey) */
+static uint32_t rowkey(const struct lane *l, const struct seg *g, uint32_t ip)
+{
+    return g->anchor == ANCHOR_HOME ? home_of(l, ip) : g->anchor;
+}
+/* Blocks.segments: the granted intervals in probe order for key, from slot(key) upward, then wrapping */
 static int segments(const struct lane *l, uint32_t key, struct seg *out)
 {
-    struct seg before[MAX_RANGES + 1];
-    int n = 0, nb = 0;
+    int n = 0;
     uint32_t s = slot_of(l, key);
-    for (int i = 0; i < l->nslots; i++) {
+    for (int i = 0; i < l->nslots; i++) {       /* from slot(key) upward */
         uint32_t a = l->slots[i].a, b = l->slots[i].b;
-        if (b < s) {
-            before[nb++] = l->slots[i];
-        } else if (a < s) {
-            out[n++] = (struct seg){s, b};
-            before[nb++] = (struct seg){a, s - 1};
-        } else {
-            out[n++] = (struct seg){a, b};
-        }
+        if (b >= s)
+            out[n++] = (struct seg){a < s ? s : a, b, l->slots[i].anchor};
     }
-    for (int i = 0; i < nb; i++)
-        out[n++] = before[i];
+    for (int i = 0; i < l->nslots && l->slots[i].a < s; i++) {   /* then wrapping */
+        uint32_t a = l->slots[i].a, b = l->slots[i].b;
+        out[n++] = (struct seg){a, b < s ? b : s - 1, l->slots[i].anchor};
+    }
     return n;
 }
 
@@ -391,12 +395,13 @@ static int put_lease(struct lane *l, uint64_t chaddr, uint32_t ip, int state, ui
     return rc == SQLITE_DONE ? 0 : fail(l, "writing a lease");
 }
 
-static int put_addr(struct lane *l, uint32_t ip, uint64_t holder, int state, uint64_t until, int64_t version)
+static int put_addr(struct lane *l, uint32_t ip, uint32_t vkey, uint64_t holder, int state, uint64_t until,
+                    int64_t version)
 {
-    sqlite3_stmt *s = l->put_addr;   /* ip, vkey (home), holder, state, until, version */
+    sqlite3_stmt *s = l->put_addr;   /* ip, vkey (the row key), holder, state, until, version */
     sqlite3_reset(s);
     sqlite3_bind_int64(s, 1, ip);
-    sqlite3_bind_int64(s, 2, home_of(l, ip));
+    sqlite3_bind_int64(s, 2, vkey);
     sqlite3_bind_int64(s, 3, (sqlite3_int64)holder);
     sqlite3_bind_int(s, 4, state);
     sqlite3_bind_int64(s, 5, (sqlite3_int64)until);
@@ -655,7 +660,7 @@ static int serve(struct lane *l, const struct req *r, uint64_t now, uint8_t *rep
             /* a known client starting over gets its address again if it still holds it here (backend's
              * _discover: its current or last address first); a bound one keeps its lease meanwhile */
             uint32_t ip = lease.ip;
-            if (ip < l->first || ip - l->first >= l->size || !in_ranges(l, home_of(l, ip), NULL))
+            if (!seg_of_ip(l, ip))
                 return 0;
             if (read_addr(l, ip, &a))
                 return -1;
@@ -671,20 +676,21 @@ static int serve(struct lane *l, const struct req *r, uint64_t now, uint8_t *rep
         } else {
             if (r->has50)
                 return 0;   /* a requested address: the loop's */
-            struct seg segs[MAX_RANGES + 1];
-            int n = segments(l, r->key, segs), rc = 0;
+            struct seg *segs = l->probe;
+            int n = segments(l, r->key, segs), rc = 0, at = 0;
             uint32_t ip = 0;
-            for (int i = 0; i < n && rc == 0; i++)
-                rc = first_free(l, l->first + segs[i].a, l->first + segs[i].b, r->chaddr, now, &ip);
+            for (; at < n && rc == 0; at++)
+                rc = first_free(l, l->first + segs[at].a, l->first + segs[at].b, r->chaddr, now, &ip);
             if (rc <= 0)
                 return rc;   /* none free: reclaiming and saying so are the loop's */
+            uint32_t vkey = rowkey(l, &segs[at - 1], ip);
             *rlen = build(l, r, OFFER, ip, reply);
             if (!*rlen)
                 return 0;
             if (read_addr(l, ip, &a))
                 return -1;
             if (!a.found || a.holder != r->chaddr || a.state != ADDR_HELD)
-                if (put_addr(l, ip, r->chaddr, ADDR_HELD, 0, (a.found ? a.version : 0) + 1))
+                if (put_addr(l, ip, vkey, r->chaddr, ADDR_HELD, 0, (a.found ? a.version : 0) + 1))
                     return -1;
             if (put_lease(l, r->chaddr, ip, LEASE_OFFERED, now + l->offer_hold_ms, cid, cidlen,
                           (lease.found ? lease.version : 0) + 1))
@@ -708,8 +714,7 @@ static int serve(struct lane *l, const struct req *r, uint64_t now, uint8_t *rep
         }
         if ((target & l->netmask) != l->net || target < l->first || target - l->first >= l->size)
             return 0;
-        uint32_t home_lo;
-        if (!in_ranges(l, home_of(l, target), &home_lo))
+        if (!seg_of_ip(l, target))
             return 0;
         if (read_lease(l, r->chaddr, &lease))
             return -1;
@@ -1037,6 +1042,8 @@ struct lane *lane_open(const char *path, const char *sql, const uint32_t *cfg, u
     l->slow_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     l->event_fd = eventfd(0, EFD_CLOEXEC);
     l->q = calloc(SLOW_CAP, sizeof *l->q);
+    l->slots = calloc(MAX_SEGS, sizeof *l->slots);
+    l->probe = calloc(MAX_SEGS + 1, sizeof *l->probe);
     l->ev = calloc(EVENTS_CAP, sizeof *l->ev);
     l->watch_all = 1;
     l->first = cfg[0], l->size = cfg[1], l->server = cfg[2], l->net = cfg[3], l->netmask = cfg[4];
@@ -1050,7 +1057,7 @@ struct lane *lane_open(const char *path, const char *sql, const uint32_t *cfg, u
     for (int c = 0; c < 256; c++)
         l->exact[c] = rules[3 * c], l->step[c] = rules[3 * c + 1], l->least[c] = rules[3 * c + 2];
     snprintf(l->wal, sizeof l->wal, "%s-wal", path);
-    if (l->stop_fd < 0 || l->slow_fd < 0 || l->event_fd < 0 || !l->q || !l->ev) {
+    if (l->stop_fd < 0 || l->slow_fd < 0 || l->event_fd < 0 || !l->q || !l->ev || !l->slots || !l->probe) {
         snprintf(err, errlen, "cannot make the lane's eventfds or queues: %s", strerror(errno));
         lane_close(l);
         return NULL;
@@ -1097,6 +1104,8 @@ void lane_close(struct lane *l)
         if (fds[i] > 0)
             close(fds[i]);
     free(l->q);
+    free(l->slots);
+    free(l->probe);
     free(l->ev);
     free(l->watch);
     free(l);
@@ -1109,16 +1118,23 @@ void lane_unlock(struct lane *l) { pthread_mutex_unlock(&l->mu); }
 /* An address may have become free (Store._may_free): the lane's search hints are forgotten. */
 void lane_forget(struct lane *l) { __atomic_fetch_add(&l->forgot, 1, __ATOMIC_RELEASE); }
 
-/* What the lane may serve: los/his sorted by lo, until CLOCK_MONOTONIC valid_until, for lease generation gen.
- * n 0 revokes; returns once no pass is under way.  -1 if beyond the lane's limits (then nothing is served). */
-int lane_set(struct lane *l, const uint32_t *los, const uint32_t *his, int n, double valid_until, int64_t gen)
+/* What the lane may serve: keys los/his sorted by lo, and the addresses of the nseg intervals segs (a, b,
+ * anchor: sorted, disjoint pool indexes; anchor ANCHOR_HOME or the key their rows live under: Blocks.owned of
+ * the same ranges), until CLOCK_MONOTONIC valid_until, for lease generation gen.  n 0 revokes; returns once no
+ * pass is under way.  -1 if beyond the lane's limits (then nothing is served). */
+int lane_set(struct lane *l, const uint32_t *los, const uint32_t *his, int n, const uint32_t *segs, int nseg,
+             double valid_until, int64_t gen)
 {
     pthread_mutex_lock(&l->mu);
-    int ok = n >= 0 && n <= MAX_RANGES;
+    int ok = n >= 0 && n <= MAX_RANGES && nseg >= 0 && nseg <= MAX_SEGS;
+    for (int i = 0; ok && i < nseg; i++)
+        ok = segs[3 * i] <= segs[3 * i + 1] && segs[3 * i + 1] < l->size && (i == 0 || segs[3 * i - 2] < segs[3 * i]);
     l->nranges = ok ? n : 0;
     for (int i = 0; i < l->nranges; i++)
         l->ranges[i] = (struct range){los[i], his[i]};
-    make_slots(l);
+    l->nslots = ok ? nseg : 0;
+    for (int i = 0; i < l->nslots; i++)
+        l->slots[i] = (struct seg){segs[3 * i], segs[3 * i + 1], segs[3 * i + 2]};
     l->valid_until = valid_until;
     l->gen = gen;
     l->hints_at = ~0UL;
