@@ -203,7 +203,7 @@ class LocalEtcd:
     win before it starts an election.  Without it, a member cut off from the others keeps starting elections,
     raising its raft term, and when it comes back that term deposes the leader the majority kept: measured in
     the multi-host testbed, a healed host's member made the majority's leader step down and left the cluster
-    without a leader for 2.3 s (tests/integration/test_etcd_partition.py, docs/sessions/2026-12-07-i45h.md).
+    without a leader for 2.3 s (tests/integration/test_etcd_partition.py, docs/measurements.md, eleventh session, i45h).
 
     ``client_port``/``peer_port`` are the first member's (0: a free one); the others get free ports.
     ``members`` may also be a list of ``Placement`` (one per member) for members outside loopback.
