@@ -53,6 +53,18 @@ def _ops(doc: dict) -> dict[str, float]:
 METRICS = {"kvs_throughput": _throughput, "kvs_ops": _ops}
 
 
+def check_tree(python: str, tree: str) -> None:
+    """Refuse an interpreter whose ``vfab`` is another checkout's (an editable install follows the last
+    ``make bootstrap`` run with that venv, from whichever tree): the comparison would be of the wrong code."""
+    where = subprocess.run([python, "-c", "import os, vfab; print(os.path.realpath(vfab.__path__[0]))"],
+                           capture_output=True, text=True, cwd="/")
+    got = where.stdout.strip()
+    if where.returncode != 0 or os.path.dirname(got) != os.path.realpath(tree):
+        raise SystemExit(f"ab: {python} imports vfab from {got or where.stderr.strip()[-300:]}, not from {tree}: "
+                         f"re-install it from that tree ('make -C {tree} bootstrap VENV=<its venv>') or name "
+                         "the interpreter that has it")
+
+
 def run_one(tree: str, python: str, bench: str, extra: list[str], out: str) -> dict:
     cmd = [python, os.path.join(tree, "bench", f"{bench}.py"), *extra, "--out", out]
     print(f"  $ (cd {tree} && {' '.join(cmd)})", flush=True)
@@ -74,6 +86,8 @@ def main() -> int:
     extra = list(args.extra) + (["--smoke"] if args.smoke else [])
     rounds = 1 if args.smoke else args.rounds
     trees = {"base": (os.path.abspath(args.base), args.base_python), "this": (HERE, sys.executable)}
+    for tree, python in trees.values():
+        check_tree(python, tree)
     got: dict[str, list[dict[str, float]]] = {"base": [], "this": []}
     work = tempfile.mkdtemp(prefix="vfab-ab-")
     for r in range(rounds):

@@ -24,7 +24,8 @@ BENCHES = ["etcd_client.py", "etcd_leader_loss.py", "reroute.py", "reroute_busy.
            "sdhcp_ops.py",
            "sdhcp_path.py",
            "tunnel_rtt.py",
-           "cutover_hosts.py"]
+           "cutover_hosts.py",
+           "scale.py"]
 
 
 def main() -> int:

@@ -12,6 +12,11 @@ nodes own contiguous stretches of keys, about one prefix per remote node: the co
 ranges and the number of nodes, not with the fabric's ranges.  Interleaved ownership costs more prefixes
 (each stretch its own), never a wrong route.
 
+Cost: neighbouring ranges of one label are merged into one stretch first (the same labelling of keys, so the
+same prefixes), and a subtree one stretch covers is a leaf, so the trie holds only the paths to stretch ends
+(about 24 nodes per stretch), not a node per bit of every range's blocks: 1,000 services x 100 ranges on 64
+nodes take 0.02 s on one node here, 17x less than inserting every block bit by bit (bench/scale.py).
+
 Pure: the caller gives each range's owner node and the actions; the fake flow table checks the result.
 ``fabric/nodecompile.py`` builds a whole node's switch on ``remote_prefixes`` (its own priorities, the way back
 for stragglers, and the cross-node cut-over order); ``node_routes`` is the plain two-level table of one service.
@@ -19,6 +24,7 @@ for stragglers, and the cross-node cut-over order); ``node_routes`` is the plain
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -41,28 +47,9 @@ class Owned:
     epoch: int = 0
 
 
-@dataclass
-class _Trie:
-    labels: frozenset | None = None      # None: don't care (any label will do)
-    zero: "_Trie | None" = None
-    one: "_Trie | None" = None
-
-
-def _insert(root: _Trie, value: int, plen: int, label: str | None) -> None:
-    node = root
-    for depth in range(plen):
-        bit = value >> (KEY_BITS - 1 - depth) & 1
-        child = node.one if bit else node.zero
-        if child is None:
-            child = _Trie()
-            if bit:
-                node.one = child
-            else:
-                node.zero = child
-        node = child
-    node.labels = None if label is None else frozenset([label])
-    node.zero = node.one = None
-    node.leaf = True  # type: ignore[attr-defined]
+# A trie node: (labels, zero child, one child, leaf).  ``labels`` None: don't care (any label will do); a
+# child None: that half holds no block (its keys are MISS).
+_Node = tuple
 
 
 def _merge(a: frozenset | None, b: frozenset | None) -> frozenset | None:
@@ -73,43 +60,63 @@ def _merge(a: frozenset | None, b: frozenset | None) -> frozenset | None:
     return (a & b) or (a | b)
 
 
-def _pass2(node: _Trie) -> frozenset | None:
-    """Bottom-up: the labels each subtree can take with the fewest prefixes (a missing half is MISS)."""
-    if getattr(node, "leaf", False):
-        return node.labels
-    halves = [_pass2(c) if c is not None else frozenset([MISS]) for c in (node.zero, node.one)]
-    node.labels = _merge(*halves)
-    return node.labels
+_MISS_SET = frozenset([MISS])
 
 
-def _pass3(node: _Trie | None, value: int, depth: int, inherited: str, out: list[tuple[int, int, str]]) -> None:
+def _build(spans: list[tuple[int, int, str | None]], los: list[int], i: int, j: int, value: int,
+           depth: int) -> _Node | None:
+    """The trie over ``spans[i:j]`` (sorted, disjoint (lo, hi, label) stretches of keys, each meeting the prefix
+    ``value`` of length ``depth``; the first and last may reach past it), each node labelled bottom-up (ORTC's
+    second pass: the labels a subtree can take with the fewest prefixes).  A subtree one stretch covers is a
+    leaf, so the trie holds only the paths to the stretches' ends: built in one descent, cutting the stretches
+    at each bit with a binary search on ``los`` (their starts)."""
+    if i == j:
+        return None
+    end = value + (1 << (KEY_BITS - depth)) - 1
+    if j - i == 1 and spans[i][0] <= value and spans[i][1] >= end:
+        label = spans[i][2]
+        return (None if label is None else frozenset([label]), None, None, True)
+    mid = value | 1 << (KEY_BITS - 1 - depth)
+    k = bisect.bisect_left(los, mid, i, j)
+    zero = _build(spans, los, i, k, value, depth + 1)
+    one = _build(spans, los, k - 1 if k > i and spans[k - 1][1] >= mid else k, j, mid, depth + 1)
+    labels = _merge(_MISS_SET if zero is None else zero[0], _MISS_SET if one is None else one[0])
+    return (labels, zero, one, False)
+
+
+def _pass3(node: _Node | None, value: int, depth: int, inherited: str, out: list[tuple[int, int, str]]) -> None:
     if node is None:       # an absent half is MISS: it needs a prefix of its own unless MISS is inherited
         if inherited != MISS:
             out.append((value, depth, MISS))
         return
-    labels = node.labels
+    labels, zero, one, leaf = node
     hop = inherited
     if labels is not None and inherited not in labels:
         hop = min(labels)
         out.append((value, depth, hop))
-    if getattr(node, "leaf", False):
+    if leaf:
         return
-    _pass3(node.zero, value, depth + 1, hop, out)
-    _pass3(node.one, value | 1 << (KEY_BITS - 1 - depth), depth + 1, hop, out)
+    _pass3(zero, value, depth + 1, hop, out)
+    _pass3(one, value | 1 << (KEY_BITS - 1 - depth), depth + 1, hop, out)
 
 
 def remote_prefixes(ranges: list[Owned], me: str) -> list[tuple[int, int, str]]:
     """ORTC over the key trie: (key value, prefix length, node or MISS), the fewest prefixes that send every
     key of a range owned elsewhere to its node (longest prefix first wins; ``me``'s keys: don't care)."""
-    root = _Trie()
-    for r in ranges:
+    spans: list[list] = []     # neighbouring ranges of one label merged: the same labelling, fewer leaves
+    for r in sorted(ranges, key=_by_lo):
         label = None if r.node == me else r.node
-        for value, mask in to_masks(Range(r.lo, r.hi)):
-            _insert(root, value, bin(mask).count("1"), label)
-    _pass2(root)
+        if spans and spans[-1][2] == label and spans[-1][1] + 1 == r.lo:
+            spans[-1][1] = r.hi
+        else:
+            spans.append([r.lo, r.hi, label])
     out: list[tuple[int, int, str]] = []
-    _pass3(root, 0, 0, MISS, out)
+    _pass3(_build(spans, [sp[0] for sp in spans], 0, len(spans), 0, 0), 0, 0, MISS, out)
     return out
+
+
+def _by_lo(r: Owned) -> int:
+    return r.lo
 
 
 def node_routes(service: int, layout: Layout | str, ranges: list[Owned], me: str, tunnel_port: dict[str, int],

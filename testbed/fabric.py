@@ -14,7 +14,6 @@ logging each thing it removes.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import re
@@ -22,69 +21,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 from vfab.fabric import ovs
 from vfab.testbed import leftovers
 from vfab.testbed.etcd import LocalEtcd
+from vfab.testbed.lock import LOCK_FILE, LOCK_WAIT, acquire_lock, release_lock  # noqa: F401 (re-exported)
 from vfab.testbed.net import TopoError, TopoSpec, build, describe
 from vfab.testbed.procs import Supervisor, free_port, shielded, unwind_on_signals, wait_for
 from vfab.vid.registry import schema
 from vfab.vid.registry import Registry
 
 log = logging.getLogger("vfab.testbed")
-LOCK_FILE = "/run/vfab-testbed.lock"
-LOCK_WAIT = 900
-
-# The machine-wide testbed lock, re-entrant within this process (a test can hold it around a Testbed).
-_lock_mutex = threading.Lock()
-_lock_fh = None
-_lock_depth = 0
-
-
-def acquire_lock(wait: float = LOCK_WAIT) -> None:
-    """Take the machine's testbed lock (switch and host names are fixed: one testbed at a time)."""
-    global _lock_fh, _lock_depth
-    with _lock_mutex:
-        if _lock_depth:
-            _lock_depth += 1
-            return
-        fh = open(LOCK_FILE, "w")
-        t0 = time.monotonic()
-        while True:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() - t0 > wait:
-                    fh.close()
-                    raise RuntimeError(f"another vfab testbed holds {LOCK_FILE} for over {wait:.0f} s: "
-                                       "stop it ('vfab down') or wait") from None
-                time.sleep(0.5)
-        _lock_fh, _lock_depth = fh, 1
-
-
-def _drop_lock_in_child() -> None:
-    """A forked child (multiprocessing) must not keep the lock alive after its parent died."""
-    global _lock_fh, _lock_depth
-    if _lock_fh is not None:
-        _lock_fh.close()  # only this process's reference: the parent still holds the flock
-    _lock_fh, _lock_depth = None, 0
-
-
-os.register_at_fork(after_in_child=_drop_lock_in_child)
-
-
-def release_lock() -> None:
-    global _lock_fh, _lock_depth
-    with _lock_mutex:
-        if not _lock_depth:
-            return
-        _lock_depth -= 1
-        if not _lock_depth:
-            _lock_fh.close()  # releases the flock
-            _lock_fh = None
 
 
 class Testbed:

@@ -38,6 +38,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from vfab.testbed.lock import acquire_lock, release_lock
 from vfab.vid.state.sched import proc_stat
 
 log = logging.getLogger("vfab.testbed.leftovers")
@@ -378,7 +379,6 @@ def sweep(state_dir: str | None = None, exclude: str | None = None) -> Swept:
 
 def main() -> int:
     """Sweep now, without starting a testbed (waits for a running testbed to finish first)."""
-    from vfab.testbed.fabric import acquire_lock, release_lock  # the lock is the testbed's
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     acquire_lock()

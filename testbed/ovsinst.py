@@ -21,9 +21,13 @@ SCHEMA = "/usr/share/openvswitch/vswitch.ovsschema"
 
 
 class OvsInstance:
-    def __init__(self, name: str, netns: str, rundir: str, sup: Supervisor):
+    def __init__(self, name: str, netns: str | None, rundir: str, sup: Supervisor, sandbox: bool = False):
         self.name = name          # for process names and messages
-        self.netns = netns        # namespace name (ip netns)
+        self.netns = netns        # namespace name (ip netns); None: this one's (a sandbox only)
+        self.sandbox = sandbox
+        if netns is None and not sandbox:
+            raise ovs.OvsError(f"{name}: an instance with a datapath needs a namespace of its own (its devices "
+                               "would collide with another's): give netns, or sandbox=True")
         self.rundir = rundir
         self.sup = sup
         self.db_proc: Proc | None = None
@@ -51,7 +55,8 @@ class OvsInstance:
         sock = os.path.join(self.rundir, "db.sock")
         if os.path.exists(sock):   # a crashed server's: the wait below is for the new one's
             os.unlink(sock)
-        ns = ["ip", "netns", "exec", self.netns]
+        ns = ["ip", "netns", "exec", self.netns] if self.netns else []
+        dummy = ["--enable-dummy=override"] if self.sandbox else []
         self.db_proc = self.sup.start(f"{self.name}-ovsdb", [
             *ns, "ovsdb-server", self.db, f"--remote=punix:{sock}", "--pidfile", "--log-file", "-vconsole:emer"],
             env=self.env)
@@ -60,7 +65,7 @@ class OvsInstance:
             raise ovs.OvsError(f"{self.name}: ovsdb-server exited at start:\n{self.db_proc.tail()}")
         ovs.vsctl("--no-wait", "init", rundir=self.rundir)
         self.sw_proc = self.sup.start(f"{self.name}-vswitchd", [
-            *ns, "ovs-vswitchd", f"unix:{sock}", "--pidfile", "--log-file", "-vconsole:emer"], env=self.env)
+            *ns, "ovs-vswitchd", f"unix:{sock}", *dummy, "--pidfile", "--log-file", "-vconsole:emer"], env=self.env)
         pidfile = os.path.join(self.rundir, "ovs-vswitchd.pid")
         wait_for(lambda: os.path.exists(pidfile) or not self.sw_proc.alive(), timeout, f"{self.name}'s ovs-vswitchd")
         if not self.sw_proc.alive():

@@ -11,8 +11,8 @@ Blobs carry bulk bytes (state records, forwarded frames) without re-encoding.
 A receiver rejects another major version ``v`` with ``EnvelopeError`` naming
 both; unknown body fields are the handler's business (it ignores extras).
 Types used by the state manager: BEGIN, CHUNK, REPL, SYNC, COMMIT, ABORT, FWD,
-ALIVE (peer protocol; FWD and ALIVE are not answered); SPLIT, MIRROR, MOVE, MERGE, CANCEL, PING, STATS (operator
-commands); OK and ERR answer any of them.
+ALIVE (peer protocol; FWD and ALIVE are not answered); SPLIT (a merge is a SPLIT whose body says
+``merge``), MIRROR, MOVE, CANCEL, PING, STATS (operator commands); OK and ERR answer any of them.
 """
 
 from __future__ import annotations

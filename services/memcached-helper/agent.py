@@ -42,7 +42,8 @@ progress for ``--stale`` s — its stats file not written (SIGSTOP, a starved ho
 loop counter of any of its lcores in it standing still (a hung lcore: the file's writer is a thread of its
 own, and each lcore serves its own queue, whose clients a hung one leaves unanswered) — the lease is revoked
 the same way, but the agent stays: once all move again it announces the helper again (a new lease), and the
-switches give it its bucket back.  If the agent itself dies, mc-helper gets SIGTERM (parent-death signal) and
+switches give it its bucket back.  A helper withdrawn for either reason comes back only after serving without
+interruption for a hold that doubles with each withdrawal in the last 30 s (``readmit.py``: no flapping).  If the agent itself dies, mc-helper gets SIGTERM (parent-death signal) and
 the lease expires after ``--ttl`` s.  SIGTERM/SIGINT: the lease goes first (clients leave the helper), then the child stops.
 """
 
@@ -70,6 +71,7 @@ from vfab.vid.registry import Registry, schema
 from vfab.vid.state.sched import proc_stat
 
 from vfab.services.memcached_helper import control
+from vfab.services.memcached_helper.readmit import Readmit
 from vfab.vid.registry import members as etcd_members
 
 log = logging.getLogger("vfab.mc.agent")
@@ -329,6 +331,8 @@ class HelperAgent(Agent):
         self.last_stats: dict = {}
         self.stalled_at = 0.0
         self.down_noted = False
+        self.held_noted = False
+        self.readmit = Readmit(base=args.readmit_hold, cap=args.readmit_max)
         self.memcached = args.memcached or f"{self.addr[0]}:{self.addr[1]}"
 
     def command(self) -> list[str]:
@@ -390,12 +394,24 @@ class HelperAgent(Agent):
             down = control.not_serving(st, self.memcached)
             if down and self.server is not None:   # alive but cannot serve: give its clients back now
                 self.stalled_at = now
-                self.withdraw(f"mc-helper does not serve: {down}; announced again once it does")
+                self.readmit.withdrawn(now)
+                self.withdraw(f"mc-helper does not serve: {down}; announced again once it has served for "
+                              f"{self.readmit.hold(now):.1f} s")
                 self.note_down(st, down)
+                self.held_noted = False
                 return None
-            if self.server is None and not down:   # it stalled or did not serve, and was withdrawn: it serves again
-                log.warning("helper %s: its stats advance again and it serves, after %.2f s: announcing it again",
-                            self.args.name, now - self.stalled_at)
+            if self.server is None and not self.readmit.may_return(now, not down):
+                if not down and not self.held_noted:   # it serves, but not for long enough yet: say so once
+                    self.note_down(st, self.readmit.explain(now))
+                    self.held_noted = True
+                elif down and self.held_noted:         # relapsed while held out: the reason again
+                    self.note_down(st, down)
+                    self.held_noted = False
+                return None
+            if self.server is None:   # it stalled or did not serve, was withdrawn, and has served for the hold
+                log.warning("helper %s: its stats advance again and it has served for %.2f s, %.2f s after it was "
+                            "withdrawn: announcing it again", self.args.name, now - self.readmit.serving_since,
+                            now - self.stalled_at)
                 try:
                     self.announce()
                 except VfabError as exc:   # etcd away: the file's next advance tries again
@@ -403,6 +419,7 @@ class HelperAgent(Agent):
                 return None
         elif now - self.last_change > self.args.stale and self.server is not None:
             self.stalled_at = self.last_change
+            self.readmit.withdrawn(now)
             what = (f"the loop counter of its lcore(s) {', '.join(still)} (in {self.stats_path}) has not changed"
                     if written else f"its stats file {self.stats_path} has not changed")
             self.withdraw(f"{what} for {now - self.last_change:.1f} s; announced again once it does; its "
@@ -486,6 +503,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="withdraw the helper while its stats file, or the loop counter of any of its lcores in "
                         "it, has not changed for this many s (default 1: 10 stats periods); it is announced again "
                         "once all advance")
+    h.add_argument("--readmit-hold", type=float, default=0.5,
+                   help="a helper withdrawn for not serving is announced again once it has served this many s "
+                        "without interruption; doubled for each further withdrawal in the last 30 s (default 0.5)")
+    h.add_argument("--readmit-max", type=float, default=8.0,
+                   help="the longest such hold, s (default 8)")
     h.add_argument("--file-prefix", default=None, help="DPDK --file-prefix (default vfmh-NAME-PID)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

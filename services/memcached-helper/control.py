@@ -43,7 +43,8 @@ SHOWN = ("uptime_ms", "conns", "conns_up", "rx_dgrams", "rx_get", "rx_gets", "rx
          "b_keys", "b_waiters", "b_pass", "batch_S_bytes", "batch_T_ns", "close_size", "close_time", "close_full",
          "close_order", "drop_peers", "drop_noconn", "drop_busy", "tx_nombuf", "tx_drop", "tx_frames",
          "w_done", "w_abort_miss", "w_abort_drop", "connects", "disconnects", "tcp_bytes_out", "tcp_bytes_in",
-         "serving", "stalls", "probes", "relay_sent", "relay_replies", "relay_unsafe", "relay_noconn")
+         "serving", "stalls", "probes", "relay_sent", "relay_replies", "relay_unsafe", "relay_noconn",
+         "refused_big", "ord_held", "ord_expired")
 DROPS = ("drop_peers", "drop_noconn", "drop_busy", "tx_nombuf", "tx_drop")
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
 
 import pytest
 
+from vfab.testbed import kvs
 from vfab.testbed.fabric import Testbed
 from vfab.testbed.procs import wait_for
 
@@ -36,6 +38,28 @@ def testbed(tmp_path_factory):
         with open(ctl_log) as fh:
             text = fh.read()
         assert "Traceback" not in text, f"controller raised:\n{text[-3000:]}"
+
+
+@pytest.fixture
+def servers(testbed):
+    """``servers(service, [(host, name, listen[, data]), ...])`` creates the service and starts an elastic-KVS
+    server per spec, waiting until the controller has applied them; stops them after the test (waking any the
+    test left SIGSTOPped) and fails it if one raised."""
+    started = []
+
+    def start(service: str, specs: list):
+        testbed.registry.create_service(service)
+        for host, name, listen, *data in specs:
+            started.append(kvs.start_server(testbed, host, name, service, listen, data=data[0] if data else None))
+        testbed.wait_revision(testbed.registry.state_revision())
+        return started
+
+    yield start
+    for proc in started:
+        if proc.alive():
+            os.kill(proc.pid, signal.SIGCONT)
+        testbed.sup.stop(proc)
+        assert "Traceback" not in open(proc.logpath).read(), f"{proc.name} raised:\n{proc.tail(40)}"
 
 
 def start_server(tb: Testbed, host: str, name: str, service: str = "echo", rx: str = "ovs",

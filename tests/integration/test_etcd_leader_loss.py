@@ -42,23 +42,6 @@ def testbed(tmp_path_factory):
 
 
 @pytest.fixture
-def servers(testbed):
-    started = []
-
-    def start(service: str, specs: list):
-        testbed.registry.create_service(service)
-        for host, name, listen in specs:
-            started.append(kvs.start_server(testbed, host, name, service, listen))
-        testbed.wait_revision(testbed.registry.state_revision())
-        return started
-
-    yield start
-    for proc in started:
-        testbed.sup.stop(proc)
-        assert "Traceback" not in open(proc.logpath).read(), f"{proc.name} raised:\n{proc.tail(40)}"
-
-
-@pytest.fixture
 def leader_dies(testbed):
     """``kill()``: hand the leadership to the first member, kill -9 it, and measure how long writes stop (a
     writer puts every 10 ms meanwhile); the member comes back after the test."""

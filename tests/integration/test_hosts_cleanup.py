@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from vfab.testbed import fabric, leftovers
+from vfab.testbed import leftovers, lock
 from vfab.testbed.hosts import HostsTestbed
 
 
@@ -40,7 +40,7 @@ def test_a_failed_start_leaves_nothing(tmp_path):
     for pid in made:
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
     assert ours() == []
-    assert fabric._lock_depth == 0
+    assert lock._lock_depth == 0
 
 
 KEEPER = """

@@ -25,23 +25,6 @@ from vfab.vid.errors import StateError
 HALF = Range(0x800000, 0xFFFFFF)
 
 
-@pytest.fixture
-def servers(testbed):
-    started = []
-
-    def start(service: str, specs: list[tuple[str, str, str | None]]):
-        testbed.registry.create_service(service)
-        for host, name, listen in specs:
-            started.append(kvs.start_server(testbed, host, name, service, listen))
-        testbed.wait_revision(testbed.registry.state_revision())
-        return started
-
-    yield start
-    for proc in started:
-        testbed.sup.stop(proc)
-        assert "Traceback" not in open(proc.logpath).read(), f"{proc.name} raised:\n{proc.tail(40)}"
-
-
 def owners(tb, service: str) -> list[tuple[Range, str]]:
     return [(r.range, r.owner) for r, _ in tb.registry.ranges(service)]
 

@@ -29,25 +29,6 @@ HALF = Range(0x800000, 0xFFFFFF)
 LOW = Range(0, 0x7FFFFF)
 
 
-@pytest.fixture
-def servers(testbed):
-    started = []
-
-    def start(service: str, specs: list, **kw):
-        testbed.registry.create_service(service)
-        for host, name, listen, *data in specs:
-            started.append(kvs.start_server(testbed, host, name, service, listen, data=data[0] if data else None))
-        testbed.wait_revision(testbed.registry.state_revision())
-        return started
-
-    yield start
-    for proc in started:
-        if proc.alive():
-            os.kill(proc.pid, signal.SIGCONT)
-        testbed.sup.stop(proc)
-        assert "Traceback" not in open(proc.logpath).read(), f"{proc.name} raised:\n{proc.tail(40)}"
-
-
 def key_in(rng: Range, prefix: str = "q") -> bytes:
     i = 0
     while proto.vkey(f"{prefix}{i}".encode()) not in rng:

@@ -38,6 +38,7 @@ from vfab.services.sdhcp.reply import destination, reply, reply_limit
 from vfab.services.sdhcp.wire import Message, MessageType, Opt
 from vfab.testbed.dhcpclients import DHCPCD_CONF
 from vfab.vid.netns import netns
+from vfab.testbed.procs import wait_for
 
 SERVER_IP = IPv4Address("192.0.2.1")
 OFFERED = IPv4Address("192.0.2.77")
@@ -210,7 +211,7 @@ class Client:
         """Make the client renew now: udhcpc and dhcpcd on SIGUSR1; dhclient has no renew-now
         (TESTBED-NOTES), it renews at T1, which the test sets short for it."""
         if self.name.startswith("udhcpc"):
-            wait_for("udhcpc's hook to finish", lambda: not children(proc.pid))
+            wait_for(lambda: not children(proc.pid), WAIT, "udhcpc's hook to finish", interval=0.02)
         if self.name != "dhclient":
             os.kill(proc.pid, signal.SIGUSR1)
 
@@ -303,15 +304,6 @@ def event_env(d: Path, event: str) -> Path | None:
     return None
 
 
-def wait_for(what: str, check: Callable[[], object], timeout: float = WAIT) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := check():
-            return value
-        time.sleep(0.02)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
-
-
 class Running:
     """One real client started in the pair's client namespace, with the scripted server beside it."""
 
@@ -367,8 +359,8 @@ class Running:
 
     def ack(self, req: Message, lease: dict) -> dict[str, str]:
         self.responder.send(req, reply(req, MessageType.ACK, SERVER_IP, OFFERED, options=lease))
-        wait_for(f"{OFFERED}/24 on {self.pair.cif}", lambda: f"{OFFERED}/24" in self.pair.client_addrs())
-        return read_env(wait_for("the client's bound event", lambda: event_env(self.dir, "bound")))
+        wait_for(lambda: f"{OFFERED}/24" in self.pair.client_addrs(), WAIT, f"{OFFERED}/24 on {self.pair.cif}", interval=0.02)
+        return read_env(wait_for(lambda: event_env(self.dir, "bound"), WAIT, "the client's bound event", interval=0.02))
 
 
     def renewal(self, t1: int) -> Message:
@@ -409,7 +401,7 @@ def test_real_client_leases_and_renews(client: Client, pair: NsPair, tmp_path: P
         longer = lease | {Opt.LEASE_TIME: 1200, Opt.RENEWAL_TIME: 600, Opt.REBINDING_TIME: 1050}
         sent = run_.responder.send(renew, reply(renew, MessageType.ACK, SERVER_IP, OFFERED, options=longer))
         assert (sent.dst_ip, sent.eth_dst) == (OFFERED, run_.mac)
-        env = read_env(wait_for("the client's renew event", lambda: event_env(tmp_path, "renew")))
+        env = read_env(wait_for(lambda: event_env(tmp_path, "renew"), WAIT, "the client's renew event", interval=0.02))
         check_env(client, env, lease_time=1200)
         assert f"{OFFERED}/24" in pair.client_addrs()
         assert run_.proc.poll() is None, f"{client.name} exited:\n{run_.output()}"

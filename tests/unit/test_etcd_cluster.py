@@ -18,6 +18,7 @@ from vfab.vid.errors import RegistryError
 from vfab.vid.registry import Registry
 from vfab.vid.registry import members as etcd_members
 from vfab.vid.state.lease import EndpointLease
+from vfab.testbed.procs import wait_for
 
 
 @pytest.fixture
@@ -40,13 +41,6 @@ def leader_first(etcd: LocalEtcd) -> tuple[str, object]:
     """The member list with the leader first (a client starts on the member that will die), and the leader."""
     lead = etcd.leader()
     return ",".join([lead.endpoint] + [m.endpoint for m in etcd.members if m is not lead]), lead
-
-
-def until(fn, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not fn():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 # -- the list ----------------------------------------------------------------------------------------
@@ -89,8 +83,8 @@ def test_a_dead_member_in_the_list_is_named_and_the_others_serve(cluster, caplog
     assert reg.get("/t/a") == (b"1", rev) and reg.member != dead
     said = [r.getMessage() for r in caplog.records]
     assert any(f"member {dead} refuses connections (ConnectionRefusedError); switching to" in m for m in said), said
-    until(lambda: any(f"member {dead} (listed in" in r.getMessage() and "does not answer" in r.getMessage()
-                      for r in caplog.records), "the warning naming the dead member", 5)
+    wait_for(lambda: any(f"member {dead} (listed in" in r.getMessage() and "does not answer" in r.getMessage()
+                      for r in caplog.records), 5, "the warning naming the dead member", interval=0.02)
 
 
 def test_a_list_mixing_two_clusters_is_refused(cluster, tmp_path, caplog):
@@ -101,7 +95,7 @@ def test_a_list_mixing_two_clusters_is_refused(cluster, tmp_path, caplog):
     try:
         reg = Registry(f"{cluster.members[0].endpoint},{other.endpoint}")
         reg.get("/x")
-        until(lambda: any("are not one cluster" in r.getMessage() for r in caplog.records), "the error", 5)
+        wait_for(lambda: any("are not one cluster" in r.getMessage() for r in caplog.records), 5, "the error", interval=0.02)
         theirs = etcd_members.status(other.endpoint)
         with pytest.raises(RegistryError, match="belong to different clusters.*list the members of one cluster"):
             reg.members.answered(other.endpoint, {"cluster_id": theirs.cluster_id, "raft_term": 2})
@@ -122,7 +116,7 @@ def test_a_watch_follows_through_the_leaders_death_missing_and_repeating_nothing
                                                          lambda b: seen.extend((e.key, e.revision) for e in b), stop),
                           daemon=True)
     th.start()
-    until(lambda: resets, "the follower's first read")
+    wait_for(lambda: resets, 20.0, "the follower's first read", interval=0.02)
     ambiguous = 0
     i = 0
     while i < 300:
@@ -137,7 +131,7 @@ def test_a_watch_follows_through_the_leaders_death_missing_and_repeating_nothing
                 continue
         i += 1
     _, held = writer.get_prefix("/w/")
-    until(lambda: len(seen) >= len(held), "every event")
+    wait_for(lambda: len(seen) >= len(held), 20.0, "every event", interval=0.02)
     time.sleep(0.3)
     stop.set()
     th.join(5)
@@ -236,11 +230,11 @@ def test_a_quiet_watch_on_the_dying_leader_resumes_on_another_member(cluster):
                                                          lambda b: got.extend(e.key for e in b), stop),
                           kwargs={"resume": False}, daemon=True)
     th.start()
-    until(lambda: resets, "the first read")
+    wait_for(lambda: resets, 20.0, "the first read", interval=0.02)
     lead.kill9()
     writer = Registry(members)
-    until(lambda: _put(writer, "/q/b"), "a write after the election", 10)
-    until(lambda: got == ["/q/b"], f"the event after the leader's death (got {got})")
+    wait_for(lambda: _put(writer, "/q/b"), 10, "a write after the election", interval=0.02)
+    wait_for(lambda: got == ["/q/b"], 20.0, f"the event after the leader's death (got {got})", interval=0.02)
     stop.set()
     th.join(5)
     assert len(resets) == 1, resets
@@ -322,7 +316,7 @@ def test_a_cluster_without_a_majority_is_said_so(cluster):
     for m in cluster.members:
         if m is not last:
             m.kill9()
-    until(lambda: last.status().leader_id == 0, "the last member to have no leader", 10)
+    wait_for(lambda: last.status().leader_id == 0, 10, "the last member to have no leader", interval=0.02)
     reg = Registry(cluster.endpoint, timeout=1.0)
     t0 = time.monotonic()
     with pytest.raises(RegistryError, match=f"has had no leader for 1 s \\({last.endpoint} answer without one; .* "

@@ -12,15 +12,18 @@ import time
 from types import SimpleNamespace
 
 from vfab.services.memcached_helper.agent import HelperAgent, default_stats_path
+from vfab.services.memcached_helper.readmit import Readmit
 from vfab.testbed.procs import wait_for
 
 STALE = 0.15
 
 
-def agent(tmp_path) -> tuple[HelperAgent, list]:
+def agent(tmp_path, hold: float = 0.0) -> tuple[HelperAgent, list]:
+    """``hold``: the re-admission hold after one withdrawal (0: announced again at the first sign of serving)."""
     events: list = []
     a = object.__new__(HelperAgent)
     a.args = SimpleNamespace(name="h1", stale=STALE, period=1e9)
+    a.readmit, a.held_noted = Readmit(base=hold, cap=8 * hold), False
     a.stats_path = str(tmp_path / "h1.stats")
     a.last_stats, a.last_change, a.stalled_at, a.last_publish = {}, time.monotonic(), 0.0, time.monotonic()
     a.server = "announced"
@@ -253,6 +256,45 @@ def test_a_helper_that_says_it_does_not_serve_is_withdrawn_at_its_first_report_a
     write(a, 40, 2000, extra=("serving 1",))
     a.tick()
     assert events[2:] == [("announce",)], events
+
+
+def test_a_withdrawn_helper_comes_back_only_after_serving_for_the_hold_which_doubles(tmp_path):
+    """Issue 43, no flapping: after a withdrawal the agent waits until the helper has served without interruption
+    for the hold (saying so once in its down record), a relapse restarts the count, and a second withdrawal within
+    the window doubles the hold."""
+    a, events = agent(tmp_path, hold=0.2)
+    up, n = [0], [0]
+
+    def report(serving: bool) -> None:
+        up[0] += 10
+        n[0] += 500
+        write(a, up[0], n[0], extra=("serving 1",) if serving else STALLED)
+        a.tick()
+
+    report(True)
+    report(False)
+    assert [e[0] for e in events] == ["withdraw", "note_down"], events
+    assert "once it has served for 0.2 s" in events[0][1], events
+    report(True)                                   # serves again, but not yet for the hold: said once
+    report(True)
+    assert [e[0] for e in events[2:]] == ["note_down"] and "serves again for" in events[2][1], events
+    time.sleep(0.12)
+    report(False)                                  # relapse while held out: the reason again, the count restarts
+    report(True)
+    time.sleep(0.12)
+    report(True)
+    assert "announce" not in [e[0] for e in events], events
+    time.sleep(0.1)
+    report(True)
+    assert events[-1] == ("announce",), events
+    report(False)                                  # a second withdrawal in the window: the hold is 0.4 s
+    assert "once it has served for 0.4 s" in events[-2][1], events
+    t0 = time.monotonic()
+    while events[-1] != ("announce",):
+        report(True)
+        time.sleep(0.01)
+        assert time.monotonic() - t0 < 2.0, events
+    assert time.monotonic() - t0 >= 0.4
 
 
 def test_not_serving_says_why_in_words_and_none_while_serving():

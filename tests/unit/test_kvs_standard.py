@@ -16,6 +16,7 @@ import pytest
 
 from vfab.services.elastic_kvs import proto, standard
 from vfab.services.elastic_kvs.proto import KvsError, Op, Status
+from vfab.testbed.procs import wait_for
 
 
 @contextlib.contextmanager
@@ -253,10 +254,7 @@ def test_vanishing_clients_do_not_disturb_others(server, client):
     assert client.put(b"k", b"after") == 0
     assert client.get(b"k") == b"after"
     stalled.close()
-    deadline = time.monotonic() + 2
-    while server.counters["open"] != 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert server.counters["open"] == 1  # only our client is left
+    wait_for(lambda: server.counters["open"] == 1, 2, "only our client left open", interval=0.01)
     assert server.counters["bad_requests"] == 0
     assert client.get(b"k") == b"after"
 

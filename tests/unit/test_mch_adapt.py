@@ -116,10 +116,10 @@ def check(*args: str) -> subprocess.CompletedProcess:
 def test_helper_builds_and_accepts_a_full_configuration():
     res = check("--service", "10.0.0.1", "--memcached", "10.1.0.1:11311", "--conns", "4", "--s-init", "3000",
                 "--s-max", "16000", "--t-init", "20", "--t-max", "500", "--idle-us", "50", "--stats-file",
-                "/tmp/x.stats", "--any-mac", "--stall-ms", "30")
+                "/tmp/x.stats", "--any-mac", "--stall-ms", "30", "--order-hold-us", "500")
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("config ok: service 10.0.0.1:11211 memcached 10.1.0.1:11311 conns 4 S 3000 "
-                                 "[1500, 16000] B T 20 [10, 500] us idle 50..2000 us stall 30 ms"), res.stdout
+                                 "[1500, 16000] B T 20 [10, 500] us idle 50..2000 us stall 30 ms order hold 500 us"), res.stdout
     res = check("--service=10.0.0.1:12000")
     assert "memcached 10.0.0.1:12000" in res.stdout      # the TCP leg defaults to the service address
 
@@ -137,6 +137,7 @@ def test_helper_builds_and_accepts_a_full_configuration():
     (("--service", "10.0.0.1", "--stats-file"), "--stats-file needs a value"),
     (("--service", "10.0.0.1", "stray"), "unexpected argument 'stray'"),
     (("--service", "10.0.0.1", "--stall-ms", "2"), "--stall-ms 2: expected an integer in 5..60000"),
+    (("--service", "10.0.0.1", "--order-hold-us", "200000"), "--order-hold-us 200000: expected an integer in 0..100000"),
 ])
 def test_helper_rejects_bad_options_naming_the_limit(args, message):
     res = check(*args)

@@ -30,6 +30,7 @@ from vfab.vid import mackey, plugin
 from vfab.vid.codec import KEY_MAX
 from vfab.vid.ranges import FULL, Range
 from vfab.vid.state.backend import BadRequest, Request
+from vfab.testbed.procs import wait_for
 
 SERVER = IPv4Address("192.168.77.1")
 OPTS = {"pool": "192.168.77.10-192.168.77.250", "mask": "24", "server": str(SERVER), "router": "192.168.77.254",
@@ -670,16 +671,11 @@ def test_a_host_marked_dhcp_gets_the_binding_of_its_lease_at_once(registry, tmp_
     binder = bindings.Binder(registry.endpoint, "dhcp", "s1",
                              leases=lambda: b.store.bound([FULL], int(b.clock() * 1000))).start()
     try:
-        deadline = time.monotonic() + 5            # the host records read, a first pass looked at the lease
-        while not (binder._hosts_ready and binder._reconcile_at > 0) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert binder._hosts_ready and binder._reconcile_at > 0
+        wait_for(lambda: binder._hosts_ready and binder._reconcile_at > 0, 5,   # the host records read,
+                 "the binder's first pass")                                      # a first pass looked at the lease
         assert registry.get(schema.binding_key(MAC.hex(":"))) is None        # not a dhcp host: nothing
         registry.put_host(schema.Host(mac=host.mac, dpid=1, port=1, dhcp=True))
-        deadline = time.monotonic() + 5
-        while registry.get(schema.binding_key(MAC.hex(":"))) is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        got = registry.get(schema.binding_key(MAC.hex(":")))
+        got = wait_for(lambda: registry.get(schema.binding_key(MAC.hex(":"))), 5, "the binding in etcd")
         assert got is not None and schema.Binding.from_json(got[0]).ip == str(ip)
     finally:
         binder.stop()
@@ -704,17 +700,13 @@ def test_the_binders_threads_ride_out_an_etcd_that_stops_answering(tmp_path):
             reg.put_host(schema.Host(mac=codec_mac(m), dpid=1, port=m & 0xFF, dhcp=True))
         binder = bindings.Binder(etcd.endpoint, "dhcp", "s1").start()
         binder.offer([(macs[0], 0xC0A84D0A, 9_000_000)])
-        deadline = time.monotonic() + 10
-        while binder.counters["published"] < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: binder.counters["published"] >= 1, 10, "the first binding published")
         assert binder.counters["published"] == 1
         os.kill(etcd.proc.pid, signal.SIGSTOP)
         try:
             binder.offer([(m, 0xC0A84D10 + i, 9_000_000) for i, m in enumerate(macs[1:])])
-            deadline = time.monotonic() + 15
-            while binder.counters["failed"] < 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert binder.counters["failed"] >= 1 and binder.counters["published"] == 1
+            wait_for(lambda: binder.counters["failed"] >= 1, 15, "a publication failing while etcd is down")
+            assert binder.counters["published"] == 1
         finally:
             os.kill(etcd.proc.pid, signal.SIGCONT)
         deadline = time.monotonic() + 20

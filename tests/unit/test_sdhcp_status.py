@@ -23,6 +23,7 @@ from vfab.services.sdhcp.config import parse_opts
 from vfab.services.sdhcp.server import open_server
 from vfab.testbed.dhcpsim import SimClients
 from vfab.vid.ranges import Range
+from vfab.testbed.procs import wait_for
 
 SVC = "dst"
 OPTS = {"pool": "10.76.0.10-10.76.0.209", "mask": "24", "server": "10.76.0.1", "lease": "600"}
@@ -57,10 +58,8 @@ def shards(ns, registry, tmp_path):
             th = threading.Thread(target=loop.serve, args=(stop,), daemon=True)
             th.start()
             threads.append(th)
-        deadline = time.monotonic() + 10
-        while not all(lp.view.owned_by(n) for n, lp in loops.items()) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert all(lp.view.owned_by(n) for n, lp in loops.items()), "the shards never saw their ranges"
+        wait_for(lambda: all(lp.view.owned_by(n) for n, lp in loops.items()), 10, "the shards to see their ranges",
+                 interval=0.02)
         yield {"loops": loops, "path": path, "client_iface": {"s1": ns.a, "s2": c}}
     finally:
         stop.set()
@@ -151,10 +150,8 @@ def test_renew_once_does_not_take_an_earlier_answer_for_its_own(shards):
         acks = acked()
         for c in low.clients:                      # renewals whose ACKs nobody reads yet
             low._send(c, MessageType.REQUEST, ciaddr=c.ip, unicast_to=c.server)
-        deadline = time.monotonic() + 10
-        while acked() < acks + 6 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert acked() == acks + 6, "the shard did not ACK the renewals"
+        wait_for(lambda: acked() >= acks + 6, 10, "the shard's ACKs of the 6 renewals", interval=0.02)
+        assert acked() == acks + 6, "the shard ACKed more than the renewals"
         low.server_mac = lambda ip, mac: bytes.fromhex("025b00ffffff")   # the shard never sees what follows
         got = low.renew_once(0.5)
     finally:

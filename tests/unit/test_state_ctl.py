@@ -16,6 +16,7 @@ from vfab.vid.envelope import decode
 from vfab.vid.errors import NotFound
 from vfab.vid.registry import Registry, schema
 from vfab.vid.state import ctl
+from vfab.testbed.procs import wait_for
 
 SVC, OP = "kvs-ctl", "a.0badcafe"
 
@@ -115,10 +116,8 @@ def test_a_record_taken_by_an_expired_lease_is_waited_for_while_its_source_still
         reg.put(key, record(), lease=lease)
         t, out = start_wait(reg)
         reg.revoke(lease)                   # what etcd does when the source's lease expires
-        deadline = time.monotonic() + 10
-        while src.pings == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert src.pings >= 1 and t.is_alive(), out   # asked the source, which still runs it: still waiting
+        wait_for(lambda: src.pings, 10, "the wait to ask the source")
+        assert t.is_alive(), out   # asked the source, which still runs it: still waiting
         reg.put(key, record("done", 20))    # the source's final record (under no lease)
         t.join(10)
         assert not t.is_alive() and "exc" not in out, out

@@ -237,3 +237,19 @@ def test_validate_refuses_with_reasons(kind, peer, rng, ranges, busy, match):
 def test_validate_mirror_skips_ranges_already_mirrored():
     ranges = [rec(0, 0x7FFFFF, "a", mirrors=["b"]), rec(0x800000, 0xFFFFFF, "a")]
     assert m.validate("mirror", "a", "b", None, ranges, EPS) == [HALF]
+
+
+def test_a_second_operation_during_a_merge_is_refused_naming_the_merge():
+    """The loop names the running operation by its record ("merge"), not by its kind (a merge runs as a split)."""
+    from types import SimpleNamespace
+
+    from vfab.vid.state.loop import EndpointLoop
+    from vfab.vid.state.runner import OpRunner
+
+    loop = object.__new__(EndpointLoop)
+    loop.name = "a"
+    loop.service = SimpleNamespace(name="kv")
+    loop.view = SimpleNamespace(ranges=[rec(0, 0xFFFFFF, "a")], endpoints={"b": SimpleNamespace(ctl="tcp://x")})
+    loop.op = OpRunner(loop, "split", "b", [HALF], 0.0, "a.0001", "merge")
+    with pytest.raises(StateError, match=r"already running a merge to b \(a\.0001\)"):
+        loop.start_op("split", "b", HALF)

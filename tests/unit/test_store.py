@@ -13,6 +13,7 @@ from vfab.vid.codec import KEY_MAX
 from vfab.vid.errors import Conflict, NotFound, RegistryError, VidError
 from vfab.vid.ranges import FULL, Range, check_partition
 from vfab.vid.registry import Registry
+from vfab.testbed.procs import wait_for
 
 
 def layout_of(registry: Registry, service: str) -> list[tuple[int, int, str, int, str]]:
@@ -234,15 +235,6 @@ def test_racing_threads_without_expect_epoch_never_break_the_partition(registry,
 
 
 # -- endpoints and leases ----------------------------------------------------------------
-def wait_for(pred, timeout: float, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
-
-
 def test_endpoint_lease_expires_when_refreshing_stops(registry, etcd_endpoint):
     registry.create_service("echo")
     owner = Registry(etcd_endpoint)
@@ -253,7 +245,7 @@ def test_endpoint_lease_expires_when_refreshing_stops(registry, etcd_endpoint):
     assert registry.endpoints("echo") == [ep]
     owner.close()
     t0 = time.monotonic()
-    assert wait_for(lambda: registry.endpoints("echo") == [], timeout=6)
+    wait_for(lambda: registry.endpoints("echo") == [], 6, "the endpoint gone with its lease")
     assert time.monotonic() - t0 < 4
 
 
@@ -274,7 +266,7 @@ def test_keepalive_of_a_lease_etcd_lost_stops_and_says_so(registry, caplog):
     name = f"lease-{lease:x}"
     assert any(t.name == name for t in threading.enumerate())
     registry.revoke(lease)
-    assert wait_for(lambda: not any(t.name == name for t in threading.enumerate()), timeout=3)
+    wait_for(lambda: not any(t.name == name for t in threading.enumerate()), 3, f"thread {name} ended")
     assert "gone from etcd (expired); no longer kept alive" in caplog.text
     assert registry.keepalive_once(lease) == 0
 
@@ -288,8 +280,8 @@ def test_a_server_whose_lease_expired_announces_again_and_a_closed_one_does_not(
     server = api.announce(registry, "again", "e1", ns.a, rx="bpf", ttl=1, netns=f"/var/run/netns/{ns.name}")
     first = server.lease
     registry.revoke(first)                 # what etcd does when the process was stopped past its TTL
-    assert wait_for(lambda: server.lease != first and [e.name for e in registry.endpoints("again")] == ["e1"],
-                    timeout=5)
+    wait_for(lambda: server.lease != first and [e.name for e in registry.endpoints("again")] == ["e1"], 5,
+             "the endpoint announced again under a new lease")
     assert "announced again" in caplog.text
     server.close()
     assert registry.endpoints("again") == []
@@ -415,12 +407,6 @@ def test_follow_reads_then_follows_and_reads_again_after_etcd_came_back(tmp_path
                 copy[ev.key] = ev.value
         seen["batches"] += 1
 
-    def until(fn, what):
-        deadline = time.monotonic() + 20
-        while not fn() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert fn(), what
-
     try:
         reg.put(prefix + "a", "1")
         follower = Registry(etcd.endpoint)
@@ -428,10 +414,10 @@ def test_follow_reads_then_follows_and_reads_again_after_etcd_came_back(tmp_path
                               kwargs={"idle": 0.5, "retry": 0.2,
                                       "on_error": lambda exc, first: seen["errors"].append(first)}, daemon=True)
         th.start()
-        until(lambda: copy == {prefix + "a": b"1"}, "the first read")
+        wait_for(lambda: copy == {prefix + "a": b"1"}, 20, "the first read", interval=0.02)
         reg.txn([], {prefix + "b": "2", prefix + "c": "3"})
         reg.delete(prefix + "a")
-        until(lambda: copy == {prefix + "b": b"2", prefix + "c": b"3"}, "the changes")
+        wait_for(lambda: copy == {prefix + "b": b"2", prefix + "c": b"3"}, 20, "the changes", interval=0.02)
         assert seen["resets"] == 1 and seen["batches"] == 2
         time.sleep(1.2)                                   # idle renewals of the watch read nothing again
         assert seen["resets"] == 1
@@ -439,7 +425,7 @@ def test_follow_reads_then_follows_and_reads_again_after_etcd_came_back(tmp_path
         time.sleep(1.0)
         etcd.start(timeout=20)
         reg.put(prefix + "d", "4")
-        until(lambda: copy.get(prefix + "d") == b"4", "the change after etcd came back")
+        wait_for(lambda: copy.get(prefix + "d") == b"4", 20, "the change after etcd came back", interval=0.02)
         assert seen["resets"] >= 2                        # every key read again
         assert seen["errors"] and seen["errors"][0] is True and not any(seen["errors"][1:]), seen["errors"]
         stop.set()

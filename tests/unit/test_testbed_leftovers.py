@@ -239,9 +239,9 @@ def test_a_recorded_dir_with_a_mount_inside_is_not_deleted(tmp_path, caplog):
 
 FORKER = """
 import multiprocessing as mp, os, sys, time
-from vfab.testbed import fabric
-fabric.LOCK_FILE = sys.argv[1]
-fabric.acquire_lock(wait=5)
+from vfab.testbed import lock
+lock.LOCK_FILE = sys.argv[1]
+lock.acquire_lock(wait=5)
 child = mp.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
 child.start()
 print(child.pid, flush=True)

@@ -98,3 +98,29 @@ def test_keys_no_range_covers_go_nowhere():
     # a gap (no record at all) inside what n2 owns: n2's prefix must not swallow it
     ranges = [Owned(0, 0x4FFFFF, "n2"), Owned(0x500000, 0x5FFFFF, "n1"), Owned(0x800000, 0xFFFFFF, "n2")]
     check_every_node_reaches_the_owner(ranges, 2)
+
+
+def test_ranges_in_any_order_and_neighbours_of_one_owner_route_right():
+    # the compiler merges neighbouring ranges of one node into one stretch: given shuffled, with runs of one
+    # owner, unowned records and gaps, every key still reaches its owner from every node
+    rnd = random.Random(11)
+    bounds = sorted(rnd.sample(range(1, 1 << 24), 60))
+    los, his = [0, *bounds], [b - 1 for b in bounds] + [(1 << 24) - 1]
+    owner = "n1"
+    ranges = []
+    for lo, hi in zip(los, his):
+        if rnd.random() < 0.3:
+            owner = rnd.choice(["n1", "n2", "n3", "n4", MISS])
+        if rnd.random() < 0.9:      # else a gap: no record
+            ranges.append(Owned(lo, hi, owner))
+    rnd.shuffle(ranges)
+    check_every_node_reaches_the_owner(ranges, 4, samples=200)
+
+
+def test_a_node_owning_one_stretch_costs_one_prefix_elsewhere_however_many_ranges_it_holds():
+    # 1,024 ranges, n2 owns the upper half (512 of them): on n1 one prefix (n1's own keys are don't-care, so
+    # it may cover them: its exact flows sit above), on n3 one per owner; not 512 or their blocks
+    ranges = split(1024, lambda i: "n1" if i < 512 else "n2")
+    assert remote_prefixes(ranges, "n1") == [(0, 0, "n2")]
+    assert [p for p in remote_prefixes(ranges, "n3") if p[2] != MISS] in ([(0, 0, "n1"), (1 << 23, 1, "n2")],
+                                                                            [(0, 0, "n2"), (0, 1, "n1")])

@@ -678,7 +678,7 @@ class EndpointLoop(PeerSide, Replication):
     # -- operations (this endpoint is the source) ------------------------------------------------------------
     def start_op(self, kind: str, peer: str, rng: Range | None, throttle: float = 0.0, name: str = "") -> OpRunner:
         """Start operation ``kind`` (its record says ``name`` if given: a "merge" is a split)."""
-        busy = f"a {self.op.kind} to {self.op.peer} ({self.op.id})" if self.op is not None else ""
+        busy = f"a {self.op.rec.op} to {self.op.peer} ({self.op.id})" if self.op is not None else ""
         view = self.view
         if peer not in view.endpoints:
             view = read_view(self.registry, self.service.name)  # the peer may have just started

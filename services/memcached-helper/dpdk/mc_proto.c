@@ -644,9 +644,9 @@ static void send_dgram(struct mch_split *s, const struct mch_bwaiter *w, uint8_t
 		       uint32_t len, uint32_t seq, uint32_t total)
 {
 	udp_hdr_put(buf, w->rid, (uint16_t)seq, (uint16_t)total);
-	s->sink.dgram(s->sink.arg, w->client, buf, MCH_UDP_HDR + len);
-	s->ctr->tx_dgrams++;
+	s->ctr->tx_dgrams++; /* counted first: a sink may take back what it does not send (mch_conn.c) */
 	s->ctr->tx_bytes += MCH_UDP_HDR + len;
+	s->sink.dgram(s->sink.arg, w->client, buf, MCH_UDP_HDR + len);
 }
 
 /* One whole message (known length) to one waiter. */

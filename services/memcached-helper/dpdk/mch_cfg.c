@@ -42,6 +42,10 @@ static const struct mch_opt mch_opts[] = {
 	{"stall-ms", OPT_U32, F(stall_ms), 0, 5, 60000,
 	 "MS  a connection with commands in flight and no answer for this long is failed and "
 	 "reconnected, its clients answered as after a lost connection (default 50)"},
+	{"order-hold-us", OPT_U32, F(order_hold_us), 0, 0, 100000,
+	 "US  a request whose id is 1..8 ahead of the one its client numbered next waits this long for "
+	 "the ones between (the switch may deliver a client's fragmented request before its small one "
+	 "sent earlier), then is served anyway (default 1000; 0: serve in arrival order)"},
 	{"mbufs", OPT_U32, F(mbufs), 0, 512, 1u << 20, "N  mbufs in the pool (4095)"},
 	{"rx-buf", OPT_U32, F(rx_buf), 0, 2176, 65535,
 	 "BYTES  received frames go into mbufs of this data room, from a pool of their own (default: one "
@@ -79,6 +83,7 @@ static void defaults(struct mch_cfg *c)
 	c->idle_us = 20;
 	c->idle_max_us = 2000;
 	c->stall_ms = 50;
+	c->order_hold_us = 1000;
 }
 
 static int fail(char *err, size_t errlen, const char *fmt, ...)
@@ -253,8 +258,9 @@ void mch_cfg_describe(const struct mch_cfg *c, char *out, size_t len)
 	inet_ntop(AF_INET, &c->mc_ip, mc, sizeof(mc));
 	snprintf(out, len,
 		 "service %s:%u memcached %s:%u conns %u S %u [%u, %u] B T %u [%u, %u] us "
-		 "idle %u..%u us stall %u ms mbufs %u peers %u%s%s",
+		 "idle %u..%u us stall %u ms order hold %u us mbufs %u peers %u%s%s",
 		 svc, ntohs(c->svc_port), mc, ntohs(c->mc_port), c->conns, c->s_init, c->s_min,
-		 c->s_max, c->t_init, c->t_min, c->t_max, c->idle_us, c->idle_max_us, c->stall_ms, c->mbufs, c->peers,
+		 c->s_max, c->t_init, c->t_min, c->t_max, c->idle_us, c->idle_max_us, c->stall_ms, c->order_hold_us,
+		 c->mbufs, c->peers,
 		 c->any_mac ? " any-mac" : "", c->no_order ? " NO-ORDER(test)" : "");
 }

@@ -23,6 +23,7 @@ struct mch_cfg {
 	uint32_t t_init, t_min, t_max; /* batch interval T, microseconds */
 	uint32_t idle_us;   /* sleep this long when idle (0: busy poll) */
 	uint32_t idle_max_us; /* ... doubling per idle sleep in a row up to this (back-off) */
+	uint32_t order_hold_us; /* hold a request numbered ahead of its client's next this long (0: never) */
 	uint32_t stall_ms;  /* a leg with commands in flight and no answer this long is reconnected */
 	uint32_t mbufs;     /* mbufs in the pool */
 	uint32_t rx_buf;    /* data room of the received frames' mbufs (0: the pool's, one 2 KB frame) */

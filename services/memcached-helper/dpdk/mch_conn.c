@@ -34,8 +34,13 @@ static void on_dgram(void *arg, uint32_t client, const uint8_t *dg, uint32_t len
 {
 	struct mch_conn *c = arg;
 
-	if (client != MCH_PROBE_CLIENT)
+	if (client != MCH_PROBE_CLIENT) {
 		mch_worker_reply(c->w, client, dg, len);
+		return;
+	}
+	/* reply_dgrams/bytes count what clients are sent (one per request, tests check): not the probe's answer */
+	c->w->pc.tx_dgrams--;
+	c->w->pc.tx_bytes -= len;
 }
 
 static void on_done(void *arg, struct mch_batch *b)
@@ -46,7 +51,12 @@ static void on_done(void *arg, struct mch_batch *b)
 	for (i = 0; i < b->nwaiters; i++) {
 		if (b->w[i].client != MCH_PROBE_CLIENT) {
 			mch_worker_peer_put(c->w, b->w[i].client);
-		} else if (!c->aborting && c->state == MCH_CONN_PROBING) {
+			continue;
+		}
+		/* w_done counts client requests answered (== rx_dgrams when none is lost): not probes */
+		if (!c->aborting && c->w->pc.w_done > 0)
+			c->w->pc.w_done--;
+		if (!c->aborting && c->state == MCH_CONN_PROBING) {
 			/* memcached answered: it serves; clients may come */
 			c->state = MCH_CONN_UP;
 			c->c.probes++;
@@ -394,8 +404,8 @@ int mch_conn_poll(struct mch_conn *c, uint64_t now)
 
 /* ----------------------------------------------------------- slow path */
 
-/* Connected: send the probe first; clients are taken once it is answered (on_done). */
-static void start_probe(struct mch_conn *c, uint64_t now)
+/* Queue the probe (`version`) on the connection.  0, or -1 (no batch free, cannot encode). */
+static int push_probe(struct mch_conn *c, uint64_t now)
 {
 	static struct mch_req probe;
 	static struct mch_counters scratch;
@@ -404,21 +414,26 @@ static void start_probe(struct mch_conn *c, uint64_t now)
 
 	if (probe.len == 0 && mch_req_parse(&probe, probe_dg, sizeof(probe_dg) - 1, &scratch) != MCH_REJ_OK)
 		probe.len = 0;
-	c->state = MCH_CONN_PROBING;
-	if (probe.len == 0 || c->npool == 0) {
-		conn_fail(c, now, MCH_DOWN_PROBE); /* cannot happen: a fresh connection has every batch */
-		return;
-	}
+	if (probe.len == 0 || c->npool == 0 || out_room(c, sizeof(probe_dg)) < sizeof(probe_dg))
+		return -1;
 	b = c->pool[--c->npool];
 	n = mch_pass_encode(b, &probe, MCH_PROBE_CLIENT, c->out + c->out_tail,
 			    MCH_CONN_OUT - c->out_tail, &scratch);
 	if (n == 0 || mch_split_push(&c->sp, b) != 0) {
 		c->pool[c->npool++] = b;
-		conn_fail(c, now, MCH_DOWN_PROBE);
-		return;
+		return -1;
 	}
 	c->out_tail += (uint32_t)n;
 	pushed(c, now);
+	return 0;
+}
+
+/* Connected: send the probe first; clients are taken once it is answered (on_done). */
+static void start_probe(struct mch_conn *c, uint64_t now)
+{
+	c->state = MCH_CONN_PROBING;
+	if (push_probe(c, now) != 0)
+		conn_fail(c, now, MCH_DOWN_PROBE); /* cannot happen: a fresh connection has every batch */
 }
 
 static void start_connect(struct mch_conn *c, uint64_t now)
@@ -514,6 +529,16 @@ void mch_conn_tick(struct mch_conn *c, uint64_t now)
 
 			if (rc < 0)
 				conn_fail(c, now, rc == -2 ? MCH_DOWN_PROTO : MCH_DOWN_CLOSED);
+			/*
+			 * Idle for MCH_KEEPALIVE_STALLS stall bounds: probe, so a leg that died
+			 * while no client used it (a withdrawn helper) is noticed as under load,
+			 * and `serving 1` means memcached answered lately (issue 43: the agent
+			 * re-admits a helper only after it has served for a while).
+			 */
+			else if (c->state == MCH_CONN_UP &&
+				 now - c->progress_at > MCH_KEEPALIVE_STALLS * c->stall_ticks &&
+				 push_probe(c, now) == 0)
+				c->c.keepalives++;
 		} else {
 			check_stall(c, now);
 		}

@@ -31,6 +31,7 @@
 #define MCH_CONN_IN      (64u << 10)            /* one recv */
 #define MCH_RETRY_MAX_MS 500u                   /* reconnect back-off bound */
 #define MCH_PROBE_CLIENT UINT32_MAX             /* the probe's waiter: no client */
+#define MCH_KEEPALIVE_STALLS 4u                 /* an idle connection is probed every 4 stall bounds */
 
 struct mch_worker;
 
@@ -73,6 +74,7 @@ struct mch_conn_ctr {
 	uint64_t bytes_out, bytes_in;
 	uint64_t stalls;      /* failed for want of answers (MCH_DOWN_NO_ANSWERS, _UNACKED, _PROBE) */
 	uint64_t probes;      /* probes answered */
+	uint64_t keepalives;  /* probes sent on an idle connection (MCH_KEEPALIVE_STALLS) */
 	uint64_t reads, reads_empty; /* recv calls on the TCP leg; those that found nothing (EAGAIN) */
 	uint64_t get_cmds, pass_cmds;
 	uint64_t close_size;  /* batches sent because they reached S */

@@ -66,6 +66,36 @@ enum mch_net_rej mch_net_parse(const struct mch_net_cfg *cfg, struct rte_mbuf *m
 	return MCH_NET_OK;
 }
 
+int mch_net_cut_request(const struct mch_net_cfg *cfg, struct rte_mbuf *m, struct mch_rx *rx,
+			uint32_t *dgram_len)
+{
+	uint32_t n = rte_pktmbuf_data_len(m), ihl, tot;
+	const struct rte_ether_hdr *eth = rte_pktmbuf_mtod(m, const struct rte_ether_hdr *);
+	const struct rte_ipv4_hdr *ip = (const struct rte_ipv4_hdr *)(eth + 1);
+	const struct rte_udp_hdr *udp;
+
+	/* mch_net_parse checked the Ethernet and IPv4 headers and that tot > what is here */
+	ihl = (ip->version_ihl & 0x0fu) * 4u;
+	tot = rte_be_to_cpu_16(ip->total_length);
+	if (ip->fragment_offset & rte_cpu_to_be_16(RTE_IPV4_HDR_MF_FLAG | RTE_IPV4_HDR_OFFSET_MASK))
+		return -1;
+	if (ip->next_proto_id != IPPROTO_UDP || ip->dst_addr != cfg->svc_ip)
+		return -1;
+	if (n < sizeof(*eth) + ihl + sizeof(*udp) + 8u)
+		return -1;
+	udp = (const struct rte_udp_hdr *)((const uint8_t *)ip + ihl);
+	if (udp->dst_port != cfg->svc_port || udp->src_port == 0 ||
+	    rte_be_to_cpu_16(udp->dgram_len) != tot - ihl)
+		return -1;
+	rx->dg = (const uint8_t *)(udp + 1);
+	rx->len = n - (uint32_t)(sizeof(*eth) + ihl + sizeof(*udp));
+	*dgram_len = tot - ihl - (uint32_t)sizeof(*udp);
+	rte_ether_addr_copy(&eth->src_addr, &rx->from.mac);
+	rx->from.ip = ip->src_addr;
+	rx->from.port = udp->src_port;
+	return 0;
+}
+
 void mch_net_prepare(struct mch_net_cfg *cfg)
 {
 	struct rte_ipv4_hdr t;

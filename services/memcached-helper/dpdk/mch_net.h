@@ -62,6 +62,15 @@ struct mch_rx {
 enum mch_net_rej mch_net_parse(const struct mch_net_cfg *cfg, struct rte_mbuf *m,
 			       struct mch_rx *rx);
 
+/*
+ * A frame mch_net_parse() called MCH_NET_TRUNCATED: is it a request for the
+ * service cut to the receive frame (a datagram longer than the helper takes)?
+ * 0 if so: rx holds its client and the part received (at least the 8-byte
+ * memcached header), *dgram_len the datagram's real length.  -1 otherwise.
+ */
+int mch_net_cut_request(const struct mch_net_cfg *cfg, struct rte_mbuf *m, struct mch_rx *rx,
+			uint32_t *dgram_len);
+
 /* Once the fields above are set: the reply checksums' constant parts. */
 void mch_net_prepare(struct mch_net_cfg *cfg);
 

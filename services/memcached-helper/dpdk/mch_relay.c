@@ -44,7 +44,24 @@ void mch_relay_free(struct mch_relay *r)
 	r->fd = -1;
 }
 
-int mch_relay_send(struct mch_relay *r, uint32_t peer, const uint8_t *dg, uint32_t len, uint64_t now)
+static uint8_t is_retrieval(const uint8_t *p, uint32_t n)
+{
+	return (n >= 4 && (!memcmp(p, "get ", 4) || !memcmp(p, "gat ", 4))) ||
+	       (n >= 5 && (!memcmp(p, "gets ", 5) || !memcmp(p, "gats ", 5)));
+}
+
+/* Whether datagram buf[0, n) ends the answer of relay slot k (see mch_relay.h). */
+static int answer_ends(const struct mch_relay *r, uint32_t k, const uint8_t *buf, ssize_t n)
+{
+	uint16_t seq = (uint16_t)(buf[2] << 8 | buf[3]), total = (uint16_t)(buf[4] << 8 | buf[5]);
+
+	if (!r->s[k].one || total == 0 || seq + 1u != total)
+		return 0;
+	return !r->s[k].retr || (n >= (ssize_t)MCH_UDP_HDR + 5 && !memcmp(buf + n - 5, "END\r\n", 5));
+}
+
+int mch_relay_send(struct mch_relay *r, uint32_t peer, const uint8_t *dg, uint32_t len, int one_cmd,
+		   uint64_t now)
 {
 	uint8_t hdr[MCH_UDP_HDR];
 	struct iovec iov[2];
@@ -82,6 +99,8 @@ int mch_relay_send(struct mch_relay *r, uint32_t peer, const uint8_t *dg, uint32
 	r->s[k].peer = peer;
 	r->s[k].id = r->next_id;
 	r->s[k].rid = (uint16_t)(dg[0] << 8 | dg[1]);
+	r->s[k].one = one_cmd != 0;
+	r->s[k].retr = is_retrieval(dg + MCH_UDP_HDR, len - MCH_UDP_HDR);
 	r->next_id++;
 	r->live++;
 	r->read_at = now;
@@ -130,6 +149,11 @@ int mch_relay_poll(struct mch_relay *r, struct mch_worker *w, uint64_t now)
 		mch_worker_reply(w, r->s[k].peer, buf, (uint32_t)n);
 		r->c.replies++;
 		did = 1;
+		if (answer_ends(r, k, buf, n)) { /* its answer is complete: the slot is free again */
+			r->s[k].until = 0;
+			r->live--;
+			mch_worker_peer_put(w, r->s[k].peer);
+		}
 	}
 	if (!did)
 		r->read_at = now + (uint64_t)MCH_RELAY_GAP_US * r->hz / 1000000u;

@@ -45,6 +45,7 @@ static const struct mch_stat_field worker_fields[] = {
 	{"loops", WOFF(c.loops)}, {"rx_bursts", WOFF(c.rx_bursts)},
 	{"rx_frames", WOFF(c.rx_frames)}, {"drop_peers", WOFF(c.drop_peers)},
 	{"drop_noconn", WOFF(c.drop_noconn)}, {"relay_noconn", WOFF(c.relay_noconn)}, {"drop_busy", WOFF(c.drop_busy)},
+	{"refused_big", WOFF(c.refused_big)},
 	{"tx_frames", WOFF(c.tx_frames)}, {"tx_nombuf", WOFF(c.tx_nombuf)},
 	{"tx_drop", WOFF(c.tx_drop)}, {"idle_sleeps", WOFF(c.idle_sleeps)},
 	/* protocol core (struct mch_counters) */
@@ -59,6 +60,8 @@ static const struct mch_stat_field worker_fields[] = {
 	{"w_silent", WOFF(pc.w_silent)}, {"w_abort_miss", WOFF(pc.w_abort_miss)},
 	{"w_abort_drop", WOFF(pc.w_abort_drop)},
 	/* the UDP relay of rejected requests (mch_relay.h) */
+	{"ord_held", WOFF(order.c.held)}, {"ord_filled", WOFF(order.c.filled)},
+	{"ord_expired", WOFF(order.c.expired)}, {"ord_late", WOFF(order.c.late)}, {"ord_full", WOFF(order.c.full)},
 	{"relay_sent", WOFF(relay.c.sent)}, {"relay_unsafe", WOFF(relay.c.unsafe)},
 	{"relay_busy", WOFF(relay.c.busy)}, {"relay_fail", WOFF(relay.c.fail)},
 	{"relay_replies", WOFF(relay.c.replies)}, {"relay_late", WOFF(relay.c.late)},
@@ -66,7 +69,7 @@ static const struct mch_stat_field worker_fields[] = {
 };
 
 static const struct mch_stat_field conn_fields[] = {
-	{"connects", COFF(c.connects)}, {"stalls", COFF(c.stalls)}, {"probes", COFF(c.probes)}, {"connect_fails", COFF(c.connect_fails)},
+	{"connects", COFF(c.connects)}, {"stalls", COFF(c.stalls)}, {"probes", COFF(c.probes)}, {"keepalives", COFF(c.keepalives)}, {"connect_fails", COFF(c.connect_fails)},
 	{"disconnects", COFF(c.disconnects)}, {"tcp_bytes_out", COFF(c.bytes_out)},
 	{"tcp_bytes_in", COFF(c.bytes_in)}, {"tcp_reads", COFF(c.reads)},
 	{"tcp_reads_empty", COFF(c.reads_empty)}, {"get_cmds", COFF(c.get_cmds)},

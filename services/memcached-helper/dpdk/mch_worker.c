@@ -10,6 +10,7 @@
 #include "mch_worker.h"
 
 #include <poll.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -104,33 +105,29 @@ static uint32_t client_hash(const struct mch_peer *p)
 	return h;
 }
 
-static void handle_frame(struct mch_worker *w, struct rte_mbuf *m, uint64_t now)
+/* Serve one request the port classified as ours: batch it, forward it, or relay it. */
+static void serve(struct mch_worker *w, const struct mch_rx *rx, uint64_t now)
 {
-	struct mch_rx rx;
 	struct mch_req req;
 	struct mch_conn *c;
-	enum mch_net_rej nr = mch_net_parse(&w->net, m, &rx);
 	uint32_t slot, ch;
 	int rc;
 
-	w->c.net[nr]++;
-	if (nr != MCH_NET_OK)
-		return;
-	if (mch_req_parse(&req, rx.dg, rx.len, &w->pc) != MCH_REJ_OK) {
+	if (mch_req_parse(&req, rx->dg, rx->len, &w->pc) != MCH_REJ_OK) {
 		/* counted by reason in w->pc.rej[]; memcached answers it as it would directly */
-		slot = peer_get(w, &rx.from);
+		slot = peer_get(w, &rx->from);
 		if (slot == MCH_NO_PEER)
 			w->c.drop_peers++;
-		else if (mch_relay_send(&w->relay, slot, rx.dg, rx.len, now) != 0)
+		else if (mch_relay_send(&w->relay, slot, rx->dg, rx->len, 0, now) != 0)
 			mch_worker_peer_put(w, slot);
 		return;
 	}
-	slot = peer_get(w, &rx.from);
+	slot = peer_get(w, &rx->from);
 	if (slot == MCH_NO_PEER) {
 		w->c.drop_peers++;
 		return;
 	}
-	ch = client_hash(&rx.from);
+	ch = client_hash(&rx->from);
 	c = &w->conns[ch % w->nconns];
 	rc = mch_req_is_get(&req) ? mch_conn_get(c, &req, slot, ch, now)
 				  : mch_conn_pass(c, &req, slot, ch, now);
@@ -141,7 +138,7 @@ static void handle_frame(struct mch_worker *w, struct rte_mbuf *m, uint64_t now)
 	 * to memcached as it is, over the relay, until the agent has withdrawn the helper (issue
 	 * 43: no client worse off than direct).  A full in-flight queue is overload: shed.
 	 */
-	if (rc == MCH_CDROP_NOCONN && mch_relay_send(&w->relay, slot, rx.dg, rx.len, now) == 0) {
+	if (rc == MCH_CDROP_NOCONN && mch_relay_send(&w->relay, slot, rx->dg, rx->len, 1, now) == 0) {
 		w->c.relay_noconn++;
 		return;
 	}
@@ -150,6 +147,103 @@ static void handle_frame(struct mch_worker *w, struct rte_mbuf *m, uint64_t now)
 		w->c.drop_noconn++;
 	else
 		w->c.drop_busy++;
+}
+
+static uint64_t client_key(const struct mch_peer *p)
+{
+	return (uint64_t)p->ip << 16 | p->port;
+}
+
+/* Serve the held requests of client `key` that are now next in its order (mch_order.h), freeing them. */
+static void serve_held(struct mch_worker *w, uint64_t key, uint64_t now)
+{
+	struct rte_mbuf *m;
+	struct mch_rx rx;
+
+	while ((m = mch_order_next(&w->order, key)) != NULL) {
+		if (mch_net_parse(&w->net, m, &rx) == MCH_NET_OK) /* it was, when it came (counted then) */
+			serve(w, &rx, now);
+		rte_pktmbuf_free(m);
+	}
+}
+
+/* Held requests whose hold time passed (an earlier one of their client was lost): served now. */
+static int serve_expired(struct mch_worker *w, uint64_t now)
+{
+	struct rte_mbuf *m;
+	struct mch_rx rx;
+	uint64_t key;
+	int did = 0;
+
+	while ((m = mch_order_expired(&w->order, now, &key)) != NULL) {
+		if (mch_net_parse(&w->net, m, &rx) == MCH_NET_OK)
+			serve(w, &rx, now);
+		rte_pktmbuf_free(m);
+		serve_held(w, key, now);
+		did = 1;
+	}
+	return did;
+}
+
+/*
+ * A request longer than the receive frame (over ~65,350 B with --rx-buf 65535, up
+ * to UDP's 65,507; over ~2 KB with the default frames): the helper never has it
+ * whole, so it can neither batch nor relay it.  Its client is told so at once,
+ * with memcached's error framing under its request id, rather than timing out.
+ */
+static void refuse_big(struct mch_worker *w, const struct mch_rx *rx, uint32_t dgram_len)
+{
+	uint8_t dg[160];
+	struct rte_mbuf *m;
+	int n;
+
+	n = snprintf((char *)dg + 8, sizeof(dg) - 8,
+		     "SERVER_ERROR request of %u bytes is over this helper's limit of %u bytes\r\n",
+		     dgram_len, rx->len);
+	if (n <= 0 || (size_t)n >= sizeof(dg) - 8)
+		return;
+	dg[0] = rx->dg[0];
+	dg[1] = rx->dg[1];
+	dg[2] = dg[3] = dg[6] = dg[7] = 0; /* seq 0 of total 1, reserved 0 */
+	dg[4] = 0;
+	dg[5] = 1;
+	m = reply_mbuf(w);
+	if (m == NULL) {
+		w->c.tx_nombuf++;
+		return;
+	}
+	if (mch_net_reply(&w->net, m, &rx->from, w->ip_id++, dg, 8u + (uint32_t)n) != 0) {
+		rte_pktmbuf_free(m);
+		w->c.tx_nombuf++;
+		return;
+	}
+	w->c.refused_big++;
+	w->txq[w->ntx++] = m;
+	if (w->ntx == MCH_TX_BURST)
+		tx_flush(w);
+}
+
+/* One received frame: classify it, and serve it now or hold it for its client's earlier requests.
+ * 1 if the mbuf was kept (held), 0 if the caller frees it. */
+static int handle_frame(struct mch_worker *w, struct rte_mbuf *m, uint64_t now)
+{
+	struct mch_rx rx;
+	enum mch_net_rej nr = mch_net_parse(&w->net, m, &rx);
+	uint64_t key;
+	uint32_t big;
+
+	w->c.net[nr]++;
+	if (nr == MCH_NET_TRUNCATED && mch_net_cut_request(&w->net, m, &rx, &big) == 0)
+		refuse_big(w, &rx, big);
+	if (nr != MCH_NET_OK)
+		return 0;
+	key = client_key(&rx.from);
+	if (rx.len >= 8u && mch_order_arrive(&w->order, key, (uint16_t)(rx.dg[0] << 8 | rx.dg[1]), m, now) ==
+	    MCH_ORDER_HOLD)
+		return 1;
+	serve(w, &rx, now);
+	serve_held(w, key, now);
+	return 0;
 }
 
 /* ---------------------------------------------------------------- idle */
@@ -182,6 +276,9 @@ static void idle_sleep(struct mch_worker *w, uint64_t now)
 			n++;
 		}
 	}
+	d = mch_order_due_in(&w->order, now);
+	if (d < wait)
+		wait = d;
 	if (w->relay.live > 0 && w->relay.fd >= 0 && n < 64u) {
 		p[n].fd = w->relay.fd;
 		p[n].events = POLLIN;
@@ -205,7 +302,7 @@ int mch_worker_main(void *arg)
 	struct mch_worker *w = arg;
 	struct rte_mbuf *bufs[MCH_RX_BURST];
 	uint64_t tick = w->hz / MCH_TICK_HZ, next_tick = 0;
-	uint32_t idle = 0, i;
+	uint32_t idle = 0, i, nfree;
 
 	while (!*w->quit) {
 		uint64_t now = rte_rdtsc();
@@ -216,11 +313,14 @@ int mch_worker_main(void *arg)
 		if (nb > 0) {
 			w->c.rx_bursts++;
 			w->c.rx_frames += nb;
-			for (i = 0; i < nb; i++)
-				handle_frame(w, bufs[i], now);
-			rte_pktmbuf_free_bulk(bufs, nb);
+			for (i = 0, nfree = 0; i < nb; i++)
+				if (!handle_frame(w, bufs[i], now))
+					bufs[nfree++] = bufs[i];
+			rte_pktmbuf_free_bulk(bufs, nfree);
 			now = rte_rdtsc();
 		}
+		if (w->order.nheld > 0)
+			did |= serve_expired(w, now);
 		for (i = 0; i < w->nconns; i++)
 			did |= mch_conn_poll(&w->conns[i], now);
 		did |= mch_relay_poll(&w->relay, w, now);
@@ -240,6 +340,7 @@ int mch_worker_main(void *arg)
 		if (w->cfg->idle_us > 0 && idle >= MCH_IDLE_LOOPS)
 			idle_sleep(w, now);
 	}
+	serve_expired(w, rte_rdtsc() + w->order.hold + 1u); /* whatever is held goes now */
 	for (i = 0; i < w->nconns; i++)
 		mch_conn_close(&w->conns[i]);
 	if (w->ntx > 0)
@@ -274,6 +375,7 @@ int mch_worker_init(struct mch_worker *w, uint32_t id, const struct mch_cfg *cfg
 	for (i = 0; i < w->npeers; i++)
 		w->peers[i].next = i + 1u < w->npeers ? i + 1u : MCH_NO_PEER;
 	w->peer_free = 0;
+	mch_order_init(&w->order, (uint64_t)cfg->order_hold_us * w->hz / 1000000u);
 	for (i = 0; i < w->nconns; i++)
 		if (mch_conn_init(&w->conns[i], w, i) != 0)
 			return -1;

@@ -17,6 +17,7 @@
 #include "mch_cfg.h"
 #include "mch_conn.h"
 #include "mch_net.h"
+#include "mch_order.h"
 #include "mch_relay.h"
 
 #define MCH_RX_BURST 32u
@@ -31,6 +32,7 @@ struct mch_wctr {
 	uint64_t drop_noconn; /* its connection was down (and the relay could not take it) */
 	uint64_t relay_noconn; /* its connection was down: relayed to memcached's UDP port */
 	uint64_t drop_busy;   /* its connection's queue or buffer was full */
+	uint64_t refused_big; /* longer than a receive frame: answered SERVER_ERROR naming the limit */
 	uint64_t tx_frames, tx_nombuf, tx_drop;
 	uint64_t idle_sleeps;
 };
@@ -49,6 +51,7 @@ struct mch_worker {
 	struct mch_hist hist;   /* keys per coalesced get */
 	struct mch_conn *conns;
 	struct mch_relay relay; /* what the parser rejects, to memcached's UDP port as it is */
+	struct mch_order order; /* a client's requests in the order it numbered them (held mbufs) */
 	uint32_t nconns;
 	struct mch_peer *peers;
 	uint32_t npeers, peer_free, peers_used;
