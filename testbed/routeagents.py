@@ -23,6 +23,7 @@ class RouteAgents:
     hosts: dict
     sup: object
     etcd: object
+    route_bridge = "vfint"   # testbed.hosts.INT (that module imports this one, so it is not imported here)
 
     def _agents(self, host: str) -> dict[int, Proc]:
         return self.__dict__.setdefault("_route_agents", {}).setdefault(host, {})
@@ -34,14 +35,12 @@ class RouteAgents:
                 "--node", h.name, "--listen", "127.0.0.1", "--port", str(port), "--ovs-rundir", h.rundir, *extra]
 
     def _point_switch(self, host: str) -> None:
-        from vfab.testbed.hosts import INT
-
         targets = [f"tcp:127.0.0.1:{p}" for p in sorted(self._agents(host))]
         h = self.hosts[host]
         if targets:
-            h.ovs.vsctl("set-controller", INT, *targets)
+            h.ovs.vsctl("set-controller", self.route_bridge, *targets)
         else:
-            h.ovs.vsctl("del-controller", INT)
+            h.ovs.vsctl("del-controller", self.route_bridge)
 
     def start_route_agent(self, host: str, port: int = ROUTE_PORT, *extra: str) -> Proc:
         """Start ``host``'s route agent on ``port`` and point its switch at it (besides the agents already
