@@ -7,6 +7,7 @@ tunnels), etcd, the os-ken route agents (``python -m vfab.controller --node HOST
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import struct
@@ -169,15 +170,16 @@ def test_move_from_host3_to_host2_under_load_loses_no_frame(tb):
     assign(tb, "s3")
     with Stream(tb) as st:
         st.wait_at("host3", 200)
-        assign(tb, "s2")
+        rev = assign(tb, "s2")
         st.wait_at("host2", 200)
         sent, lost, twice = st.finish()
     assert sent > 400 and not lost and not twice, f"{sent} sent, lost {lost[:20]}, twice {twice[:20]}"
     assert st.got["host2"] and st.got["host3"]
-    # the order: host2 (the new owner's host) applied the move before host1 and host3 pointed at it
-    applied = tb.registry.applied()
-    new = [applied[tb.hosts[h].dpid] for h in ("host1", "host2", "host3")]
-    assert new[1].committed <= min(new[0].committed, new[2].committed), new
+    # the order: host1 and host3 held the range until host2 (the new owner's host) reported the move applied
+    for h in ("host1", "host3"):
+        with open(tb.route_agent(h).logpath) as fh:
+            held = [int(m) for m in re.findall(r"holding moved ranges until host2 reports revision (\d+)", fh.read())]
+        assert any(r >= rev for r in held), (h, rev, held)
 
 
 def test_kill9_of_a_route_agent_keeps_traffic_and_the_others_apply(tb):
