@@ -299,6 +299,10 @@ def test_a_paused_route_agent_is_fenced_and_a_standby_takes_over(tb):
         wait_for(lambda: "active route agent" in open(standby.logpath).read(), 10, "the standby taking over")
         took = time.monotonic() - t0
         rev = assign(tb, "s3")                 # applied on host2 by the standby
+        # host2 reported the revision while still holding the range (its report is its own part done); it turns
+        # once host3 has reported: then its route points into the tunnel to host3
+        t23 = tb.tunnel_port("host2", "host3")
+        wait_for(lambda: any(f"output:{t23}" in f for f in remote_flows(tb, "host2")), 10, "host2 turning to host3")
         flows_then = tb.hosts["host2"].ovs.ofctl("dump-flows", INT, "--no-stats")
         os.kill(active.pid, signal.SIGCONT)
         wait_for(lambda: "standing down" in open(active.logpath).read() or "as a SLAVE" in open(active.logpath).read(),
