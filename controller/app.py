@@ -286,12 +286,12 @@ class VfabController(app_manager.OSKenApp):
                 self.to_report.extend(reports)
                 self.report_cv.notify()
 
-    def _datapath_pass(self, passes: int = 2) -> bool:
+    def _datapath_pass(self) -> bool:
         """Wait for a whole revalidation pass of the local daemon; False if it cannot be had."""
         if self.datapath is None:
             return False
         try:
-            took = self.datapath.wait_pass(self.config.datapath_timeout, passes)
+            took = self.datapath.wait_pass(self.config.datapath_timeout)
             if self.datapath_problem:
                 log.info("datapath: %s answers again", self.datapath.daemon)
                 self.datapath_problem = ""
@@ -345,9 +345,10 @@ class VfabController(app_manager.OSKenApp):
                     self.report_cv.wait()
                 batch, self.to_report = self.to_report, []
             try:
-                # A route agent's report is what the other nodes' cut-overs wait for: the pass its commit started
-                # (controller/datapath.py), not a second one that an idle datapath runs only every 500 ms.
-                confirmed = self._datapath_pass(1 if self.config.node else 2)
+                # A route agent's report is what the other nodes' cut-overs wait for: it goes out once the tables
+                # are committed ('datapath' false), not after revalidation passes that an idle ovs-vswitchd answers
+                # ~0.5 s later (measured; docs/architecture.md, "Cut-over order across hosts").
+                confirmed = False if self.config.node else self._datapath_pass()
                 for rep, committed, since in batch:
                     if rep.dpid in self.installed and self.reporter.reported.get(rep.dpid, -1) < rep.revision:
                         if self.reporter.applied(rep.dpid, rep.revision, rep.flows, rep.groups, committed=committed,

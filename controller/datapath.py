@@ -84,13 +84,10 @@ class Datapath:
             raise DatapathError(f"{self.daemon} refused {method}: {reply['error']}")
         return str(reply.get("result") or "")
 
-    def wait_pass(self, timeout: float = 5.0, passes: int = 2) -> float:
-        """Return once a whole revalidation pass began and ended after this call; the seconds it took.
-        ``passes=1``: once the pass under way (or the next) ended: right after a table change that is the pass
-        the change started (OVS starts another at once if one was running), without waiting up to
-        ``max-revalidator`` for a second one when the datapath is idle (the route agents' reports)."""
+    def wait_pass(self, timeout: float = 5.0) -> float:
+        """Return once a whole revalidation pass began and ended after this call; the seconds it took."""
         t0 = time.monotonic()
-        for _ in range(passes):
+        for _ in range(2):
             left = timeout - (time.monotonic() - t0)
             if left <= 0:
                 raise DatapathError(f"no complete revalidation pass of {self.daemon} within {timeout:.1f} s")

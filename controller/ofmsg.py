@@ -74,8 +74,9 @@ _OXM_NAME.pop((OXM_BASIC, 26), None)
 RAW = "_raw"  # match of a foreign flow: its OXM bytes kept as they came, so it can be deleted exactly
 
 _RESERVED_PORTS = {ofp.OFPP_NORMAL: ("normal",), ofp.OFPP_FLOOD: ("flood",),
-                   ofp.OFPP_CONTROLLER: ("controller",)}
-_PORT_OF = {"normal": ofp.OFPP_NORMAL, "flood": ofp.OFPP_FLOOD, "controller": ofp.OFPP_CONTROLLER}
+                   ofp.OFPP_CONTROLLER: ("controller",), ofp.OFPP_IN_PORT: ("in_port",)}
+_PORT_OF = {"normal": ofp.OFPP_NORMAL, "flood": ofp.OFPP_FLOOD, "controller": ofp.OFPP_CONTROLLER,
+            "in_port": ofp.OFPP_IN_PORT}
 
 
 class WireError(ValueError):
@@ -167,7 +168,7 @@ def _encode_action(a: tuple) -> bytes:
         hdr = int.from_bytes(_OXM_HDR[dst, False], "big")
         return MULTIPATH.pack(ofp.OFPAT_EXPERIMENTER, MULTIPATH.size, NX_VENDOR, NXAST_MULTIPATH, 0, basis, 0, 0,
                               n_links - 1, 0, 0, dst_ofs << 6 | (n_bits - 1), hdr)
-    raise ValueError(f"action {a!r} cannot be encoded: known actions are output, normal, flood, controller, "
+    raise ValueError(f"action {a!r} cannot be encoded: known actions are output, normal, flood, controller, in_port, "
                      "set_eth_dst, group, move, multipath, goto")
 
 

@@ -13,7 +13,8 @@ ints (MACs as 48-bit ints); a mask equal to all ones is dropped and the value
 is pre-masked, so two equal matches compare equal however they were written.
 Actions are tuples: ``("output", port)``, ``("set_eth_dst", mac_int)``,
 ``("group", gid)``, ``("goto", table)``, ``("normal",)``, ``("controller",)``,
-``("flood",)``, ``("move", src_field, src_ofs, dst_field, dst_ofs, n_bits)``
+``("flood",)``, ``("in_port",)`` (back out of the port the frame came in on: OpenFlow's IN_PORT),
+``("move", src_field, src_ofs, dst_field, dst_ofs, n_bits)``
 (copy ``n_bits`` bits of one header field into another, bit 0 = the field's
 least significant bit: OVS's Nicira ``move``; build it with ``move()``),
 ``("multipath", "eth_src", basis, n_links, dst_field, dst_ofs, n_bits)`` (OVS's

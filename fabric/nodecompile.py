@@ -23,9 +23,13 @@ node first saw the move; until then this node keeps routing it as it did (to the
 the old owner's port when that was here).  ``W`` itself turns at once (the new owner's node first).  A
 straggler (a frame that an ingress node sent to the old owner's node before the ingress turned) meets the
 old owner's node's new route and goes on through the tunnel to ``W``, which holds the range by then.
-The one-hop bound is OpenFlow's: a frame is never output to the port it came in on, so two nodes that
-disagree for a moment (each pointing at the other) pass it at most once, and the order above keeps them
-from disagreeing that way (the node pointed at has always applied the move that made it the target).
+A straggler that comes back to the node it came from (the ingress was the new owner's node: it turned at
+once, the old owner's node turned later and now points at it) is sent back through ``IN_PORT`` (OpenFlow never
+outputs a frame to its in-port otherwise, which dropped such frames: 19 of 6,468 in bench/cutover_hosts.py at
+4 hosts).  The bound on such bounces is the order, not a mark in the frame: a node points a range at another
+only once that one applied the move, so two nodes never point at each other (after a restart an agent has no
+memory and routes straight to the owner's node; until that one applies, a frame can pass between them).  A
+Geneve option counting hops would make it a bound by construction; not done.
 
 Limits (not done): mirrors and helpers on another node than the range's owner are left out (the owner's
 node delivers to its local targets only); host MAC routes grow with the fabric's registered host ports.
@@ -36,16 +40,19 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field, replace
 
-from vfab.fabric.compiler import PRIO_ADMIT, PRIO_HOST, block_matcher, compile_fabric
+from vfab.fabric.compiler import PRIO_ADMIT, PRIO_HOST, PRIO_VID, block_matcher, compile_fabric
 from vfab.fabric.flows import TABLE_ADMIT, TABLE_ROUTE, FlowSpec, Kind, SwitchConfig, make_cookie, match
 from vfab.fabric.state import FabricState
-from vfab.fabric.tworoute import MISS, PRIO_REMOTE, Owned, remote_prefixes
+from vfab.fabric.tworoute import MISS, Owned, remote_prefixes
 from vfab.vid import codec
 from vfab.vid.codec import KEY_BITS
 from vfab.vid.errors import RegistryError
 from vfab.vid.registry import schema
 
 PRIO_TUNNEL_DROP = 1       # table 1: a frame from a tunnel that no route took (never NORMAL)
+# Remote prefixes of length L at PRIO_REMOTE + 2L (longest first), and + 1 for the same prefix's frames that came
+# in from the node it points at (sent back through IN_PORT): never two overlapping flows at one priority.
+PRIO_REMOTE = PRIO_VID - 100 - 2 * KEY_BITS - 2
 
 
 @dataclass
@@ -202,8 +209,11 @@ def _remote(cfg: SwitchConfig, st: FabricState, routes: dict, me: str, tunnel_po
             mask = full ^ (full >> plen)
             port = tunnel_ports.get(node) if node != MISS else None
             acts = (("output", port),) if port is not None else ()
-            cfg.add(FlowSpec(TABLE_ROUTE, PRIO_REMOTE + plen, match(eth_dst=block(value, mask)), acts,
-                             make_cookie(Kind.REMOTE, svc.id, value, plen)))
+            cookie = make_cookie(Kind.REMOTE, svc.id, value, plen)
+            cfg.add(FlowSpec(TABLE_ROUTE, PRIO_REMOTE + 2 * plen, match(eth_dst=block(value, mask)), acts, cookie))
+            if port is not None:   # a straggler from that very node goes back to it (OpenFlow's output:N would not)
+                cfg.add(FlowSpec(TABLE_ROUTE, PRIO_REMOTE + 2 * plen + 1,
+                                 match(in_port=port, eth_dst=block(value, mask)), (("in_port",),), cookie))
 
 
 def _hosts_elsewhere(cfg: SwitchConfig, st: FabricState, mine: int, dpid_node: dict[int, str],

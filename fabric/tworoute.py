@@ -18,10 +18,8 @@ same prefixes), and a subtree one stretch covers is a leaf, so the trie holds on
 nodes take 0.02 s on one node here, 17x less than inserting every block bit by bit (bench/scale.py).
 
 Pure: the caller gives each range's owner node and the actions; the fake flow table checks the result.
-Not done yet: frames that come out of a tunnel and are for a remote range (a straggler at the old owner)
-are sent on through the tunnel to the new owner; two nodes that disagree on an owner for a moment would
-pass such a frame back and forth until one updates, so the controller must install the new owner's node
-first (issue 45's order), and a one-hop mark (e.g. a Geneve option) should bound it.
+``fabric/nodecompile.py`` builds a whole node's switch on ``remote_prefixes`` (its own priorities, the way back
+for stragglers, and the cross-node cut-over order); ``node_routes`` is the plain two-level table of one service.
 """
 
 from __future__ import annotations

@@ -156,6 +156,8 @@ class FakeFabric:
                 pkt[dst] = pkt[dst] & ~(bits << dst_ofs) | link << dst_ofs
             elif op == "group":
                 self._group(dpid, act[1], pkt, out, hops)
+            elif op == "in_port":   # OFPP_IN_PORT: the one way back out of the port it came in on
+                self._output(dpid, pkt["in_port"], dict(pkt), out, hops, back=True)
             elif op == "goto":
                 goto = act[1]
             elif op in PSEUDO_PORTS:
@@ -184,8 +186,8 @@ class FakeFabric:
         else:
             raise FakeTableError(f"switch {dpid:#x}: group {gid} has unknown type {group.type!r}")
 
-    def _output(self, dpid: int, port: int, pkt: dict, out: list, hops: int) -> None:
-        if port == pkt["in_port"]:
+    def _output(self, dpid: int, port: int, pkt: dict, out: list, hops: int, back: bool = False) -> None:
+        if port == pkt["in_port"] and not back:
             return  # OpenFlow never sends a packet back out of its in_port via output:N
         peer = self.links.get((dpid, port))
         if peer is None:

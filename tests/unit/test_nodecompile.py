@@ -105,9 +105,9 @@ def test_flows_per_switch_grow_with_local_ranges_and_nodes_not_with_the_fabric()
                            if split_cookie(f.cookie)[0] in (Kind.VID_ROUTE, Kind.REMOTE)))
         return out
     small, big = routes(2), routes(64)
-    # own ranges (a range of 2^n keys is one block) + one prefix per other node, nothing more
-    assert small == [2 + 2, 2 + 2, 4 + 2], small
-    assert big == [64 + 2, 64 + 2, 128 + 2], big
+    # own ranges (a range of 2^n keys is one block) + per other node one prefix and its way back (IN_PORT)
+    assert small == [2 + 4, 2 + 4, 4 + 4], small
+    assert big == [64 + 4, 64 + 4, 128 + 4], big
 
 
 def test_move_between_nodes_in_any_interleaving_loses_no_frame():
@@ -142,16 +142,18 @@ def test_move_between_nodes_in_any_interleaving_loses_no_frame():
     assert all(send(fab, i, 150) == [at(2)] for i in range(1, N + 1))
 
 
-def test_two_nodes_that_disagree_pass_a_frame_back_at_most_once():
-    """Node 3 already sends the range to node 2 while node 2 still sends it to node 3 (the order forbids
-    this; a bug or a rolled-back store could cause it): the frame crosses once and stops, no loop."""
-    before = items([(0, 99, "s3")])
-    after = items([(0, 99, "s2")], applied={2: 31})
-    n2_old = compile_(2, before, 10).config
+def test_a_straggler_goes_back_to_the_ingress_that_became_the_owner():
+    """The range moves from s3 to s1, on the ingress node itself: node 1 turns at once, node 3 once node 1 has
+    applied.  A frame node 1 sent to node 3 before it turned and that reaches node 3 after node 3 turned goes
+    back to node 1 (IN_PORT): without that rule OpenFlow drops it (never out of its in-port), which lost 19 of
+    6,468 frames at 4 hosts in bench/cutover_hosts.py."""
+    before, after = items([(0, 99, "s3")]), items([(0, 99, "s1")], applied={1: 31})
     n3_new = compile_(3, after, 31, compile_(3, before, 10).memory).config
-    fab = fabric({1: compile_(1, before, 10).config, 2: n2_old, 3: n3_new})
-    assert send(fab, 3, 5) == []      # 3 -> 2 -> (back to 3 is its in_port: OpenFlow drops it)
-    assert sum(1 for (d, _), _n in fab.packets.items() if d == 3) <= 2
+    fab = fabric({1: compile_(1, after, 30, compile_(1, before, 10).memory).config, 2: compile_(2, after, 31).config,
+                  3: n3_new})
+    straggler = fab.inject(3, tport(3, 1), codec.mac_to_int(mac(1, CLIENT)), codec.encode(SID, 5).value, 0x88B5)
+    assert straggler == [at(1)]
+    assert send(fab, 1, 5) == [at(1)] and send(fab, 2, 5) == [at(1)]
 
 
 def test_memory_handles_a_split_onto_another_node():
@@ -188,7 +190,8 @@ def test_the_route_agents_round_commits_its_own_switch_only_and_finds_tunnels_by
     rnd, nc = plan_node_round(its, 10, installed, "n1", Memory(), switch_ports=ports)
     assert rnd.error is None and [c.dpid for c in rnd.commits] == [1]
     assert [r.dpid for r in rnd.reports] == [1] and rnd.reports[0].flows == len(nc.config.flows)
-    outs = {a[1] for f in nc.config.flows.values() if split_cookie(f.cookie)[0] == Kind.REMOTE for a in f.actions}
+    outs = {a[1] for f in nc.config.flows.values() if split_cookie(f.cookie)[0] == Kind.REMOTE for a in f.actions
+            if a[0] == "output"}
     assert outs == {tport(1, 2), tport(1, 3)}
     # once committed and reported: nothing to do, nothing to report
     again, _ = plan_node_round(its, 10, {1: (nc.config.flows, nc.config.groups)}, "n1", nc.memory,
