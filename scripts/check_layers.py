@@ -34,7 +34,6 @@ UPWARD = ("vfab.fabric", "vfab.controller", "vfab.services", "vfab.testbed", "vf
 
 # Known, to be removed (issue 47): "rule: module -> module" for rules 1-2, "cycle: a, b, ..." for rule 3.
 BASELINE: set[str] = {
-    'cycle: vfab.vid.state.housekeeper, vfab.vid.state.loop, vfab.vid.state.runner',
     'service imports harness or CLI: vfab.services.memcached_helper.demo -> vfab.cli.main',
     'service imports harness or CLI: vfab.services.memcached_helper.demo -> vfab.testbed.fabric',
     'service imports harness or CLI: vfab.services.memcached_helper.onfabric -> vfab.testbed.procs',

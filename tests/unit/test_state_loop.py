@@ -1147,3 +1147,12 @@ def test_a_split_asked_as_a_merge_is_recorded_as_a_merge(endpoint, registry, mon
             assert (rec.op, rec.source, rec.peer, rec.ranges) == (want, "e1", "e2", [[0, 0xFF]])
             assert schema.OpRec.from_json(rec.to_json()).op == want   # readable from etcd as written
             loop.call(lambda: setattr(loop, "op", None))
+
+
+def test_the_loop_is_what_its_runner_and_housekeeper_may_ask_for(endpoint):
+    """runner.py and housekeeper.py know the loop only by these interfaces (vid-lib/state/hosting.py): a member
+    they use that the loop lost, or renamed, fails here, not in the middle of an operation."""
+    from vfab.vid.state.hosting import HousekeepingHost, OperationHost
+
+    loop = endpoint[0]
+    assert isinstance(loop, OperationHost) and isinstance(loop, HousekeepingHost)

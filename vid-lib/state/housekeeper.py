@@ -32,7 +32,7 @@ from vfab.vid.registry import Registry, schema
 from vfab.vid.state.view import read_view
 
 if TYPE_CHECKING:
-    from vfab.vid.state.loop import EndpointLoop
+    from vfab.vid.state.hosting import HousekeepingHost
 
 log = logging.getLogger("vfab.state.housekeeper")
 LOAD_PERIOD = 1.0
@@ -41,7 +41,7 @@ COUNT_SHARE = 0.01   # of a core, at most, spent counting a range's records agai
 
 
 class Housekeeper:
-    def __init__(self, loop: "EndpointLoop"):
+    def __init__(self, loop: "HousekeepingHost"):
         self.loop = loop
         self._stop = threading.Event()
         self._wake = threading.Event()

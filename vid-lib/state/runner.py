@@ -28,7 +28,7 @@ from vfab.vid.registry import Registry, schema
 from vfab.vid.state import machine as m
 
 if TYPE_CHECKING:
-    from vfab.vid.state.loop import EndpointLoop
+    from vfab.vid.state.hosting import OperationHost
 
 log = logging.getLogger("vfab.state.runner")
 
@@ -43,7 +43,7 @@ KEEP_OPS = 3             # finished op records kept per endpoint
 
 
 class OpRunner:
-    def __init__(self, loop: "EndpointLoop", kind: str, peer: str, ranges: list, throttle: float, op_id: str,
+    def __init__(self, loop: "OperationHost", kind: str, peer: str, ranges: list, throttle: float, op_id: str,
                  name: str = ""):
         self.loop = loop
         self.kind, self.peer, self.ranges, self.throttle = kind, peer, ranges, throttle
