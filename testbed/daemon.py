@@ -57,14 +57,23 @@ def main(argv: list[str] | None = None) -> None:
             "switches": tb.switches,
             "hosts": {n: dict(h, pid=tb.host(n).pid) for n, h in tb.hosts.items()},
         }
-        write_state(args.state_file, state)
-        stop.wait_for_signal()
+        serve(args.state_file, state, stop)
     finally:
-        tb.stop()
-        try:
-            os.unlink(args.state_file)
-        except OSError:
-            pass
+        tear_down(tb, args.state_file)
+
+
+def serve(path: str, state: dict, stop: _Stop) -> None:
+    """The fabric is up: say so in the state file ('vfab status' and 'vfab down' read it), then wait."""
+    write_state(path, state)
+    stop.wait_for_signal()
+
+
+def tear_down(tb, path: str) -> None:
+    tb.stop()
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def write_state(path: str, state: dict) -> None:
@@ -100,14 +109,9 @@ def hosts_main(args, stop: _Stop) -> None:
         for h in tb.hosts:
             for _ in range(args.ports):
                 tb.add_port(h)
-        write_state(args.state_file, hosts_state(tb))
-        stop.wait_for_signal()
+        serve(args.state_file, hosts_state(tb), stop)
     finally:
-        tb.stop()
-        try:
-            os.unlink(args.state_file)
-        except OSError:
-            pass
+        tear_down(tb, args.state_file)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import json
 from typing import Iterable, Iterator
 
 from vfab.services.sdhcp.errors import DhcpError
-from vfab.services.sdhcp.pool import Pool
+from vfab.services.sdhcp.pool import Pool, probe_order
 from vfab.vid.codec import KEY_MAX
 from vfab.vid.ranges import Range
 
@@ -125,17 +125,7 @@ class Blocks:
 
     def segments(self, key: int, ranges: Iterable[Range]) -> Iterator[tuple[int, int]]:
         """The owned index intervals in probe order for ``key``: from ``slot(key)`` upward, then wrapping."""
-        s = self.pool.slot(key)
-        before = []
-        for a, b, _ in self.owned(ranges):
-            if b < s:
-                before.append((a, b))
-            elif a < s:
-                yield s, b
-                before.append((a, s - 1))
-            else:
-                yield a, b
-        yield from before
+        yield from probe_order(((a, b) for a, b, _ in self.owned(ranges)), self.pool.slot(key))
 
     def count_anchored(self, ranges: Iterable[Range]) -> tuple[int, int]:
         """(blocks, addresses) of the table anchored in ``ranges`` (status)."""

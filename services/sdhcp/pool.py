@@ -84,24 +84,28 @@ class Pool:
 
     def segments(self, key: int, ranges: Iterable[Range]) -> Iterator[tuple[int, int]]:
         """The owned index intervals in probe order for ``key``: from slot(key) upward, then wrapping."""
-        ivs = self.slots(ranges)
-        s = self.slot(key)
-        before = []
-        for a, b in ivs:
-            if b < s:
-                before.append((a, b))
-            elif a < s:
-                yield s, b
-                before.append((a, s - 1))
-            else:
-                yield a, b
-        yield from before
+        yield from probe_order(self.slots(ranges), self.slot(key))
 
     def probe(self, key: int, ranges: Iterable[Range]) -> Iterator[int]:
         """Candidate addresses (integers) of a client with VID key ``key``, best first."""
         for a, b in self.segments(key, list(ranges)):
             for i in range(a, b + 1):
                 yield self.first + i
+
+
+def probe_order(intervals: Iterable[tuple[int, int]], s: int) -> Iterator[tuple[int, int]]:
+    """Sorted index ``intervals`` in probe order from index ``s``: those at or above it (the one holding it
+    from ``s`` on), then the rest from the lowest, wrapping round the pool."""
+    before = []
+    for a, b in intervals:
+        if b < s:
+            before.append((a, b))
+        elif a < s:
+            yield s, b
+            before.append((a, s - 1))
+        else:
+            yield a, b
+    yield from before
 
 
 def subtract(ranges: Iterable[Range], holes: Iterable[Range]) -> list[Range]:
