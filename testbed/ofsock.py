@@ -29,6 +29,7 @@ from vfab.controller.ofconn import OFConn, RawFlowStats
 
 MP_HEADER = struct.Struct("!HH4x")
 ERROR = struct.Struct("!HH")
+BUNDLE_CTRL = struct.Struct("!IH")   # bundle id, control type (OpenFlow 1.4 ofp_bundle_ctrl_msg)
 
 
 class ChannelError(Exception):
@@ -92,7 +93,13 @@ class SockDatapath:
         elif msg_type == ofp.OFPT_ERROR:
             etype, code = ERROR.unpack_from(buf, ofmsg.MIN_LEN)
             self.conn.on_reply(xid, error=f"OpenFlow error type {etype} code {code}")
-        elif msg_type in (ofp.OFPT_BUNDLE_CONTROL, ofp.OFPT_BARRIER_REPLY):
+        elif msg_type == ofp.OFPT_BUNDLE_CONTROL:
+            # Only the commit's answer ends a bundle (as in controller/app.py): the open's reply comes first,
+            # and taking it for the answer reported a bundle the switch then refused as committed.
+            _, ctrl = BUNDLE_CTRL.unpack_from(buf, ofmsg.MIN_LEN)
+            if ctrl == ofp.OFPBCT_COMMIT_REPLY:
+                self.conn.on_reply(xid)
+        elif msg_type == ofp.OFPT_BARRIER_REPLY:
             self.conn.on_reply(xid)
         elif msg_type == ofp.OFPT_MULTIPART_REPLY:
             mp_type, flags = MP_HEADER.unpack_from(buf, ofmsg.MIN_LEN)
