@@ -30,11 +30,12 @@ def plan_node_round(items: dict[str, bytes], revision: int, installed: dict[int,
                     memory: Memory, *, switch_ports: dict[str, int], reported: dict[int, int] | None = None,
                     hold: dict[int, set[int]] | None = None, retired: dict[int, set[int]] | None = None,
                     now: float | None = None, lingering: dict[str, bytes] | None = None,
-                    cache: dict | None = None) -> tuple[Round, NodeCompile]:
+                    cache: dict | None = None, changed: set[str] | None = None) -> tuple[Round, NodeCompile]:
     """One round for node ``node``'s switch.  The compile's ``memory`` is the caller's to keep once the
-    commit succeeded (or nothing needed committing); arguments as ``engine.plan_round``'s."""
+    commit succeeded (or nothing needed committing); ``changed``: the keys that changed since the compile
+    that made ``memory`` (None: unknown, the whole switch is compiled); the rest as ``engine.plan_round``'s."""
     nc = compile_node(items, node, revision, memory, tunnel_ports=tunnel_ports(items, node, switch_ports),
-                      now=now, lingering=lingering, cache=cache)
+                      now=now, lingering=lingering, cache=cache, changed=changed)
     rnd = Round(revision, problems=nc.problems, next_change=nc.next_change)
     if nc.config is None:
         rnd.error = nc.error
