@@ -418,35 +418,62 @@ def route_agents(args, w: model.Workload, switches: list[OvsInstance], agents: l
     switches, in place of the bench's agents there: its start (a restarted agent: read, compile, reconcile,
     report) and ``--route-changes`` range moves, each timed from the etcd write until every one of them
     reported the revision applied (``applied/``; by default right after its bundle: ``--no-datapath-wait``,
-    since a sandbox's datapath forwards nothing and revalidates on a 500 ms timer)."""
+    since a sandbox's datapath forwards nothing and revalidates on a 500 ms timer).  ``--route-compare``:
+    first the same with agents that compile their whole switch on every change (``--node-whole-compile``,
+    the agent before the incremental compile), then the incremental ones, and their ratios."""
     k = args.route_agents
-    procs, out = [], {"agents": k, "datapath_wait": args.route_datapath_wait}
-    revision = reg.state_revision()
     for i in range(k):
         agents[i].signal_stop()
+    ports = []
     for i in range(k):
         agents[i].stop()
         channels[i].close()
-        inst, me = switches[i], model.node_name(i + 1)
-        ports = []
+        inst = switches[i]
+        tports = []
         for j in range(1, w.nodes + 1):   # a tunnel port per other node, named as the node agent names them
             if j != i + 1:
                 name = tunnels.port_name(tunnel_ip(j))
-                ports += ["--", "add-port", f"{BRIDGE}{i + 1}", name, "--", "set", "interface", name,
-                          f"ofport_request={model.TUNNEL_BASE + j}"]
-        inst.vsctl(*ports)
-        port = free_port()
-        inst.vsctl("set-controller", f"{BRIDGE}{i + 1}", f"tcp:127.0.0.1:{port}")
-        procs.append(sup.start(f"route-{me}", [sys.executable, "-m", "vfab.controller", "--etcd", endpoint,
-                                               "--node", me, "--listen", "127.0.0.1", "--port", str(port),
-                                               "--ovs-rundir", inst.rundir,
-                                               *([] if args.route_datapath_wait else ["--no-datapath-wait"])]))
+                tports += ["--", "add-port", f"{BRIDGE}{i + 1}", name, "--", "set", "interface", name,
+                           f"ofport_request={model.TUNNEL_BASE + j}"]
+        inst.vsctl(*tports)
+        ports.append(free_port())
+        inst.vsctl("set-controller", f"{BRIDGE}{i + 1}", f"tcp:127.0.0.1:{ports[i]}")
+    modes = ("whole", "incremental") if args.route_compare else ("incremental",)
+    out: dict = {"agents": k, "datapath_wait": args.route_datapath_wait}
+    for mode in modes:
+        out[mode], w = route_pass(args, w, switches, endpoint, reg, sup, ports, whole=mode == "whole")
+    if args.route_compare:
+        whole, inc = out["whole"], out["incremental"]
+        out["ratio_whole_over_incremental"] = {
+            "change_applied_on_all_median": round(whole["change_applied_on_all_ms"]["median_ms"]
+                                                  / max(1e-3, inc["change_applied_on_all_ms"]["median_ms"]), 1),
+            "agent_cpu_per_change": round(whole["agent_cpu_s_per_change"]
+                                          / max(1e-4, inc["agent_cpu_s_per_change"]), 1)}
+        print(f"route agents, whole / incremental: {out['ratio_whole_over_incremental']}", flush=True)
+    return out
+
+
+def route_pass(args, w: model.Workload, switches: list[OvsInstance], endpoint: str, reg: Registry,
+               sup: Supervisor, ports: list[int], whole: bool) -> tuple[dict, model.Workload]:
+    """One set of route agents (``whole``: compiling the whole switch per change) started, timed, stopped."""
+    k = args.route_agents
+    procs, out = [], {"mode": "whole" if whole else "incremental"}
+    for i in range(k):   # the last pass's reports go: this pass's start is timed to its own reports
+        reg.delete(schema.applied_key(i + 1))
+    revision = reg.state_revision()
+    for i in range(k):
+        inst, me = switches[i], model.node_name(i + 1)
+        procs.append(sup.start(f"route-{me}-{out['mode']}", [
+            sys.executable, "-m", "vfab.controller", "--etcd", endpoint, "--node", me, "--listen", "127.0.0.1",
+            "--port", str(ports[i]), "--ovs-rundir", inst.rundir,
+            *([] if args.route_datapath_wait else ["--no-datapath-wait"]),
+            *(["--node-whole-compile"] if whole else [])]))
     dpids = list(range(1, k + 1))
     t0 = time.monotonic()
     reg.wait_applied(revision, timeout=args.route_timeout, dpids=dpids)
     out["start_to_applied_s"] = round(time.monotonic() - t0, 2)
-    print(f"{k} route agents up and applied in {out['start_to_applied_s']} s", flush=True)
-    rnd = random.Random(args.seed + 2)
+    print(f"{k} route agents ({out['mode']}) up and applied in {out['start_to_applied_s']} s", flush=True)
+    rnd = random.Random(args.seed + 2 + whole)
     took, cpu0 = [], sum(proc_usage(p.pid)[0] for p in procs)
     for _ in range(args.route_changes):
         sid, index, to = model.pick_change(w, rnd)
@@ -458,17 +485,17 @@ def route_agents(args, w: model.Workload, switches: list[OvsInstance], agents: l
         took.append(time.monotonic() - t1)
     usage = [proc_usage(p.pid) for p in procs]
     out["change_applied_on_all_ms"] = summary(took)
-    out["agent_cpu_s_per_change"] = round((sum(c for c, _ in usage) - cpu0) / max(1, args.route_changes) / k, 3)
+    out["agent_cpu_s_per_change"] = round((sum(c for c, _ in usage) - cpu0) / max(1, args.route_changes) / k, 4)
     out["agent_rss_mib"] = round(max(r for _, r in usage) / 1024, 1)
     out["flows"] = {}
     for i in range(k):
         chan = SockDatapath(os.path.join(switches[i].rundir, f"{BRIDGE}{i + 1}.mgmt"), i + 1)
         out["flows"][model.node_name(i + 1)] = len(chan.conn.dump()[0])
         chan.close()
-    print(f"route agents: {out}", flush=True)
+    print(f"route agents ({out['mode']}): {out}", flush=True)
     for p in procs:
         sup.stop(p)
-    return out
+    return out, w
 
 
 def capacity(args, w: model.Workload) -> dict:
@@ -528,6 +555,9 @@ def main() -> int:
     ap.add_argument("--solo", type=int, default=20, help="range moves timed on one switch alone, for the model")
     ap.add_argument("--compile-nodes", type=int, default=2, help="nodes compiled whole by nodecompile (cold, warm)")
     ap.add_argument("--route-agents", type=int, default=4, help="switches given a route agent process (0: none)")
+    ap.add_argument("--route-compare", action="store_true",
+                    help="time route agents that compile their whole switch per change first, then the "
+                         "incremental ones (ratios in the results)")
     ap.add_argument("--route-changes", type=int, default=10, help="range moves timed with the route agents")
     ap.add_argument("--route-datapath-wait", action="store_true",
                     help="let the route agents report after a revalidation pass (a sandbox's dummy datapath runs one "
@@ -540,7 +570,7 @@ def main() -> int:
     if args.smoke:
         args.switches, args.nodes, args.services, args.changes = 3, 8, 20, 6
         args.restarts, args.sample, args.idle, args.solo, args.compile_nodes = 1, 4, 0.5, 3, 1
-        args.route_agents, args.route_changes = 1, 3
+        args.route_agents, args.route_changes, args.route_compare = 1, 3, True
     if not 1 <= args.switches <= args.nodes:
         ap.error(f"--switches {args.switches}: give 1..{args.nodes} (the fabric's nodes, --nodes)")
     if not 0 <= args.route_agents <= args.switches:

@@ -233,7 +233,7 @@ class VfabController(app_manager.OSKenApp):
             rnd, compiled = nodeplan.plan_node_round(
                 items, revision, snapshot, self.config.node, self.node_memory, switch_ports=self._switch_ports(),
                 reported=dict(self.reporter.reported), hold=hold, retired=retired, now=now, lingering=lingering,
-                cache=self.parsed, changed=node_changed)
+                cache=self.parsed, changed=None if self.config.node_whole else node_changed)
         else:
             rnd = engine.plan_round(items, revision, snapshot, settle=self.config.settle,
                                     reported=dict(self.reporter.reported), cache=self.parsed, hold=hold, now=now,
