@@ -275,7 +275,7 @@ class VfabController(app_manager.OSKenApp):
                     log.info("node %s: %s", self.config.node, "holding moved ranges until " + ", ".join(
                         f"{n} reports revision {r} applied" for n, r in sorted(compiled.waiting.items()))
                         if compiled.waiting else "no moved range held any more")
-                nodes = nodecompile.nodes_of(items)
+                nodes = compiled.memory.base.nodes if compiled.memory.base else nodecompile.nodes_of(items)
                 self.node_waiting_keys = frozenset(f"{nodes[n].dpid:016x}" for n in compiled.waiting if n in nodes)
                 self.node_waiting = compiled.waiting
                 if compiled.waiting:   # a report that came in while this round ran found nothing waiting for it

@@ -111,6 +111,16 @@ def nodes_of(items: dict[str, bytes]) -> dict[str, schema.Node]:
     return out
 
 
+def known_nodes(items: dict[str, bytes], memory: Memory | None, changed: set[str] | None) -> dict[str, schema.Node]:
+    """``nodes_of(items)``, without reading the whole mirror where ``changed`` (the keys that changed since
+    the compile that made ``memory``) names no node record: the last full compile's then."""
+    prefix = schema.folder("nodes")
+    if changed is not None and memory is not None and memory.base is not None \
+            and not any(k.startswith(prefix) for k in changed):
+        return memory.base.nodes
+    return nodes_of(items)
+
+
 def applied_of(items: dict[str, bytes], nodes: dict[str, schema.Node]) -> dict[str, int]:
     """node -> the revision its switch reported applied (``applied/<dpid>``)."""
     by_dpid = {n.dpid: n.name for n in nodes.values()}
