@@ -166,9 +166,38 @@ def whole_node(args, w: model.Workload) -> dict:
             raise RuntimeError(f"nodecompile failed on {me}: {warm.error}")
         kinds = collections.Counter(Kind(split_cookie(f.cookie)[0]).name.lower() for f in warm.config.flows.values())
         out[me] = {"cold_ms": round((t1 - t0) * 1e3, 1), "warm_ms": round((t2 - t1) * 1e3, 1),
-                   "flows": len(warm.config.flows), "by_kind": dict(kinds.most_common())}
+                   "flows": len(warm.config.flows), "by_kind": dict(kinds.most_common()),
+                   "per_change": per_change(args, w, dict(items), me, warm, cache)}
         print(f"nodecompile {me}: {out[me]}", flush=True)
     return out
+
+
+def per_change(args, w: model.Workload, items: dict[str, bytes], me: str, warm, cache: dict) -> dict:
+    """``--route-changes`` range moves, each compiled for node ``me`` twice side by side: whole (what the route
+    agent did per change before) and incremental (``changed``: the moved range's key); CPU time of each, and
+    how many gave other flows or waits than the whole compile (must be 0)."""
+    rnd = random.Random(args.seed + 3)
+    ports = model.tunnel_ports(w.nodes, me)
+    whole = inc = warm
+    t_whole, t_inc, mismatches = [], [], 0
+    for revision in range(3, 3 + args.route_changes):
+        sid, index, to = model.pick_change(w, rnd)
+        w = model.move(w, sid, index, to)
+        r = w.owned[sid][index]
+        key = schema.range_key(f"s{sid}", r.lo)
+        items[key] = range_record(w, sid, r).to_json().encode()
+        t0 = time.process_time()
+        whole = compile_node(items, me, revision, whole.memory, tunnel_ports=ports, cache=cache)
+        t1 = time.process_time()
+        inc = compile_node(items, me, revision, inc.memory, tunnel_ports=ports, cache=cache, changed={key})
+        t2 = time.process_time()
+        t_whole.append(t1 - t0)
+        t_inc.append(t2 - t1)
+        mismatches += whole.config.flows != inc.config.flows or whole.waiting != inc.waiting
+    res = {"whole_cpu": summary(t_whole), "incremental_cpu": summary(t_inc), "mismatches": mismatches}
+    if t_inc:
+        res["ratio_median"] = round(res["whole_cpu"]["median_ms"] / max(1e-3, res["incremental_cpu"]["median_ms"]), 1)
+    return res
 
 
 # -- 2. the real part --------------------------------------------------------------------------------
@@ -588,7 +617,8 @@ def main() -> int:
     flows, w, expect = flows_per_switch(args)
     results = {"flows_per_switch": flows, "nodecompile": whole_node(args, w), "real": real(args, w, expect)}
     write("scale", params, results, args.out)
-    return 1 if results["real"]["change"]["mismatches"] else 0
+    compiled_apart = sum(n["per_change"]["mismatches"] for n in results["nodecompile"].values())
+    return 1 if results["real"]["change"]["mismatches"] or compiled_apart else 0
 
 
 if __name__ == "__main__":
