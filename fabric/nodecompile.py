@@ -300,8 +300,10 @@ def _incremental(items: dict[str, bytes], me: str, revision: int, memory: Memory
     Why a service's range records are all a compile of it needs: in ``compile_fabric`` they make only that
     service's VID_ROUTE flows and their groups (cookies carry the service's id); ``_remote`` makes its REMOTE
     flows from its routes alone; ``_decide_service`` reads the service's own memory.  A service that no
-    change touched and whose ranges wait for no node that reported now compiles to what it compiled last
-    (its routes all ready: a route that pointed at a node stays ready whatever that node reports)."""
+    change touched and that holds no move compiles to what it compiled last (its routes all ready: a route
+    that points at a node stays ready whatever that node reports); the held ones are compiled again every
+    time (``_touched``).  Groups of the services compiled again take ids above the kept ones (ids are the
+    compile's order; ``engine.place_groups`` maps them to the switch's)."""
     base = memory.base
     if (tunnel_ports != base.tunnel_ports or lingering != base.lingering
             or (base.next_change is not None and (now is None or now >= base.next_change))):
