@@ -166,9 +166,38 @@ def whole_node(args, w: model.Workload) -> dict:
             raise RuntimeError(f"nodecompile failed on {me}: {warm.error}")
         kinds = collections.Counter(Kind(split_cookie(f.cookie)[0]).name.lower() for f in warm.config.flows.values())
         out[me] = {"cold_ms": round((t1 - t0) * 1e3, 1), "warm_ms": round((t2 - t1) * 1e3, 1),
-                   "flows": len(warm.config.flows), "by_kind": dict(kinds.most_common())}
+                   "flows": len(warm.config.flows), "by_kind": dict(kinds.most_common()),
+                   "per_change": per_change(args, w, dict(items), me, warm, cache)}
         print(f"nodecompile {me}: {out[me]}", flush=True)
     return out
+
+
+def per_change(args, w: model.Workload, items: dict[str, bytes], me: str, warm, cache: dict) -> dict:
+    """``--route-changes`` range moves, each compiled for node ``me`` twice side by side: whole (what the route
+    agent did per change before) and incremental (``changed``: the moved range's key); CPU time of each, and
+    how many gave other flows or waits than the whole compile (must be 0)."""
+    rnd = random.Random(args.seed + 3)
+    ports = model.tunnel_ports(w.nodes, me)
+    whole = inc = warm
+    t_whole, t_inc, mismatches = [], [], 0
+    for revision in range(3, 3 + args.route_changes):
+        sid, index, to = model.pick_change(w, rnd)
+        w = model.move(w, sid, index, to)
+        r = w.owned[sid][index]
+        key = schema.range_key(f"s{sid}", r.lo)
+        items[key] = range_record(w, sid, r).to_json().encode()
+        t0 = time.process_time()
+        whole = compile_node(items, me, revision, whole.memory, tunnel_ports=ports, cache=cache)
+        t1 = time.process_time()
+        inc = compile_node(items, me, revision, inc.memory, tunnel_ports=ports, cache=cache, changed={key})
+        t2 = time.process_time()
+        t_whole.append(t1 - t0)
+        t_inc.append(t2 - t1)
+        mismatches += whole.config.flows != inc.config.flows or whole.waiting != inc.waiting
+    res = {"whole_cpu": summary(t_whole), "incremental_cpu": summary(t_inc), "mismatches": mismatches}
+    if t_inc:
+        res["ratio_median"] = round(res["whole_cpu"]["median_ms"] / max(1e-3, res["incremental_cpu"]["median_ms"]), 1)
+    return res
 
 
 # -- 2. the real part --------------------------------------------------------------------------------
@@ -418,35 +447,63 @@ def route_agents(args, w: model.Workload, switches: list[OvsInstance], agents: l
     switches, in place of the bench's agents there: its start (a restarted agent: read, compile, reconcile,
     report) and ``--route-changes`` range moves, each timed from the etcd write until every one of them
     reported the revision applied (``applied/``; by default right after its bundle: ``--no-datapath-wait``,
-    since a sandbox's datapath forwards nothing and revalidates on a 500 ms timer)."""
+    since a sandbox's datapath forwards nothing and revalidates on a 500 ms timer).  ``--route-compare``:
+    first the same with agents that compile their whole switch on every change (``--node-whole-compile``,
+    the agent before the incremental compile), then the incremental ones, and their ratios."""
     k = args.route_agents
-    procs, out = [], {"agents": k, "datapath_wait": args.route_datapath_wait}
-    revision = reg.state_revision()
     for i in range(k):
         agents[i].signal_stop()
+    ports = []
     for i in range(k):
         agents[i].stop()
         channels[i].close()
-        inst, me = switches[i], model.node_name(i + 1)
-        ports = []
+        inst = switches[i]
+        tports = []
         for j in range(1, w.nodes + 1):   # a tunnel port per other node, named as the node agent names them
             if j != i + 1:
                 name = tunnels.port_name(tunnel_ip(j))
-                ports += ["--", "add-port", f"{BRIDGE}{i + 1}", name, "--", "set", "interface", name,
-                          f"ofport_request={model.TUNNEL_BASE + j}"]
-        inst.vsctl(*ports)
-        port = free_port()
-        inst.vsctl("set-controller", f"{BRIDGE}{i + 1}", f"tcp:127.0.0.1:{port}")
-        procs.append(sup.start(f"route-{me}", [sys.executable, "-m", "vfab.controller", "--etcd", endpoint,
-                                               "--node", me, "--listen", "127.0.0.1", "--port", str(port),
-                                               "--ovs-rundir", inst.rundir,
-                                               *([] if args.route_datapath_wait else ["--no-datapath-wait"])]))
+                tports += ["--", "add-port", f"{BRIDGE}{i + 1}", name, "--", "set", "interface", name,
+                           f"ofport_request={model.TUNNEL_BASE + j}"]
+        inst.vsctl(*tports)
+        ports.append(free_port())
+        inst.vsctl("set-controller", f"{BRIDGE}{i + 1}", f"tcp:127.0.0.1:{ports[i]}")
+    modes = ("whole", "incremental") if args.route_compare else ("incremental",)
+    out: dict = {"agents": k, "datapath_wait": args.route_datapath_wait}
+    for mode in modes:
+        out[mode], w = route_pass(args, w, switches, endpoint, reg, sup, ports, whole=mode == "whole")
+    if args.route_compare:
+        whole, inc = out["whole"], out["incremental"]
+        out["ratio_whole_over_incremental"] = {
+            "change_applied_on_all_median": round(whole["change_applied_on_all_ms"]["median_ms"]
+                                                  / max(1e-3, inc["change_applied_on_all_ms"]["median_ms"]), 1),
+            # None: the incremental agents' CPU stayed below the clock tick (10 ms per process) over the changes
+            "agent_cpu_per_change": round(whole["agent_cpu_s_per_change"] / inc["agent_cpu_s_per_change"], 1)
+            if inc["agent_cpu_s_per_change"] else None}
+        print(f"route agents, whole / incremental: {out['ratio_whole_over_incremental']}", flush=True)
+    return out
+
+
+def route_pass(args, w: model.Workload, switches: list[OvsInstance], endpoint: str, reg: Registry,
+               sup: Supervisor, ports: list[int], whole: bool) -> tuple[dict, model.Workload]:
+    """One set of route agents (``whole``: compiling the whole switch per change) started, timed, stopped."""
+    k = args.route_agents
+    procs, out = [], {"mode": "whole" if whole else "incremental"}
+    for i in range(k):   # the last pass's reports go: this pass's start is timed to its own reports
+        reg.delete(schema.applied_key(i + 1))
+    revision = reg.state_revision()
+    for i in range(k):
+        inst, me = switches[i], model.node_name(i + 1)
+        procs.append(sup.start(f"route-{me}-{out['mode']}", [
+            sys.executable, "-m", "vfab.controller", "--etcd", endpoint, "--node", me, "--listen", "127.0.0.1",
+            "--port", str(ports[i]), "--ovs-rundir", inst.rundir,
+            *([] if args.route_datapath_wait else ["--no-datapath-wait"]),
+            *(["--node-whole-compile"] if whole else [])]))
     dpids = list(range(1, k + 1))
     t0 = time.monotonic()
     reg.wait_applied(revision, timeout=args.route_timeout, dpids=dpids)
     out["start_to_applied_s"] = round(time.monotonic() - t0, 2)
-    print(f"{k} route agents up and applied in {out['start_to_applied_s']} s", flush=True)
-    rnd = random.Random(args.seed + 2)
+    print(f"{k} route agents ({out['mode']}) up and applied in {out['start_to_applied_s']} s", flush=True)
+    rnd = random.Random(args.seed + 2 + whole)
     took, cpu0 = [], sum(proc_usage(p.pid)[0] for p in procs)
     for _ in range(args.route_changes):
         sid, index, to = model.pick_change(w, rnd)
@@ -458,17 +515,34 @@ def route_agents(args, w: model.Workload, switches: list[OvsInstance], agents: l
         took.append(time.monotonic() - t1)
     usage = [proc_usage(p.pid) for p in procs]
     out["change_applied_on_all_ms"] = summary(took)
-    out["agent_cpu_s_per_change"] = round((sum(c for c, _ in usage) - cpu0) / max(1, args.route_changes) / k, 3)
+    out["agent_cpu_s_per_change"] = round((sum(c for c, _ in usage) - cpu0) / max(1, args.route_changes) / k, 4)
     out["agent_rss_mib"] = round(max(r for _, r in usage) / 1024, 1)
-    out["flows"] = {}
+    out["flows"], out["differ_from_a_whole_compile"] = {}, {}
+    # The nodes without an agent here report every move applied (their agents would): the agents release the
+    # moves they held for them, and a whole compile without memory is then what each switch must hold.
+    head = reg.state_revision()
+    ok, _ = reg.txn([], {schema.applied_key(j): schema.Applied(dpid=j, revision=head, flows=0).to_json()
+                         for j in range(k + 1, w.nodes + 1)})
+    if not ok:
+        raise RuntimeError("etcd refused the other nodes' applied reports")
+    sid = next(iter(w.owned))   # a range written again unchanged: a round on every agent after those reports
+    rev = reg.put(schema.range_key(f"s{sid}", w.owned[sid][0].lo), range_record(w, sid, w.owned[sid][0]).to_json())
+    reg.wait_applied(rev, timeout=args.route_timeout, dpids=dpids)
+    _, raw = reg.get_prefix(schema.ROOT)
+    items = {key: value for key, (value, _mod) in raw.items()}
     for i in range(k):
+        me = model.node_name(i + 1)
         chan = SockDatapath(os.path.join(switches[i].rundir, f"{BRIDGE}{i + 1}.mgmt"), i + 1)
-        out["flows"][model.node_name(i + 1)] = len(chan.conn.dump()[0])
+        flows, groups = chan.conn.dump()
         chan.close()
-    print(f"route agents: {out}", flush=True)
+        out["flows"][me] = len(flows)
+        want = compile_node(items, me, 0, tunnel_ports=model.tunnel_ports(w.nodes, me)).config
+        plan = diff(want, flows, groups)   # what a whole compile would still change on the switch
+        out["differ_from_a_whole_compile"][me] = plan.summary() if plan else ""
+    print(f"route agents ({out['mode']}): {out}", flush=True)
     for p in procs:
         sup.stop(p)
-    return out
+    return out, w
 
 
 def capacity(args, w: model.Workload) -> dict:
@@ -528,6 +602,9 @@ def main() -> int:
     ap.add_argument("--solo", type=int, default=20, help="range moves timed on one switch alone, for the model")
     ap.add_argument("--compile-nodes", type=int, default=2, help="nodes compiled whole by nodecompile (cold, warm)")
     ap.add_argument("--route-agents", type=int, default=4, help="switches given a route agent process (0: none)")
+    ap.add_argument("--route-compare", action="store_true",
+                    help="time route agents that compile their whole switch per change first, then the "
+                         "incremental ones (ratios in the results)")
     ap.add_argument("--route-changes", type=int, default=10, help="range moves timed with the route agents")
     ap.add_argument("--route-datapath-wait", action="store_true",
                     help="let the route agents report after a revalidation pass (a sandbox's dummy datapath runs one "
@@ -540,7 +617,7 @@ def main() -> int:
     if args.smoke:
         args.switches, args.nodes, args.services, args.changes = 3, 8, 20, 6
         args.restarts, args.sample, args.idle, args.solo, args.compile_nodes = 1, 4, 0.5, 3, 1
-        args.route_agents, args.route_changes = 1, 3
+        args.route_agents, args.route_changes, args.route_compare = 1, 3, True
     if not 1 <= args.switches <= args.nodes:
         ap.error(f"--switches {args.switches}: give 1..{args.nodes} (the fabric's nodes, --nodes)")
     if not 0 <= args.route_agents <= args.switches:
@@ -558,7 +635,11 @@ def main() -> int:
     flows, w, expect = flows_per_switch(args)
     results = {"flows_per_switch": flows, "nodecompile": whole_node(args, w), "real": real(args, w, expect)}
     write("scale", params, results, args.out)
-    return 1 if results["real"]["change"]["mismatches"] else 0
+    compiled_apart = sum(n["per_change"]["mismatches"] for n in results["nodecompile"].values())
+    compiled_apart += sum(bool(d) for mode in ("whole", "incremental")
+                          for d in results["real"].get("route_agents", {}).get(mode, {})
+                          .get("differ_from_a_whole_compile", {}).values())
+    return 1 if results["real"]["change"]["mismatches"] or compiled_apart else 0
 
 
 if __name__ == "__main__":

@@ -87,6 +87,8 @@ class VfabController(app_manager.OSKenApp):
         # A route agent (config.node): its switch's routing memory (fabric/nodecompile.py), kept once committed,
         # and the nodes whose applied reports its held ranges wait for.
         self.node_memory = Memory()
+        # ... and the keys that changed since the compile that made it (None: compile the whole switch next).
+        self.node_changed: set[str] | None = None
         self.node_waiting: dict[str, int] = {}
         self.node_waiting_keys: frozenset[str] = frozenset()   # their applied/ key names (dpid as 16 hex digits)
         self.lead = 0          # a route agent writes only while it leads its node's election (controller/election.py)
@@ -107,6 +109,7 @@ class VfabController(app_manager.OSKenApp):
                     self._departed(key, self.items[key])
                 self.items = fresh
                 self.revision = self.state_revision = rev
+                self.node_changed = None
                 self.changed_at = self.changed_at or time.monotonic()
             log.info("etcd %s: loaded %d keys at revision %d", self.registry.endpoint, len(items), rev)
             self.dirty.set()
@@ -129,6 +132,8 @@ class VfabController(app_manager.OSKenApp):
                     if not (parsed and parsed[0] in schema.PASSIVE) or self._node_relevant(parsed):
                         changed = True
                         self.state_revision = max(self.state_revision, ev.revision)
+                        if self.node_changed is not None:   # a route agent compiles only what changed
+                            self.node_changed.add(ev.key)
                 if changed and self.changed_at is None:
                     self.changed_at = time.monotonic()
             if changed:
@@ -204,6 +209,7 @@ class VfabController(app_manager.OSKenApp):
                 self._reconcile()
             except Exception:  # a bug must not stop reconciling for good: log it, retry at the next change
                 log.exception("reconcile round failed; the switches keep what they hold")
+                self._compile_whole()
 
     def _reconcile(self) -> None:
         """One round: plan with the engine, commit step by step, then report."""
@@ -214,6 +220,8 @@ class VfabController(app_manager.OSKenApp):
             items, revision = dict(self.items), self.revision
             lingering, linger_end = self._lingering(now)
             since, self.changed_at = self.changed_at, None
+            if self.config.node:   # what changed since the last adopted compile; recorded afresh from here
+                node_changed, self.node_changed = self.node_changed, set()
         with self.hold_lock:
             hold = {d: set(g) for d, g in self.hold.items() if g}
             for gids in self.retired.values():
@@ -225,7 +233,7 @@ class VfabController(app_manager.OSKenApp):
             rnd, compiled = nodeplan.plan_node_round(
                 items, revision, snapshot, self.config.node, self.node_memory, switch_ports=self._switch_ports(),
                 reported=dict(self.reporter.reported), hold=hold, retired=retired, now=now, lingering=lingering,
-                cache=self.parsed)
+                cache=self.parsed, changed=None if self.config.node_whole else node_changed)
         else:
             rnd = engine.plan_round(items, revision, snapshot, settle=self.config.settle,
                                     reported=dict(self.reporter.reported), cache=self.parsed, hold=hold, now=now,
@@ -234,6 +242,7 @@ class VfabController(app_manager.OSKenApp):
         if rnd.error:
             log.error("compile failed at revision %d (%s); keeping the switches as they are",
                       rnd.revision, rnd.error)
+            self._compile_whole()
             return
         if rnd.steps:
             log.info("revision %d: planned %d commit(s) in %.1f ms", rnd.revision, len(rnd.commits),
@@ -266,7 +275,7 @@ class VfabController(app_manager.OSKenApp):
                     log.info("node %s: %s", self.config.node, "holding moved ranges until " + ", ".join(
                         f"{n} reports revision {r} applied" for n, r in sorted(compiled.waiting.items()))
                         if compiled.waiting else "no moved range held any more")
-                nodes = nodecompile.nodes_of(items)
+                nodes = compiled.memory.base.nodes if compiled.memory.base else nodecompile.nodes_of(items)
                 self.node_waiting_keys = frozenset(f"{nodes[n].dpid:016x}" for n in compiled.waiting if n in nodes)
                 self.node_waiting = compiled.waiting
                 if compiled.waiting:   # a report that came in while this round ran found nothing waiting for it
@@ -275,6 +284,8 @@ class VfabController(app_manager.OSKenApp):
                     done = nodecompile.applied_of(now_items, nodes)
                     if any(done.get(n, -1) >= r for n, r in compiled.waiting.items()):
                         self.dirty.set()
+            else:   # the switch may not hold what this compile made
+                self._compile_whole()
         # Reported once every switch has its bundle and (_report_loop) the datapath follows: the reports
         # never delay a cut-over or the next round.
         committed = time.time()
@@ -285,6 +296,12 @@ class VfabController(app_manager.OSKenApp):
             with self.report_cv:
                 self.to_report.extend(reports)
                 self.report_cv.notify()
+
+    def _compile_whole(self) -> None:
+        """A route agent's next round compiles the whole switch (its memory is not what this round compiled)."""
+        if self.config.node:
+            with self.mirror_lock:
+                self.node_changed = None
 
     def _datapath_pass(self) -> bool:
         """Wait for a whole revalidation pass of the local daemon; False if it cannot be had."""

@@ -39,6 +39,8 @@ class ControllerConfig:
                                        # asked (else: until a revalidation pass followed; engine.place_groups)
     node: str = ""                     # route agent of this fabric node (its own switch only, fabric/nodecompile.py);
                                        # "" = the single-host controller of every switch in switches/
+    node_whole: bool = False           # a route agent compiles its whole switch on every change (as before the
+                                       # incremental compile; for comparison: bench/scale.py --route-compare)
     election_ttl: int = 1              # s: a route agent's election lease (controller/election.py): a dead agent's
                                        # standby takes over within it
     linger: float = 2.0                # seconds a range's frames still reach its owner after etcd deleted the

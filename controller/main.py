@@ -46,6 +46,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ControllerConfig, bool]
                     help=f"seconds to wait for a bundle commit or a table dump (default {d.bundle_timeout})")
     ap.add_argument("--node", help="run as the route agent of this fabric node: program only its own switch, "
                                    "compiled with two-level routing ('vfab node join' registered it)")
+    ap.add_argument("--node-whole-compile", dest="node_whole", action="store_true", default=None,
+                    help="a route agent compiles its whole switch on every change, not only the services the "
+                         "change touched (the agent before the incremental compile: to compare)")
     ap.add_argument("--election-ttl", type=int,
                     help=f"a route agent's election lease in s: a standby takes over within it (default {d.election_ttl})")
     ap.add_argument("--metrics-port", type=int,
@@ -67,7 +70,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ControllerConfig, bool]
                          settle_ms=args.settle_ms, audit_polls=args.audit_polls,
                          datapath_wait=args.datapath_wait, datapath_timeout=args.datapath_timeout,
                          ovs_rundir=args.ovs_rundir, linger=args.linger,
-                         bundle_timeout=args.bundle_timeout, node=args.node, election_ttl=args.election_ttl,
+                         bundle_timeout=args.bundle_timeout, node=args.node, node_whole=args.node_whole,
+                         election_ttl=args.election_ttl,
                          verbose=args.verbose, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     except ConfigError as exc:
         ap.error(str(exc))

@@ -13,13 +13,15 @@ from __future__ import annotations
 from vfab.controller.engine import Commit, Installed, Report, Round, place_groups
 from vfab.controller.reconcile import diff
 from vfab.fabric import tunnels
-from vfab.fabric.nodecompile import Memory, NodeCompile, compile_node, nodes_of
+from vfab.fabric.nodecompile import Memory, NodeCompile, compile_node, known_nodes
+from vfab.vid.registry.schema import Node
 
 
-def tunnel_ports(items: dict[str, bytes], me: str, switch_ports: dict[str, int]) -> dict[str, int]:
-    """node name -> the OpenFlow port of this switch's tunnel to it (``switch_ports``: port name -> number)."""
+def tunnel_ports(nodes: dict[str, Node], me: str, switch_ports: dict[str, int]) -> dict[str, int]:
+    """node name -> the OpenFlow port of this switch's tunnel to it (``nodes``: the node records by name,
+    ``switch_ports``: port name -> number)."""
     out = {}
-    for node in nodes_of(items).values():
+    for node in nodes.values():
         port = switch_ports.get(tunnels.port_name(node.tunnel_ip))
         if node.name != me and port is not None:
             out[node.name] = port
@@ -30,11 +32,13 @@ def plan_node_round(items: dict[str, bytes], revision: int, installed: dict[int,
                     memory: Memory, *, switch_ports: dict[str, int], reported: dict[int, int] | None = None,
                     hold: dict[int, set[int]] | None = None, retired: dict[int, set[int]] | None = None,
                     now: float | None = None, lingering: dict[str, bytes] | None = None,
-                    cache: dict | None = None) -> tuple[Round, NodeCompile]:
+                    cache: dict | None = None, changed: set[str] | None = None) -> tuple[Round, NodeCompile]:
     """One round for node ``node``'s switch.  The compile's ``memory`` is the caller's to keep once the
-    commit succeeded (or nothing needed committing); arguments as ``engine.plan_round``'s."""
-    nc = compile_node(items, node, revision, memory, tunnel_ports=tunnel_ports(items, node, switch_ports),
-                      now=now, lingering=lingering, cache=cache)
+    commit succeeded (or nothing needed committing); ``changed``: the keys that changed since the compile
+    that made ``memory`` (None: unknown, the whole switch is compiled); the rest as ``engine.plan_round``'s."""
+    nodes = known_nodes(items, memory, changed)
+    nc = compile_node(items, node, revision, memory, tunnel_ports=tunnel_ports(nodes, node, switch_ports),
+                      now=now, lingering=lingering, cache=cache, changed=changed)
     rnd = Round(revision, problems=nc.problems, next_change=nc.next_change)
     if nc.config is None:
         rnd.error = nc.error

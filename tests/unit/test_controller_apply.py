@@ -156,3 +156,69 @@ def test_an_endpoint_gone_across_an_etcd_reload_lingers_too():
     assert list(app.departed) == [gone] and app.departed[gone][0] == b"{mc0}"
     lingering, _ = app._lingering(app_mod.time.time())
     assert lingering == {gone: b"{mc0}"}
+
+
+def test_a_route_agent_compiles_what_changed_and_the_whole_switch_after_a_failed_round(monkeypatch):
+    """Node mode: the first round compiles the whole switch; a round after an adopted one gets the keys
+    that changed (``node_changed``, which the watch fills) and commits what a whole compile makes; a failed
+    bundle makes the next round compile the whole switch again (its memory is not what the switch holds)."""
+    from bench import scale_model as model
+    from bench.scale import range_record, records
+    from vfab.controller import nodeplan
+    from vfab.fabric.nodecompile import Memory, compile_node
+    from vfab.vid.registry import schema
+
+    monkeypatch.setattr(app_mod.hub, "spawn", lambda fn, *a: None)
+    w = model.Workload(4, 8, 3, per_service=2)
+    items = {k: v.encode() for k, v in records(w).items()}
+    events: list = []
+    app = make_app({1: FakeConn(1, events)}, events)
+    app.mirror_lock, app.hold_lock, app.report_cv = threading.Lock(), threading.Lock(), threading.Condition()
+    app.items, app.revision, app.hold, app.parsed, app.problems, app.to_report = items, 1, {}, {}, set(), []
+    app.departed, app.retired, app.changed_at, app.dirty = {}, {}, None, threading.Event()
+    app.config = SimpleNamespace(settle=0.005, node="n1", node_whole=False, linger=0.0)
+    app.reporter = SimpleNamespace(reported={})
+    app._hold_groups = lambda held, failed: None
+    app._switch_ports = lambda: {}
+    app.node_memory, app.node_changed, app.node_waiting, app.node_waiting_keys = Memory(), None, {}, frozenset()
+    app.lead = 1
+    calls = []
+    real = nodeplan.compile_node
+    monkeypatch.setattr(nodeplan, "compile_node", lambda *a, **k: calls.append(k["changed"]) or real(*a, **k))
+
+    def move(revision: int) -> str:   # a range move as the watch brings it: the mirror and the changed keys
+        sid, index, to = model.pick_change(w, rnd)
+        w.owned.update(model.move(w, sid, index, to).owned)
+        r = w.owned[sid][index]
+        key = schema.range_key(f"s{sid}", r.lo)
+        with app.mirror_lock:
+            app.items[key] = range_record(w, sid, r).to_json().encode()
+            app.revision = revision
+            if app.node_changed is not None:
+                app.node_changed.add(key)
+        return key
+
+    def whole(revision: int, memory) -> dict:
+        return compile_node(dict(app.items), "n1", revision, memory, tunnel_ports={}).config.flows
+
+    import random
+    rnd = random.Random(3)
+    app._reconcile()
+    assert calls == [None] and app.installed[1][0] == whole(1, None) and app.node_changed == set()
+    key, memory = move(2), app.node_memory
+    app._reconcile()
+    assert calls[-1] == {key} and app.installed[1][0] == whole(2, memory)
+    app.conns[1].fail_send = True
+    revision = 3
+    while 1 in app.installed:   # until a move changes n1's flows: its bundle fails
+        assert revision < 30 and calls[-1] is not None
+        move(revision)
+        app._reconcile()
+        revision += 1
+    assert app.node_changed is None
+    app.installed[1] = ({}, {})   # read again (an empty table)
+    app.conns[1].fail_send = False
+    move(revision)
+    memory = app.node_memory
+    app._reconcile()
+    assert calls[-1] is None and app.installed[1][0] == whole(revision, memory)
