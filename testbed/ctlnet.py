@@ -27,6 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from vfab.vid.errors import TransportError
 from vfab.vid.netns import netns
 
 log = logging.getLogger("vfab.testbed.ctlnet")
@@ -152,8 +153,13 @@ class ControlNet:
             inner, _ = lsock.accept()
         except OSError:
             return
-        with netns(fwd.target_ns):
-            outer = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            with netns(fwd.target_ns):
+                outer = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        except TransportError as exc:   # its namespace is gone (a host torn down or killed): refuse, as it would
+            log.debug("ctlnet: %s:%d unreachable: %s", *fwd.target, exc)
+            inner.close()
+            return
         for s in (inner, outer):
             s.setblocking(False)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

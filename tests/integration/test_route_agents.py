@@ -77,7 +77,8 @@ class Stream:
 
     def __init__(self, tb: HostsTestbed):
         self.tb = tb
-        self.stop = threading.Event()
+        self.stop = threading.Event()       # the receivers
+        self.stop_tx = threading.Event()    # the sender (first: the frames in flight still land)
         self.sent = 0
         self.got: dict[str, list[int]] = {"host2": [], "host3": []}
         self.threads = [threading.Thread(target=self._rx, args=(h,), daemon=True) for h in self.got]
@@ -113,7 +114,7 @@ class Stream:
         with self._sock("host1", 0) as s:
             self.ready.wait()
             nxt = time.monotonic()
-            while not self.stop.is_set():
+            while not self.stop_tx.is_set():
                 s.send(frame.pack(vid(), src, frame.FrameType.REQUEST, b"xhost", seq=self.sent))
                 self.sent += 1
                 nxt += 1.0 / RATE
@@ -125,6 +126,7 @@ class Stream:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.stop_tx.set()
         self.stop.set()
         for t in self.threads:
             t.join(5)
@@ -135,7 +137,7 @@ class Stream:
 
     def finish(self) -> tuple[int, list[int], list[int]]:
         """Stop sending, let the last frames land; (sent, lost seqs, seqs delivered twice)."""
-        self.stop.set()
+        self.stop_tx.set()       # only the sender: the receivers run on until the frames in flight landed
         self.threads[-1].join(5)
         time.sleep(0.5)   # frames in flight (the receive loops still run)
         self.__exit__()

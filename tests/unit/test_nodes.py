@@ -185,3 +185,35 @@ def test_cli_node_unit_writes_a_systemd_unit(tmp_path):
     assert "Restart=on-failure" in text and "[Install]" in text
     r = CliRunner().invoke(cli, ["node", "unit", "--etcd", "10.0.0.1:2379", "--tunnel-ip", "10.0.1.256"])
     assert r.exit_code == 2 and "is not an IPv4 address" in r.output
+
+
+def test_a_relay_whose_target_namespace_is_gone_refuses_and_keeps_serving(ns):
+    """A host torn down (or killed) while its relay still listens: a connection to it is closed, and the
+    relay's thread lives on for the others (it died on the namespace's absence, in a testbed's teardown)."""
+    from vfab.testbed.ctlnet import ControlNet
+    from vfab.vid.netns import netns
+
+    net = ControlNet()
+    path = f"/var/run/netns/{ns.name}"
+    try:
+        gone_port = free_port()
+        net.forward(None, gone_port, ("127.0.0.1", 9), target_ns="/var/run/netns/vfnx-never-made", tags=("gone",))
+        with socket.create_connection(("127.0.0.1", gone_port), timeout=5) as c:
+            c.settimeout(5)
+            assert c.recv(10) == b""
+        assert net.thread.is_alive()
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        port = srv.getsockname()[1]
+        net.forward(path, port, ("127.0.0.1", port), tags=("h",))
+        with netns(path):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        with s, srv:
+            peer, _ = srv.accept()
+            with peer:
+                s.sendall(b"ok")
+                peer.settimeout(5)
+                assert peer.recv(2) == b"ok"
+    finally:
+        net.close()
