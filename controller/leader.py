@@ -115,9 +115,31 @@ class Election:
         else:
             return False
         if not ok:
-            return False
+            return self._adopt(lease)
         self.revision, self.since, self.lease = rev, rec.since, lease
         log.warning("%s: %s is now the active one (revision %d)", self.key, self.who, rev)
+        return True
+
+    def _adopt(self, lease: int) -> bool:
+        """The key exists: if it is ours under our live lease (a campaign whose answer was lost, yet applied),
+        hold it; else another process does.  Without this, an ambiguous win left our own key, kept alive by our
+        lease, in everyone's way: no runner active until this process died."""
+        got = self.reg.get(self.key)
+        if got is None:
+            return False
+        try:
+            rec = schema.Leader.from_json(got[0], self.key)
+        except RegistryError:
+            return False
+        if rec.who != self.who or rec.lease != lease:
+            return False
+        rev = got[1]                      # never rewritten while held: its mod revision is its create revision
+        ok, _ = self.reg.txn([Registry.cmp_created(self.key, rev)], {})
+        if not ok:
+            return False
+        self.revision, self.since, self.lease = rev, rec.since, lease
+        log.warning("%s: %s holds it already (a campaign whose answer was lost had won, revision %d): active",
+                    self.key, self.who, rev)
         return True
 
     def fence(self) -> dict:

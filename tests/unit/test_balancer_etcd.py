@@ -481,3 +481,26 @@ def test_runner_processes_one_active_kill9_takeover_and_a_resumed_old_one_is_ref
     finally:
         stop.set()
         runners.stop()
+
+
+def test_a_campaign_whose_answer_was_lost_but_won_holds_the_key(registry):
+    """The campaign's transaction applied but its answer was lost (a member died with it): the key is ours, under
+    our live lease.  The next campaign must take it up, not fail on its own key forever (which left no active
+    runner at all: our lease kept the key alive while we stood by)."""
+    from vfab.controller.leader import Election, LeaseKeeper
+
+    keeper = LeaseKeeper(registry, 2)
+    try:
+        el = Election(registry, "balancer", "svc", keeper, who="r1@test")
+        lease = keeper.get()
+        key = sch.leader_key("balancer", "svc")
+        ok, rev = registry.txn([registry.cmp_mod(key, 0)],
+                               {key: sch.Leader(who="r1@test", since=time.time(), lease=lease).to_json()},
+                               lease=lease)                      # what the lost transaction did
+        assert ok and not el.active
+        assert el.campaign() and el.active and el.revision == rev
+        assert registry.txn([el.fence()], {})[0]                  # its fence holds
+        other = Election(registry, "balancer", "svc", keeper, who="r2@test")
+        assert not other.campaign() and not other.active          # someone else's key is not taken up
+    finally:
+        keeper.close()
